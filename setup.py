@@ -1,0 +1,30 @@
+"""Build glue: maps the user-facing folders onto the `hybridspec.*` namespace and compiles the suffix tree.
+
+The repository root shows the architecture (suffix/, verifier/, ...); their import names live under `hybridspec.` so
+that nothing clashes with PyPI packages such as `speculators`. Metadata is in pyproject.toml.
+"""
+from setuptools import Extension, find_packages, setup
+
+FOLDERS = ["suffix", "speculators", "router", "verifier", "agent_traces"]
+
+package_dir = {"hybridspec": "hybridspec"}
+packages = ["hybridspec"] + [f"hybridspec.{p}" for p in find_packages("hybridspec")]
+for folder in FOLDERS:
+    package_dir[f"hybridspec.{folder}"] = folder
+    packages.append(f"hybridspec.{folder}")
+    for sub in find_packages(folder):
+        package_dir[f"hybridspec.{folder}.{sub}"] = f"{folder}/{sub.replace('.', '/')}"
+        packages.append(f"hybridspec.{folder}.{sub}")
+
+ext = Extension(
+    "hybridspec.suffix._tree",
+    sources=["suffix/_tree.pyx"],
+    extra_compile_args=["-O3"],
+)
+
+setup(
+    package_dir=package_dir,
+    packages=packages,
+    package_data={"hybridspec.speculators": ["checkpoints/*/*", "recipes/*.yaml"]},
+    ext_modules=[ext],
+)

@@ -1,0 +1,1 @@
+"""hybridspec.suffix: model-free proposers (suffix tree, n-gram). No torch here."""
