@@ -1,19 +1,21 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False, nonecheck=False
 """Compiled core of the suffix proposer: a depth-truncated, path-compressed suffix tree over int32 token sequences.
 
-Layout: nodes are parallel C arrays (struct of arrays, 34 bytes a node); children are found through one open-addressing
+Layout: a node is one 32-byte struct (a visit touches one cache line); children are found through one open-addressing
 hash table keyed by (parent, first token) that stores only node indices, and enumerated through a doubly linked
-sibling list. Every suffix of every sequence, truncated at `max_depth`, ends exactly at a node (as in ArcticInference),
-so node.count is the exact number of occurrences of the node's string.
+sibling list. All tokens of a tree live back to back in one arena, oldest sequence first. Every suffix of every
+sequence, truncated at `max_depth`, ends exactly at a node (as in ArcticInference), so a node's count is the exact
+number of occurrences of its string.
 
-Each node refers to the *most recent* occurrence of its string (sequence slot, end position). Sequences enter the
-global tree in order and leave it oldest first, so a node whose ref points into the sequence being evicted has no other
-occurrence and disappears with it: refs never need repair. The ref is also where a draft continues once it passes
-max_depth: the tree stops knowing, the most recent occurrence still has a continuation to copy.
+The arena is a ring addressed by wrapping 32-bit positions (physical index = position & mask): eviction frees its front
+without moving anything, so no call ever pays for a compaction. A node refers to the *most recent* occurrence of its
+string: the position where that occurrence ends. Position order (compared as signed differences) is recency order. Sequences leave the tree oldest first, so a node whose ref points into the sequence being
+evicted has no other occurrence and disappears with it: refs never need repair. The ref is also where a draft goes on
+once it passes max_depth: the tree knows no more, but the most recent occurrence still has a continuation to copy.
 """
-from cpython.mem cimport PyMem_Malloc, PyMem_Realloc, PyMem_Free
-from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t
-from libc.string cimport memcpy, memcmp
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy, memmove
 
 import numpy as np
 
@@ -24,41 +26,42 @@ DEF NONE = -1
 DEF FREED = -2
 DEF KIDS = 64              # children considered per node in tree mode (the top ones by count, then recency)
 
+cdef struct Node:
+    int32_t count          # occurrences of the node's string
+    int32_t parent
+    int32_t token          # first token of the edge into this node
+    uint32_t rend          # arena position just after the most recent occurrence of the node's string
+    int32_t child          # first child; siblings form a doubly linked list
+    int32_t sib
+    int32_t psib
+    uint16_t depth         # string depth at the node's end
+    uint16_t _pad
+
 cdef struct Seq:
-    int32_t* tok
+    uint32_t base          # arena position of the first token
     int32_t length
-    int32_t cap
-    int32_t start          # suffixes starting before `start` were evicted
-    int64_t uid            # insertion order: recency between sequences
-    int32_t* act_node      # active suffix ends, ring indexed by start % max_depth (NULL once closed)
-    int32_t* act_pseq      # most recent earlier occurrence of each active suffix's string (slot, end), or -1
-    int32_t* act_pend
-    bint live
+    int32_t start          # suffixes starting before base + start are evicted
 
 cdef struct Tree:
     int32_t max_depth
+    Node* nodes
     int32_t n_nodes, cap_nodes, free_head, n_live
-    int32_t* count
-    int32_t* parent
-    int32_t* token
-    uint16_t* depth
-    int32_t* rseq
-    int32_t* rend
-    int32_t* child
-    int32_t* sib
-    int32_t* psib
-    int32_t* slots         # hash: node index or -1
+    int32_t* slots         # hash: node index or NONE
     uint32_t hmask
     int32_t hcount
-    Seq* seqs
-    int32_t n_seqs, cap_seqs
-    int64_t next_uid
-    int64_t version        # bumped by every structural change; match states compare it
+    int32_t* tok           # token ring: position p lives at tok[p & tok_mask]
+    uint32_t tok_begin, tok_end, tok_mask   # live positions are [tok_begin, tok_end)
+    Seq* seqs              # FIFO of live sequences: seqs[head:n_seqs]
+    int32_t head, n_seqs, cap_seqs
+    bint open              # the last sequence still grows
+    int32_t* act_node      # its active suffix ends, a ring indexed by (start - base) % max_depth
+    uint32_t* act_prev     # end of the most recent earlier occurrence of each active suffix
+    int64_t version        # bumped by every change; match states compare it
     int64_t n_suffixes     # live suffix starts (indexed tokens)
     int32_t* stack
     int32_t stack_cap
 
-# ---------------------------------------------------------------- memory helpers
+# ---------------------------------------------------------------- memory
 
 cdef int _grow(void** p, size_t new_bytes) except -1 nogil:
     cdef void* q
@@ -73,123 +76,101 @@ cdef int64_t _version_base = 0
 
 cdef int tree_init(Tree* T, int32_t max_depth) except -1:
     global _version_base
-    cdef int32_t cap = 64
     T.max_depth = max_depth
-    T.n_nodes = 0
-    T.cap_nodes = 0
-    T.free_head = NONE
-    T.n_live = 0
-    T.count = NULL; T.parent = NULL; T.token = NULL; T.depth = NULL; T.rseq = NULL; T.rend = NULL
-    T.child = NULL; T.sib = NULL; T.psib = NULL; T.slots = NULL; T.seqs = NULL; T.stack = NULL
-    T.n_seqs = 0; T.cap_seqs = 0; T.next_uid = 0; T.n_suffixes = 0; T.stack_cap = 0
+    T.nodes = NULL; T.n_nodes = 0; T.cap_nodes = 0; T.free_head = NONE; T.n_live = 0
+    T.slots = NULL; T.hcount = 0
+    T.tok = NULL; T.tok_begin = 0; T.tok_end = 0; T.tok_mask = 0
+    T.seqs = NULL; T.head = 0; T.n_seqs = 0; T.cap_seqs = 0
+    T.open = False
+    T.act_node = NULL; T.act_prev = NULL
+    T.n_suffixes = 0
+    T.stack = NULL; T.stack_cap = 0
     # versions are unique across trees, so a match state can never mistake a replaced tree for its own
     _version_base += 1 << 40
     T.version = _version_base
-    T.hcount = 0
-    T.slots = <int32_t*> PyMem_Malloc(cap * sizeof(int32_t))
-    if T.slots == NULL:
+    T.slots = <int32_t*> PyMem_Malloc(64 * sizeof(int32_t))
+    T.act_node = <int32_t*> PyMem_Malloc(max_depth * sizeof(int32_t))
+    T.act_prev = <uint32_t*> PyMem_Malloc(max_depth * sizeof(uint32_t))
+    T.tok = <int32_t*> PyMem_Malloc(64 * sizeof(int32_t))
+    T.tok_mask = 63
+    if T.slots == NULL or T.act_node == NULL or T.act_prev == NULL or T.tok == NULL:
         raise MemoryError()
-    for i in range(cap):
+    for i in range(64):
         T.slots[i] = NONE
-    T.hmask = cap - 1
+    T.hmask = 63
     node_alloc(T)            # the root: index 0
-    T.depth[ROOT] = 0
-    T.parent[ROOT] = NONE
-    T.token[ROOT] = NONE
+    T.nodes[ROOT].parent = NONE
+    T.nodes[ROOT].token = NONE
+    T.nodes[ROOT].depth = 0
     return 0
 
 cdef void tree_free(Tree* T) noexcept:
-    cdef int32_t i
-    for i in range(T.n_seqs):
-        if T.seqs[i].live:
-            seq_release(&T.seqs[i])
-    PyMem_Free(T.count); PyMem_Free(T.parent); PyMem_Free(T.token); PyMem_Free(T.depth); PyMem_Free(T.rseq)
-    PyMem_Free(T.rend); PyMem_Free(T.child); PyMem_Free(T.sib); PyMem_Free(T.psib); PyMem_Free(T.slots)
-    PyMem_Free(T.seqs); PyMem_Free(T.stack)
-    T.count = NULL; T.slots = NULL; T.seqs = NULL; T.stack = NULL; T.n_seqs = 0
-
-cdef void seq_release(Seq* S) noexcept:
-    PyMem_Free(S.tok); PyMem_Free(S.act_node); PyMem_Free(S.act_pseq); PyMem_Free(S.act_pend)
-    S.tok = NULL; S.act_node = NULL; S.act_pseq = NULL; S.act_pend = NULL
-    S.length = 0; S.cap = 0; S.start = 0; S.live = False
+    PyMem_Free(T.nodes); PyMem_Free(T.slots); PyMem_Free(T.tok); PyMem_Free(T.seqs)
+    PyMem_Free(T.act_node); PyMem_Free(T.act_prev); PyMem_Free(T.stack)
+    T.nodes = NULL; T.slots = NULL; T.tok = NULL; T.seqs = NULL; T.act_node = NULL; T.act_prev = NULL; T.stack = NULL
 
 cdef size_t tree_bytes(Tree* T) noexcept nogil:
-    cdef size_t b = <size_t> T.cap_nodes * (8 * sizeof(int32_t) + sizeof(uint16_t))
-    b += (<size_t> T.hmask + 1) * sizeof(int32_t) + <size_t> T.cap_seqs * sizeof(Seq)
-    cdef int32_t i
-    for i in range(T.n_seqs):
-        if not T.seqs[i].live:
-            continue
-        b += <size_t> T.seqs[i].cap * sizeof(int32_t)
-        if T.seqs[i].act_node != NULL:
-            b += 3 * <size_t> T.max_depth * sizeof(int32_t)
-    return b
+    return (<size_t> T.cap_nodes * sizeof(Node) + (<size_t> T.hmask + 1) * sizeof(int32_t)
+            + (<size_t> T.tok_mask + 1) * sizeof(int32_t) + <size_t> T.cap_seqs * sizeof(Seq)
+            + 2 * <size_t> T.max_depth * sizeof(int32_t))
 
-# ---------------------------------------------------------------- nodes
+# ---------------------------------------------------------------- nodes and sibling lists
 
 cdef int32_t node_alloc(Tree* T) except -1 nogil:
     cdef int32_t n, cap
     if T.free_head != NONE:
         n = T.free_head
-        T.free_head = T.sib[n]
+        T.free_head = T.nodes[n].sib
     else:
         if T.n_nodes == T.cap_nodes:
-            cap = T.cap_nodes * 3 // 2 + 64
-            _grow(<void**> &T.count, cap * sizeof(int32_t))
-            _grow(<void**> &T.parent, cap * sizeof(int32_t))
-            _grow(<void**> &T.token, cap * sizeof(int32_t))
-            _grow(<void**> &T.depth, cap * sizeof(uint16_t))
-            _grow(<void**> &T.rseq, cap * sizeof(int32_t))
-            _grow(<void**> &T.rend, cap * sizeof(int32_t))
-            _grow(<void**> &T.child, cap * sizeof(int32_t))
-            _grow(<void**> &T.sib, cap * sizeof(int32_t))
-            _grow(<void**> &T.psib, cap * sizeof(int32_t))
+            cap = T.cap_nodes + T.cap_nodes // 4 + 64
+            _grow(<void**> &T.nodes, cap * sizeof(Node))
             T.cap_nodes = cap
         n = T.n_nodes
         T.n_nodes += 1
-    T.count[n] = 0
-    T.child[n] = NONE
-    T.sib[n] = NONE
-    T.psib[n] = NONE
-    T.rseq[n] = NONE
-    T.rend[n] = 0
+    cdef Node* x = &T.nodes[n]
+    x.count = 0
+    x.child = NONE
+    x.sib = NONE
+    x.psib = NONE
+    x.rend = 0
     T.n_live += 1
     return n
 
 cdef inline void node_free(Tree* T, int32_t n) noexcept nogil:
-    T.parent[n] = FREED
-    T.count[n] = 0
-    T.sib[n] = T.free_head
+    T.nodes[n].parent = FREED
+    T.nodes[n].count = 0
+    T.nodes[n].sib = T.free_head
     T.free_head = n
     T.n_live -= 1
 
-cdef inline void list_link(Tree* T, int32_t v, int32_t c) noexcept nogil:
-    T.psib[c] = NONE
-    T.sib[c] = T.child[v]
-    if T.child[v] != NONE:
-        T.psib[T.child[v]] = c
-    T.child[v] = c
+cdef inline void list_link(Node* N, int32_t v, int32_t c) noexcept nogil:
+    N[c].psib = NONE
+    N[c].sib = N[v].child
+    if N[v].child != NONE:
+        N[N[v].child].psib = c
+    N[v].child = c
 
-cdef inline void list_unlink(Tree* T, int32_t c) noexcept nogil:
-    if T.psib[c] != NONE:
-        T.sib[T.psib[c]] = T.sib[c]
+cdef inline void list_unlink(Node* N, int32_t c) noexcept nogil:
+    if N[c].psib != NONE:
+        N[N[c].psib].sib = N[c].sib
     else:
-        T.child[T.parent[c]] = T.sib[c]
-    if T.sib[c] != NONE:
-        T.psib[T.sib[c]] = T.psib[c]
+        N[N[c].parent].child = N[c].sib
+    if N[c].sib != NONE:
+        N[N[c].sib].psib = N[c].psib
 
-cdef inline void list_replace(Tree* T, int32_t old, int32_t new) noexcept nogil:
-    """`new` takes `old`'s place among its siblings (parents must already agree)."""
-    T.sib[new] = T.sib[old]
-    T.psib[new] = T.psib[old]
-    if T.psib[old] != NONE:
-        T.sib[T.psib[old]] = new
+cdef inline void list_replace(Node* N, int32_t old, int32_t new) noexcept nogil:
+    """`new` takes `old`'s place among its siblings (their parents must already agree)."""
+    N[new].sib = N[old].sib
+    N[new].psib = N[old].psib
+    if N[old].psib != NONE:
+        N[N[old].psib].sib = new
     else:
-        T.child[T.parent[old]] = new
-    if T.sib[old] != NONE:
-        T.psib[T.sib[old]] = new
+        N[N[old].parent].child = new
+    if N[old].sib != NONE:
+        N[N[old].sib].psib = new
 
-# ---------------------------------------------------------------- hash (parent, token) -> child
+# ---------------------------------------------------------------- hash (parent, first token) -> child
 
 cdef inline uint32_t hkey(int32_t p, int32_t t) noexcept nogil:
     cdef uint32_t h = (<uint32_t> p) * 0x9E3779B1u ^ ((<uint32_t> t) * 0x85EBCA77u)
@@ -204,17 +185,19 @@ cdef inline int32_t h_find_slot(Tree* T, int32_t p, int32_t t) noexcept nogil:
     while True:
         n = T.slots[i]
         if n == NONE:
-            return -1
-        if T.parent[n] == p and T.token[n] == t:
+            return NONE
+        if T.nodes[n].parent == p and T.nodes[n].token == t:
             return <int32_t> i
         i = (i + 1) & T.hmask
 
 cdef inline int32_t lookup(Tree* T, int32_t p, int32_t t) noexcept nogil:
+    if T.nodes[p].child == NONE:
+        return NONE
     cdef int32_t s = h_find_slot(T, p, t)
-    return T.slots[s] if s >= 0 else NONE
+    return T.slots[s] if s != NONE else NONE
 
 cdef inline void h_put_raw(Tree* T, int32_t n) noexcept nogil:
-    cdef uint32_t i = hkey(T.parent[n], T.token[n]) & T.hmask
+    cdef uint32_t i = hkey(T.nodes[n].parent, T.nodes[n].token) & T.hmask
     while T.slots[i] != NONE:
         i = (i + 1) & T.hmask
     T.slots[i] = n
@@ -222,7 +205,6 @@ cdef inline void h_put_raw(Tree* T, int32_t n) noexcept nogil:
 cdef int h_insert(Tree* T, int32_t n) except -1 nogil:
     cdef uint32_t cap, i
     cdef int32_t* old
-    cdef int32_t m
     if (<int64_t> T.hcount + 1) * 10 > (<int64_t> T.hmask + 1) * 7:
         cap = (T.hmask + 1) * 2
         old = T.slots
@@ -235,9 +217,8 @@ cdef int h_insert(Tree* T, int32_t n) except -1 nogil:
             T.slots[i] = NONE
         T.hmask = cap - 1
         for i in range(cap // 2):
-            m = old[i]
-            if m != NONE:
-                h_put_raw(T, m)
+            if old[i] != NONE:
+                h_put_raw(T, old[i])
         with gil:
             PyMem_Free(old)
     h_put_raw(T, n)
@@ -253,7 +234,7 @@ cdef void h_delete_slot(Tree* T, int32_t i) noexcept nogil:
         n = T.slots[j]
         if n == NONE:
             break
-        k = hkey(T.parent[n], T.token[n]) & T.hmask
+        k = hkey(T.nodes[n].parent, T.nodes[n].token) & T.hmask
         if (hole <= j and hole < k and k <= j) or (hole > j and (hole < k or k <= j)):
             continue
         T.slots[hole] = n
@@ -263,25 +244,26 @@ cdef void h_delete_slot(Tree* T, int32_t i) noexcept nogil:
 
 cdef inline void h_delete(Tree* T, int32_t p, int32_t t) noexcept nogil:
     cdef int32_t s = h_find_slot(T, p, t)
-    if s >= 0:
+    if s != NONE:
         h_delete_slot(T, s)
+
+cdef inline void h_replace(Tree* T, int32_t old, int32_t new) noexcept nogil:
+    """The hash entry of `old` now points at `new` (which has taken old's parent and first token)."""
+    cdef uint32_t i = hkey(T.nodes[old].parent, T.nodes[old].token) & T.hmask
+    while T.slots[i] != old:
+        i = (i + 1) & T.hmask
+    T.slots[i] = new
 
 cdef inline int32_t edge_token(Tree* T, int32_t n, int32_t d) noexcept nogil:
     """Token at string depth d (0-based) of node n's string, read from its reference occurrence."""
-    return T.seqs[T.rseq[n]].tok[T.rend[n] - T.depth[n] + d]
-
-cdef int rekey_first(Tree* T, int32_t c, int32_t new_parent, int32_t new_parent_depth) except -1 nogil:
-    """c's edge now starts below new_parent: re-key it in the hash."""
-    h_delete(T, T.parent[c], T.token[c])
-    T.parent[c] = new_parent
-    T.token[c] = edge_token(T, c, new_parent_depth)
-    return h_insert(T, c)
+    return T.tok[(T.nodes[n].rend - T.nodes[n].depth + <uint32_t> d) & T.tok_mask]
 
 cdef int free_subtree(Tree* T, int32_t c) except -1 nogil:
-    cdef int32_t top = 0, x, y, cap
-    h_delete(T, T.parent[c], T.token[c])
-    list_unlink(T, c)
-    if T.stack_cap < 16:
+    cdef Node* N = T.nodes
+    cdef int32_t top = 0, x, y
+    h_delete(T, N[c].parent, N[c].token)
+    list_unlink(N, c)
+    if T.stack_cap == 0:
         _grow(<void**> &T.stack, 64 * sizeof(int32_t))
         T.stack_cap = 64
     T.stack[top] = c
@@ -289,156 +271,158 @@ cdef int free_subtree(Tree* T, int32_t c) except -1 nogil:
     while top > 0:
         top -= 1
         x = T.stack[top]
-        y = T.child[x]
+        y = N[x].child
         while y != NONE:
-            h_delete(T, x, T.token[y])
+            h_delete(T, x, N[y].token)
             if top == T.stack_cap:
-                cap = T.stack_cap * 2
-                _grow(<void**> &T.stack, cap * sizeof(int32_t))
-                T.stack_cap = cap
+                _grow(<void**> &T.stack, 2 * T.stack_cap * sizeof(int32_t))
+                T.stack_cap *= 2
             T.stack[top] = y
             top += 1
-            y = T.sib[y]
+            y = N[y].sib
         node_free(T, x)
     return 0
 
-# ---------------------------------------------------------------- sequences and insertion
+# ---------------------------------------------------------------- insertion
 
-cdef int32_t seq_new(Tree* T) except -1:
-    """A new empty sequence in a free slot. Slots are stable for a sequence's life, so refs never move."""
-    cdef int32_t s = 0
-    while s < T.n_seqs and T.seqs[s].live:
-        s += 1
-    if s == T.n_seqs:
-        if T.n_seqs == T.cap_seqs:
+cdef int seq_begin(Tree* T) except -1 nogil:
+    if T.n_seqs == T.cap_seqs:
+        if T.head > 0:
+            memmove(T.seqs, T.seqs + T.head, (T.n_seqs - T.head) * sizeof(Seq))
+            T.n_seqs -= T.head
+            T.head = 0
+        else:
             _grow(<void**> &T.seqs, (T.cap_seqs * 2 + 4) * sizeof(Seq))
             T.cap_seqs = T.cap_seqs * 2 + 4
-        T.n_seqs += 1
-    cdef Seq* S = &T.seqs[s]
-    S.tok = NULL; S.length = 0; S.cap = 0; S.start = 0; S.live = True
-    S.uid = T.next_uid
-    T.next_uid += 1
-    S.act_node = <int32_t*> PyMem_Malloc(T.max_depth * sizeof(int32_t))
-    S.act_pseq = <int32_t*> PyMem_Malloc(T.max_depth * sizeof(int32_t))
-    S.act_pend = <int32_t*> PyMem_Malloc(T.max_depth * sizeof(int32_t))
-    if S.act_node == NULL or S.act_pseq == NULL or S.act_pend == NULL:
-        raise MemoryError()
-    return s
+    T.seqs[T.n_seqs].base = T.tok_end
+    T.seqs[T.n_seqs].length = 0
+    T.seqs[T.n_seqs].start = 0
+    T.n_seqs += 1
+    T.open = True
+    return 0
 
-cdef void seq_close(Tree* T, int32_t s) noexcept:
-    """No more tokens will come: drop the active-suffix state."""
-    cdef Seq* S = &T.seqs[s]
-    PyMem_Free(S.act_node); PyMem_Free(S.act_pseq); PyMem_Free(S.act_pend)
-    S.act_node = NULL; S.act_pseq = NULL; S.act_pend = NULL
+cdef int ring_reserve(Tree* T, uint32_t n) except -1 nogil:
+    """Make room for n more live positions: a bigger ring takes the live window at the same positions."""
+    cdef uint64_t need = <uint64_t> (T.tok_end - T.tok_begin) + n, cap = <uint64_t> T.tok_mask + 1
+    cdef uint32_t p
+    cdef int32_t* old
+    if need <= cap:
+        return 0
+    while cap < need:
+        cap *= 2
+    old = T.tok
+    with gil:
+        T.tok = <int32_t*> PyMem_Malloc(cap * sizeof(int32_t))
+        if T.tok == NULL:
+            T.tok = old
+            raise MemoryError()
+    p = T.tok_begin
+    while p != T.tok_end:
+        T.tok[p & (cap - 1)] = old[p & T.tok_mask]
+        p += 1
+    T.tok_mask = <uint32_t> (cap - 1)
+    with gil:
+        PyMem_Free(old)
+    return 0
 
-cdef int seq_extend(Tree* T, int32_t s, const int32_t* toks, int32_t n) except -1 nogil:
-    cdef Seq* S = &T.seqs[s]
-    cdef int32_t need = S.length + n, cap, k
-    if need > S.cap:
-        cap = S.cap * 3 // 2 + 16
-        if cap < need:
-            cap = need
-        _grow(<void**> &S.tok, cap * sizeof(int32_t))
-        S = &T.seqs[s]
-        S.cap = cap
+cdef int seq_extend(Tree* T, const int32_t* toks, int32_t n) except -1 nogil:
+    """Append tokens to the open (last) sequence."""
+    cdef int32_t k
+    ring_reserve(T, n)
     for k in range(n):
-        append_token(T, s, toks[k])
+        append_token(T, toks[k])
     T.version += 1
     return 0
 
-cdef int append_token(Tree* T, int32_t s, int32_t t) except -1 nogil:
-    """Extend every active suffix of sequence s by t: O(max_depth) hash steps."""
-    cdef Seq* S = &T.seqs[s]
+cdef int append_token(Tree* T, int32_t t) except -1 nogil:
+    """Extend every active suffix of the open sequence by t: O(max_depth) steps, most without a hash probe."""
+    cdef Seq* S = &T.seqs[T.n_seqs - 1]
+    cdef Node* N
     cdef int32_t D = T.max_depth
     cdef int32_t L = S.length
-    cdef int32_t e = L + 1          # end position of every extended suffix
     cdef int32_t first = L - D + 1 if L - D + 1 > 0 else 0
-    cdef int32_t st, i, v, c, n, p, pseq, pend
-    S.tok[L] = t
-    S.length = e
-    S.act_node[L % D] = ROOT
-    T.count[ROOT] += 1
+    cdef uint32_t e = S.base + <uint32_t> L + 1      # end of every extended suffix
+    cdef int32_t st, i, v, c, n
+    cdef uint32_t prev
+    T.tok[T.tok_end & T.tok_mask] = t
+    T.tok_end += 1
+    S.length = L + 1
+    T.act_node[L % D] = ROOT
+    T.nodes[ROOT].count += 1
     T.n_suffixes += 1
     for st in range(first, L + 1):
         i = st % D
-        v = S.act_node[i]
+        v = T.act_node[i]
         c = lookup(T, v, t)
-        pseq = NONE
-        pend = 0
+        N = T.nodes
+        prev = 0
         if c == NONE:
-            if v != ROOT and T.count[v] == 1:
-                # v is a leaf that only this suffix reaches: lengthen its edge in place
-                T.depth[v] += 1
-                T.rseq[v] = s
-                T.rend[v] = e
+            if v != ROOT and N[v].count == 1:
+                # a leaf that only this suffix reaches: lengthen its edge in place
+                N[v].depth += 1
+                N[v].rend = e
             else:
                 n = node_alloc(T)
-                T.parent[n] = v
-                T.token[n] = t
-                T.count[n] = 1
-                T.depth[n] = T.depth[v] + 1
-                T.rseq[n] = s
-                T.rend[n] = e
-                list_link(T, v, n)
+                N = T.nodes
+                N[n].parent = v
+                N[n].token = t
+                N[n].count = 1
+                N[n].depth = N[v].depth + 1
+                N[n].rend = e
+                list_link(N, v, n)
                 h_insert(T, n)
-                S = &T.seqs[s]
-                S.act_node[i] = n
+                T.act_node[i] = n
         else:
-            # the most recent earlier occurrence of str(v)+t, read from c's ref
-            pseq = T.rseq[c]
-            pend = T.rend[c] - (T.depth[c] - T.depth[v] - 1)
-            if v != ROOT and T.count[v] == T.count[c] + 1:
+            # the most recent earlier occurrence of str(v)+t ends where c's ref says, shortened to that length
+            prev = N[c].rend - <uint32_t> (N[c].depth - N[v].depth - 1)
+            if v != ROOT and N[v].count == N[c].count + 1:
                 # only this suffix ends at v; everything else continues into c
-                if T.depth[c] == T.depth[v] + 1:
-                    # c's edge is one token: c takes v's place
-                    p = T.parent[v]
+                if N[c].depth == N[v].depth + 1:
+                    # c's edge is one token long: c takes v's place
                     h_delete(T, v, t)
-                    T.token[c] = T.token[v]
-                    T.parent[c] = p
-                    T.slots[h_find_slot(T, p, T.token[v])] = c
-                    list_replace(T, v, c)
-                    T.count[c] += 1
-                    T.rseq[c] = s
-                    T.rend[c] = e
+                    N[c].parent = N[v].parent
+                    N[c].token = N[v].token
+                    h_replace(T, v, c)
+                    list_replace(N, v, c)
+                    N[c].count += 1
+                    N[c].rend = e
                     node_free(T, v)
-                    S.act_node[i] = c
+                    T.act_node[i] = c
                 else:
                     # move v's end one token down c's edge
-                    T.depth[v] += 1
-                    T.rseq[v] = s
-                    T.rend[v] = e
-                    rekey_first(T, c, v, T.depth[v])
-                    S = &T.seqs[s]
-            elif T.depth[c] == T.depth[v] + 1:
-                T.count[c] += 1
-                T.rseq[c] = s
-                T.rend[c] = e
-                S.act_node[i] = c
+                    N[v].depth += 1
+                    N[v].rend = e
+                    h_delete(T, v, t)
+                    N[c].token = edge_token(T, c, N[v].depth)
+                    h_insert(T, c)
+            elif N[c].depth == N[v].depth + 1:
+                N[c].count += 1
+                N[c].rend = e
+                T.act_node[i] = c
             else:
                 # split c's edge after its first token
                 n = node_alloc(T)
-                T.parent[n] = v
-                T.token[n] = t
-                T.count[n] = T.count[c] + 1
-                T.depth[n] = T.depth[v] + 1
-                T.rseq[n] = s
-                T.rend[n] = e
-                T.slots[h_find_slot(T, v, t)] = n
-                list_replace(T, c, n)
-                T.child[n] = NONE
-                T.parent[c] = n
-                T.token[c] = edge_token(T, c, T.depth[n])
-                list_link(T, n, c)
+                N = T.nodes
+                N[n].parent = v
+                N[n].token = t
+                N[n].count = N[c].count + 1
+                N[n].depth = N[v].depth + 1
+                N[n].rend = e
+                h_replace(T, c, n)
+                list_replace(N, c, n)
+                N[c].parent = n
+                N[c].token = edge_token(T, c, N[n].depth)
+                list_link(N, n, c)
                 h_insert(T, c)
-                S = &T.seqs[s]
-                S.act_node[i] = n
-        S.act_pseq[i] = pseq
-        S.act_pend[i] = pend
+                T.act_node[i] = n
+        T.act_prev[i] = prev
     return 0
 
-cdef int remove_suffixes(Tree* T, int32_t s, int32_t upto) except -1 nogil:
-    """Evict the suffixes of sequence s that start in [S.start, upto)."""
-    cdef Seq* S = &T.seqs[s]
+# ---------------------------------------------------------------- eviction
+
+cdef int remove_suffixes(Tree* T, Seq* S, int32_t upto) except -1 nogil:
+    """Evict the suffixes of sequence S that start in [S.start, upto)."""
+    cdef Node* N = T.nodes
     cdef int32_t D = T.max_depth, st, d, lim, v, c, ch
     for st in range(S.start, upto):
         lim = S.length - st
@@ -446,46 +430,47 @@ cdef int remove_suffixes(Tree* T, int32_t s, int32_t upto) except -1 nogil:
             lim = D
         v = ROOT
         d = 0
-        T.count[ROOT] -= 1
+        N[ROOT].count -= 1
         while d < lim:
-            c = lookup(T, v, S.tok[st + d])
-            T.count[c] -= 1
-            if T.count[c] == 0:
+            c = lookup(T, v, T.tok[(S.base + <uint32_t> (st + d)) & T.tok_mask])
+            N[c].count -= 1
+            if N[c].count == 0:
                 free_subtree(T, c)
                 break
             v = c
-            d = T.depth[c]
+            d = N[c].depth
         # only the last node's children or endings changed: it may now be a chain link to merge away
         if v != ROOT:
-            ch = T.child[v]
-            if ch != NONE and T.sib[ch] == NONE and T.count[ch] == T.count[v]:
-                h_delete(T, v, T.token[ch])
-                T.token[ch] = T.token[v]
-                T.parent[ch] = T.parent[v]
-                T.slots[h_find_slot(T, T.parent[v], T.token[v])] = ch
-                list_replace(T, v, ch)
+            ch = N[v].child
+            if ch != NONE and N[ch].sib == NONE and N[ch].count == N[v].count:
+                h_delete(T, v, N[ch].token)
+                N[ch].parent = N[v].parent
+                N[ch].token = N[v].token
+                h_replace(T, v, ch)
+                list_replace(N, v, ch)
                 node_free(T, v)
         T.n_suffixes -= 1
     S.start = upto
     T.version += 1
     return 0
 
-# ---------------------------------------------------------------- speculation
+# ---------------------------------------------------------------- drafting
 
 cdef struct Draft:
     int32_t* tok
     int32_t* par
     double* prob
     int32_t n
-    int32_t cap
     double score
     int32_t match_len
 
-cdef struct Item:          # a position to expand in best-first order
+cdef struct Item:          # a position to expand, in best-first order
     double prob
     int64_t order
-    int32_t node, d        # tree position: on node's edge at string depth d (d == depth: at the node's end)
-    int32_t cseq, cpos     # copy mode when cseq >= 0: continue from position cpos of sequence cseq
+    int32_t node, d        # tree position: on node's edge at string depth d (d == node depth: at its end)
+    bint copy              # copy mode: positions [cpos, cend) of the arena, then (cself) the draft itself
+    bint cself
+    uint32_t cpos, cend
     int32_t parent, ddepth # draft parent index and draft depth of the token this item emits
 
 cdef inline bint item_before(Item* a, Item* b) noexcept nogil:
@@ -520,37 +505,47 @@ cdef Item heap_pop(Item* h, int32_t* n) noexcept nogil:
     h[i] = last
     return top
 
-cdef inline bint ranks_before(Tree* T, int32_t a, int32_t b) noexcept nogil:
-    """Sibling order for drafting: higher count first, then the more recent occurrence (siblings' strings have equal
-    length, so comparing where they start compares where their first tokens end)."""
-    if T.count[a] != T.count[b]:
-        return T.count[a] > T.count[b]
-    cdef int64_t ua = T.seqs[T.rseq[a]].uid, ub = T.seqs[T.rseq[b]].uid
-    if ua != ub:
-        return ua > ub
-    return T.rend[a] - T.depth[a] > T.rend[b] - T.depth[b]
+cdef inline bint ranks_before(Node* N, int32_t a, int32_t b) noexcept nogil:
+    """Sibling order for drafting: higher count first, then the more recent occurrence (siblings' strings
+    continue the same parent string, so where their refs start orders their recency)."""
+    if N[a].count != N[b].count:
+        return N[a].count > N[b].count
+    return <int32_t> ((N[a].rend - N[a].depth) - (N[b].rend - N[b].depth)) > 0
 
 cdef int32_t path_token(Draft* out, int32_t node, int32_t k, int32_t node_depth) noexcept nogil:
-    """Token at draft depth k on the path that ends at draft node `node` (at draft depth node_depth)."""
+    """Token at draft depth k on the path ending at draft node `node` (at draft depth node_depth)."""
     while node_depth > k:
         node = out.par[node]
         node_depth -= 1
     return out.tok[node]
 
-cdef int draft_tree(Tree* T, int32_t start_node, int32_t start_d, int32_t start_cseq, int32_t start_cpos,
-                    int32_t self_seq, int32_t max_tokens, int32_t max_nodes, double min_prob, bint branch,
-                    Draft* out, Item* heap) noexcept nogil:
-    """Best-first draft from a matched position. Path mode (branch=0) follows only the best child: the heap holds
-    one item at a time and the result is the greedy path. `self_seq` is the sequence whose end is the context
-    (request tree), or -1: copies from it may run past its end into the draft itself (LZ77-style overlap)."""
+cdef uint32_t seq_end_of(Tree* T, uint32_t pos) noexcept nogil:
+    """End of the live sequence holding position pos-1 (pos is an occurrence's end)."""
+    cdef int32_t lo = T.head, hi = T.n_seqs - 1, mid
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if <int32_t> (T.seqs[mid].base - pos) < 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    return T.seqs[lo].base + <uint32_t> T.seqs[lo].length
+
+cdef void draft_tree(Tree* T, int32_t start_node, int32_t start_d, bint start_copy, uint32_t copy_from, int32_t max_tokens,
+                     int32_t max_nodes, double min_prob, bint branch, Draft* out, Item* heap) noexcept nogil:
+    """Best-first draft from a matched position. Path mode (branch=0) follows only the best child: the heap holds one
+    item at a time and the result is the greedy path. With start_copy it starts by copying from position copy_from.
+    An open tree is a request's own context: copies from it may run on into the draft itself (LZ77-style overlap)."""
+    cdef Node* N = T.nodes
     cdef int32_t nh = 0, D = T.max_depth, u, c, k, j, m, nk, width
     cdef int64_t order = 0, total
     cdef double pr
     cdef Item it, nx
     cdef int32_t kids[KIDS]
-    cdef Seq* S
-    it.prob = 1.0; it.order = 0; it.node = start_node; it.d = start_d
-    it.cseq = start_cseq; it.cpos = start_cpos; it.parent = -1; it.ddepth = 0
+    it.prob = 1.0; it.order = 0; it.node = start_node; it.d = start_d; it.parent = -1; it.ddepth = 0
+    it.copy = start_copy
+    it.cpos = copy_from
+    it.cself = T.open
+    it.cend = T.tok_end if T.open or not start_copy else seq_end_of(T, copy_from)
     out.n = 0
     out.score = 0.0
     heap_push(heap, &nh, it)
@@ -558,29 +553,26 @@ cdef int draft_tree(Tree* T, int32_t start_node, int32_t start_d, int32_t start_
         it = heap_pop(heap, &nh)
         if it.prob < min_prob:
             continue
-        if it.cseq < 0 and it.d == T.depth[it.node] and it.d < D:
-            # at a node's end below max depth: branch on its children
+        if not it.copy and it.d == N[it.node].depth and it.d < D:
+            # at a node's end below max depth: branch on its best children
             u = it.node
             total = 0
             m = 0
             width = KIDS if branch else 1
-            c = T.child[u]
+            c = N[u].child
             while c != NONE:
-                total += T.count[c]
-                # keep the best `width` children in rank order
-                if m < width or ranks_before(T, c, kids[m - 1]):
+                total += N[c].count
+                if m < width or ranks_before(N, c, kids[m - 1]):
                     j = m - 1 if m == width else m
-                    while j > 0 and ranks_before(T, c, kids[j - 1]):
+                    while j > 0 and ranks_before(N, c, kids[j - 1]):
                         kids[j] = kids[j - 1]
                         j -= 1
                     kids[j] = c
                     if m < width:
                         m += 1
-                c = T.sib[c]
-            if m == 0:
-                continue
+                c = N[c].sib
             for k in range(m):
-                pr = it.prob * (<double> T.count[kids[k]] / <double> total)
+                pr = it.prob * (<double> N[kids[k]].count / <double> total)
                 if pr < min_prob:
                     break
                 nx = it
@@ -592,19 +584,18 @@ cdef int draft_tree(Tree* T, int32_t start_node, int32_t start_d, int32_t start_
             continue
         if it.ddepth >= max_tokens:
             continue
-        # emit one token at this position
-        if it.cseq >= 0:
-            S = &T.seqs[it.cseq]
-            if it.cpos < S.length:
-                nk = S.tok[it.cpos]
-            elif it.cseq == self_seq and it.parent >= 0:
-                nk = path_token(out, it.parent, it.cpos - S.length, it.ddepth - 1)
+        if it.copy:
+            if <int32_t> (it.cend - it.cpos) > 0:
+                nk = T.tok[it.cpos & T.tok_mask]
+            elif it.cself and it.parent >= 0:
+                nk = path_token(out, it.parent, <int32_t> (it.cpos - it.cend), it.ddepth - 1)
             else:
                 continue
-        elif it.d == T.depth[it.node]:
-            # at max depth: the tree knows no more, continue from the most recent occurrence
-            it.cseq = T.rseq[it.node]
-            it.cpos = T.rend[it.node]
+        elif it.d == N[it.node].depth:
+            # at max depth: continue from the most recent occurrence, at the same place in the heap
+            it.copy = True
+            it.cpos = N[it.node].rend
+            it.cend = T.tok_end if T.open else seq_end_of(T, it.cpos)
             heap_push(heap, &nh, it)
             continue
         else:
@@ -618,18 +609,17 @@ cdef int draft_tree(Tree* T, int32_t start_node, int32_t start_d, int32_t start_
         nx = it
         nx.parent = k
         nx.ddepth = it.ddepth + 1
-        if it.cseq >= 0:
+        if it.copy:
             nx.cpos = it.cpos + 1
         else:
             nx.d = it.d + 1
         order += 1
         nx.order = order
         heap_push(heap, &nh, nx)
-    return 0
 
-# ---------------------------------------------------------------- request match state and one request's speculation
+# ---------------------------------------------------------------- a request's match in the global tree
 
-cdef struct GMatch:          # a request's longest match in the global tree, advanced lazily
+cdef struct GMatch:          # the longest match in the global tree, advanced lazily
     int64_t version
     int32_t upto             # context length this state describes
     int32_t start            # the match is context[start:upto]
@@ -638,7 +628,7 @@ cdef struct GMatch:          # a request's longest match in the global tree, adv
 cdef inline bint step(Tree* G, int32_t* u, int32_t* d, int32_t t) noexcept nogil:
     """Advance a tree position by one token; False (position unchanged) if the path does not continue."""
     cdef int32_t c
-    if d[0] == G.depth[u[0]]:
+    if d[0] == G.nodes[u[0]].depth:
         c = lookup(G, u[0], t)
         if c == NONE:
             return False
@@ -686,6 +676,8 @@ cdef void gmatch_update(Tree* G, GMatch* gm, const int32_t* ctx, int32_t L) noex
     gm.version = G.version
     gm.upto = L
 
+# ---------------------------------------------------------------- one request's speculation
+
 cdef struct SpecArgs:
     int32_t max_tokens, max_nodes
     double factor, offset, min_prob
@@ -707,8 +699,7 @@ cdef void draft_copy(Draft* dst, Draft* src) noexcept nogil:
 
 cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, Draft* tmp, Item* heap) noexcept nogil:
     """Draft from the request's own tree and from the global tree; keep the higher score (ties: the request's)."""
-    cdef Seq* S = &R.seqs[0]
-    cdef int32_t D = R.max_depth, L = S.length, m, i = 0, v = ROOT, cap, nodes
+    cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, i = 0, v = ROOT, cap
     best.n = 0
     best.score = 0.0
     best.match_len = 0
@@ -716,24 +707,22 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
     m = D if L >= D else L
     while m >= 1:
         i = (L - m) % D
-        v = S.act_node[i]
-        if R.count[v] >= 2:
+        v = R.act_node[i]
+        if R.nodes[v].count >= 2:
             break
         m -= 1
     if m >= 1:
         cap = draft_cap(a, m)
-        nodes = a.max_nodes if a.tree else cap
         # at max depth the node's ref is this very occurrence: copy from the one before it instead
-        draft_tree(R, v, m, S.act_pseq[i] if m == D else -1, S.act_pend[i], 0, cap, nodes, a.min_prob, a.tree,
-                   best, heap)
+        draft_tree(R, v, m, m == D, R.act_prev[i], cap, a.max_nodes if a.tree else cap, a.min_prob,
+                   a.tree, best, heap)
         best.match_len = m
     if G.n_suffixes > 0:
-        gmatch_update(G, gm, S.tok, L)
+        gmatch_update(G, gm, R.tok, L)
         m = gm.d
         if m >= 1:
             cap = draft_cap(a, m)
-            nodes = a.max_nodes if a.tree else cap
-            draft_tree(G, gm.node, m, -1, 0, -1, cap, nodes, a.min_prob, a.tree, tmp, heap)
+            draft_tree(G, gm.node, m, False, 0, cap, a.max_nodes if a.tree else cap, a.min_prob, a.tree, tmp, heap)
             tmp.match_len = m
             if tmp.score > best.score:
                 draft_copy(best, tmp)
@@ -767,10 +756,10 @@ cdef class _Scratch:
 
 
 cdef class SuffixTree:
-    """One suffix tree: a request's context (one growing sequence), or the global history (many, evicted oldest first)."""
+    """One suffix tree: a request's context (one growing sequence), or the global history (sequences added whole and
+    evicted oldest first). At most one sequence, the last, is open for appending."""
     cdef Tree T
     cdef readonly int max_depth
-    cdef object fifo            # live sequence slots, oldest first
     cdef _Scratch scratch
 
     def __cinit__(self, int max_depth=64):
@@ -778,48 +767,49 @@ cdef class SuffixTree:
             raise ValueError(f"max_depth must be in [1, 65535], got {max_depth}")
         self.max_depth = max_depth
         tree_init(&self.T, max_depth)
-        from collections import deque
-        self.fifo = deque()
 
     def __dealloc__(self):
         tree_free(&self.T)
 
-    def add_sequence(self, const int32_t[::1] tokens, bint keep_open=False) -> int:
-        """Index a new sequence; with keep_open it can grow later through extend()."""
-        cdef int32_t s = seq_new(&self.T)
-        self.fifo.append(s)
-        self.extend(s, tokens)
-        if not keep_open:
-            seq_close(&self.T, s)
-        return s
+    def add_sequence(self, const int32_t[::1] tokens, bint keep_open=False):
+        """Index a new sequence; with keep_open it grows later through extend()."""
+        if self.T.open:
+            raise ValueError("the last sequence is still open")
+        seq_begin(&self.T)
+        self.extend(tokens)
+        self.T.open = keep_open
 
-    def extend(self, int seq, const int32_t[::1] tokens):
-        if seq < 0 or seq >= self.T.n_seqs or not self.T.seqs[seq].live or self.T.seqs[seq].act_node == NULL:
-            raise ValueError(f"sequence {seq} is not open for appending")
+    def extend(self, const int32_t[::1] tokens):
+        """Append tokens to the open sequence."""
+        if not self.T.open:
+            raise ValueError("no sequence is open for appending")
         cdef int32_t n = tokens.shape[0]
         if n == 0:
             return
+        if <int64_t> (self.T.tok_end - self.T.tok_begin) + n >= (1 << 30):
+            raise OverflowError("a suffix tree holds at most 2**30 live tokens")
         with nogil:
-            seq_extend(&self.T, seq, &tokens[0], n)
+            seq_extend(&self.T, &tokens[0], n)
 
     def evict(self, long max_suffixes) -> int:
-        """Evict up to max_suffixes suffixes, oldest sequence first; returns how many were evicted."""
+        """Evict up to max_suffixes suffixes, oldest sequence first (never the open one); returns how many."""
         cdef long done = 0
-        cdef int32_t s, take
-        while done < max_suffixes and self.fifo:
-            s = self.fifo[0]
-            take = <int32_t> min(<long> (self.T.seqs[s].length - self.T.seqs[s].start), max_suffixes - done)
+        cdef int32_t take
+        cdef Seq* S
+        while done < max_suffixes and self.T.head < self.T.n_seqs - (1 if self.T.open else 0):
+            S = &self.T.seqs[self.T.head]
+            take = <int32_t> min(<long> (S.length - S.start), max_suffixes - done)
             with nogil:
-                remove_suffixes(&self.T, s, self.T.seqs[s].start + take)
+                remove_suffixes(&self.T, S, S.start + take)
             done += take
-            if self.T.seqs[s].start == self.T.seqs[s].length:
-                seq_release(&self.T.seqs[s])
-                self.fifo.popleft()
+            if S.start == S.length:
+                self.T.head += 1
+                self.T.tok_begin = self.T.seqs[self.T.head].base if self.T.head < self.T.n_seqs else self.T.tok_end
         return done
 
     @property
     def n_sequences(self) -> int:
-        return len(self.fifo)
+        return self.T.n_seqs - self.T.head
 
     @property
     def n_tokens(self) -> int:
@@ -831,66 +821,79 @@ cdef class SuffixTree:
         return self.T.n_live
 
     @property
-    def version(self) -> int:
-        return self.T.version
+    def length(self) -> int:
+        """Live tokens in the arena (for a request's tree: its context length)."""
+        return self.T.tok_end - self.T.tok_begin
 
     def memory_bytes(self) -> int:
         return tree_bytes(&self.T)
 
-    def sequences(self):
-        """[(tokens, first live suffix start)] oldest first: copies."""
+    def sequences(self) -> list:
+        """[(tokens, first live suffix start)] of the live sequences, oldest first (copies)."""
         cdef Seq* S
         out = []
-        for s in self.fifo:
-            S = &self.T.seqs[<int32_t> s]
-            arr = np.empty(S.length, dtype=np.int32)
-            for k in range(S.length):
-                arr[k] = S.tok[k]
-            out.append((arr, S.start))
+        for k in range(self.T.head, self.T.n_seqs):
+            S = &self.T.seqs[k]
+            out.append((self._copy(S.base, S.length), S.start))
         return out
 
-    def starts_with_sequence(self, int seq, const int32_t[::1] tokens) -> bool:
-        """Do `tokens` begin with the whole of sequence `seq`?"""
-        cdef Seq* S = &self.T.seqs[seq]
-        if tokens.shape[0] < S.length:
+    cdef object _copy(self, uint32_t pos, int32_t n):
+        arr = np.empty(n, dtype=np.int32)
+        cdef int32_t[::1] view = arr
+        cdef int32_t k
+        for k in range(n):
+            view[k] = self.T.tok[(pos + <uint32_t> k) & self.T.tok_mask]
+        return arr
+
+    def tokens(self, int start=0):
+        """A copy of this (request) tree's context from `start` on."""
+        cdef int32_t n = <int32_t> (self.T.tok_end - self.T.tok_begin)
+        return self._copy(self.T.tok_begin + <uint32_t> min(start, n), max(0, n - start))
+
+    def starts_with_context(self, const int32_t[::1] tokens) -> bool:
+        """Do `tokens` begin with everything this (request) tree holds? (A request tree never wraps its ring.)"""
+        cdef int32_t n = <int32_t> (self.T.tok_end - self.T.tok_begin)
+        if tokens.shape[0] < n:
             return False
-        if S.length == 0:
-            return True
-        return memcmp(&tokens[0], S.tok, S.length * sizeof(int32_t)) == 0
+        return n == 0 or memcmp(&tokens[0], self.T.tok + self.T.tok_begin, n * sizeof(int32_t)) == 0
 
     def check(self):
         """Verify every invariant against a recount from the sequences (tests and debugging; O(n * depth))."""
         cdef Tree* T = &self.T
+        cdef Node* N = T.nodes
         cdef dict counts = {}
-        cdef int32_t s, st, d, lim, v, c, n, k, live = 0, hl = 0
-        for s in self.fifo:
-            for st in range(T.seqs[s].start, T.seqs[s].length):
-                lim = min(T.max_depth, T.seqs[s].length - st)
+        cdef int32_t k, st, d, lim, v, c, n, live = 0, hl = 0
+        cdef Seq* S
+        for k in range(T.head, T.n_seqs):
+            S = &T.seqs[k]
+            for st in range(S.start, S.length):
+                lim = min(T.max_depth, S.length - st)
                 v = ROOT
                 d = 0
                 while d < lim:
-                    c = lookup(T, v, T.seqs[s].tok[st + d])
-                    assert c != NONE, f"missing child for suffix {st} of sequence {s} at depth {d}"
-                    assert T.depth[c] <= lim, f"suffix {st} of sequence {s} ends inside an edge"
-                    for k in range(d, T.depth[c]):
-                        assert edge_token(T, c, k) == T.seqs[s].tok[st + k], "edge label mismatch"
+                    c = lookup(T, v, T.tok[(S.base + <uint32_t> (st + d)) & T.tok_mask])
+                    assert c != NONE, f"missing child for suffix {st} of sequence {k} at depth {d}"
+                    assert N[c].depth <= lim, f"suffix {st} of sequence {k} ends inside an edge"
+                    for j in range(d, N[c].depth):
+                        assert edge_token(T, c, j) == T.tok[(S.base + <uint32_t> (st + j)) & T.tok_mask], "edge label"
                     counts[c] = counts.get(c, 0) + 1
                     v = c
-                    d = T.depth[c]
+                    d = N[c].depth
         for n in range(1, T.n_nodes):
-            if T.parent[n] == FREED:
+            if N[n].parent == FREED:
                 continue
             live += 1
-            assert counts.get(n, 0) == T.count[n], f"node {n}: count {T.count[n]} != {counts.get(n, 0)} occurrences"
-            assert lookup(T, T.parent[n], T.token[n]) == n, f"node {n} unreachable through the hash"
-            assert T.depth[n] > T.depth[T.parent[n]]
-            assert T.seqs[T.rseq[n]].live and T.rend[n] <= T.seqs[T.rseq[n]].length, f"node {n}: dangling ref"
-            c = T.child[n]
-            if c != NONE and T.sib[c] == NONE:
-                assert T.count[c] < T.count[n], f"node {n} should have been merged into its only child"
+            assert counts.get(n, 0) == N[n].count, f"node {n}: count {N[n].count} != {counts.get(n, 0)} occurrences"
+            assert lookup(T, N[n].parent, N[n].token) == n, f"node {n} unreachable through the hash"
+            assert N[n].depth > N[N[n].parent].depth
+            assert 0 < <int32_t> (N[n].rend - T.seqs[T.head].base - T.seqs[T.head].start) <= \
+                <int32_t> (T.tok_end - T.seqs[T.head].base - T.seqs[T.head].start), f"node {n}: dangling ref"
+            c = N[n].child
+            if c != NONE and N[c].sib == NONE:
+                assert N[c].count < N[n].count, f"node {n} should have been merged into its only child"
             while c != NONE:
-                assert T.parent[c] == n
-                c = T.sib[c]
+                assert N[c].parent == n
+                c = N[c].sib
         for k in range(<int32_t> (T.hmask + 1)):
             if T.slots[k] != NONE:
                 hl += 1
@@ -905,7 +908,7 @@ cdef class SuffixTree:
 
 
 cdef class RequestState:
-    """A request's own suffix tree (one growing sequence: its prompt and output so far) and its match state in the
+    """A request's own suffix tree (one open sequence: its prompt and output so far) and its match state in the
     global tree."""
     cdef readonly SuffixTree tree
     cdef GMatch gm
@@ -926,15 +929,10 @@ cdef class RequestState:
 
     @property
     def length(self) -> int:
-        return self.tree.T.seqs[0].length
+        return self.tree.length
 
     def tokens(self, int start=0):
-        cdef Seq* S = &self.tree.T.seqs[0]
-        arr = np.empty(max(0, S.length - start), dtype=np.int32)
-        cdef int32_t[::1] view = arr
-        if S.length > start:
-            memcpy(&view[0], S.tok + start, (S.length - start) * sizeof(int32_t))
-        return arr
+        return self.tree.tokens(start)
 
 
 cdef object to_proposal(Draft* d):
@@ -962,6 +960,9 @@ def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, dou
     cdef Tree* G = &glob.T
     cdef RequestState r
     cdef int32_t nreq = len(requests), k
+    for k in range(nreq):
+        if not (<RequestState> requests[k]).tree.T.open:
+            raise ValueError("a request's tree must be open")
     if nreq == 1:
         r = requests[0]
         with nogil:

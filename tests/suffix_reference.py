@@ -188,8 +188,7 @@ class RefCache:
 
     def append(self, rid, toks):
         self.live[rid]["ctx"].extend(int(t) for t in toks)
-        if self.glob.n_tokens() > self.budget:
-            self._evict(min(self.evict_per_call, 256))
+        self._evict(self.evict_per_call // 8)
 
     def finish_request(self, rid):
         st = self.live.pop(rid)
@@ -197,7 +196,7 @@ class RefCache:
         if new:
             self.glob.seqs.append(list(new))
             self.glob.starts.append(0)
-            self._evict(max(self.evict_per_call, 2 * len(new)))
+            self._evict(self.evict_per_call + len(new))
         self.retained[rid] = st
 
     def _evict(self, quota):

@@ -25,7 +25,7 @@ def scenarios(draw):
     vocab = draw(st.integers(1, 4))
     depth = draw(st.integers(1, 7))
     budget = draw(st.sampled_from([4, 12, 40, 10_000]))
-    evict_per_call = draw(st.sampled_from([1, 3, 4096]))
+    evict_per_call = draw(st.sampled_from([1, 3, 8, 1024]))
     index_prompts = draw(st.booleans())
     ops = []
     for _ in range(draw(st.integers(1, 20))):
@@ -95,7 +95,7 @@ def test_cache_matches_reference(scenario):
 def test_long_contexts_and_overlapping_copies(vocab, depth, responses, ctx, tree):
     """Contexts longer than the depth exercise the copy past max_depth, including copies overlapping the draft."""
     cache = SuffixCache(max_depth=depth, vocab_size=vocab)
-    ref = RefCache(depth, 10**6, 4096)
+    ref = RefCache(depth, 10**6, 1024)
     for i, r in enumerate(responses):
         for c in (cache, ref):
             c.start_request(i, [])
@@ -152,7 +152,7 @@ def test_session_indexes_only_new_tokens():
 
 def test_global_budget_is_kept_under_a_long_run():
     rng = np.random.default_rng(0)
-    budget, longest = 20_000, 600
+    budget, longest = 20_000, 2400
     cache = SuffixCache(max_depth=32, global_budget_tokens=budget, max_retained=4)
     worst = 0
     for i in range(300):
@@ -160,9 +160,10 @@ def test_global_budget_is_kept_under_a_long_run():
         for _ in range(4):
             cache.speculate(i)
             cache.append(i, rng.integers(0, 5000, int(rng.integers(1, longest // 4))))
+            assert cache.stats()["global_tokens"] <= budget + longest
         cache.finish_request(i)
         worst = max(worst, cache.stats()["global_tokens"])
-    assert worst <= budget + longest
+    assert worst <= budget
     assert cache.stats()["evicted_tokens"] > 0
     assert cache.bytes_per_token() < 120
     cache._global.check()
