@@ -1,7 +1,8 @@
 """SuffixCache: the suffix proposer's Python face over the compiled tree (`_tree.pyx`).
 
 Two levels, as in SuffixDecoding: every request has its own tree over its prompt and output so far, and one global tree
-holds finished responses (and, if `index_prompts_globally`, prompts too). `speculate` drafts from both and keeps the
+holds finished responses, each after the last `max_depth` tokens of its prompt (all of the prompt with
+`index_prompts_globally`). `speculate` drafts from both and keeps the
 higher-scoring draft.
 
 Semantics (the brute-force reference in tests/suffix_reference.py implements exactly these):
@@ -143,12 +144,16 @@ class SuffixCache:
             self._evict_global(self.evict_per_call // 8)
 
     def finish_request(self, request_id: Hashable) -> None:
-        """The request's response (and, if configured, its newly indexed prompt) enters the global tree."""
+        """The request's response enters the global tree, after the prompt's last `max_depth` tokens (or after all of
+        the newly indexed prompt, with index_prompts_globally)."""
         with self._lock:
             state = self._state(request_id)
             del self._live[request_id]
             state.finished = True
-            new = state.tokens(state.indexed_from if self.index_prompts_globally else state.prompt_len)
+            # a response enters with the last max_depth prompt tokens before it, so a re-sent prompt (agent retries)
+            # matches at full depth and its earlier response is drafted from the first step
+            new = state.tokens(state.indexed_from if self.index_prompts_globally
+                               else max(0, state.prompt_len - self.max_depth))
             if len(new):
                 self._global.add_sequence(new)
                 self._evict_global(self.evict_per_call + len(new))

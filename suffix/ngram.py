@@ -46,6 +46,16 @@ def _longest_recent_match(ctx: np.ndarray, length: int, min_n: int, max_n: int) 
     return best_end + 1, best_n
 
 
+def resolve_max_spec_tokens(value: int | None, default: int) -> int:
+    """The draft length to use: `default` for None; 0 means no draft; a negative or non-integer value is an error."""
+    k = default if value is None else value
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"max_spec_tokens must be an int or None, got {type(value).__name__}")
+    if k < 0:
+        raise ValueError(f"max_spec_tokens must be >= 0, got {k}")
+    return int(k)
+
+
 class TokenBuffer:
     """A growable int32 token buffer (a request's context): appends are amortised O(new tokens)."""
 
@@ -98,6 +108,8 @@ class NgramProposer:
         that context is taken over and only the new tokens are copied; otherwise the whole prompt is."""
         if request_id in self._active:
             raise ValueError(f"request {request_id!r} is already active")
+        if extends in self._active:
+            raise ValueError(f"request {extends!r} has not finished: finish it before extending it")
         tokens = as_token_array(prompt)
         base = self._retained.pop(extends, None) if extends is not None else None
         self._retained.pop(request_id, None)  # a reused id: its old context is stale
@@ -116,11 +128,7 @@ class NgramProposer:
         """Draft a chain: the tokens that followed the most recent earlier occurrence of the longest context suffix
         with n in [min_n, max_n]. `max_spec_tokens` None: the default; 0: an empty proposal."""
         ctx = self._get(request_id)
-        k = self.max_spec_tokens if max_spec_tokens is None else max_spec_tokens
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
-            raise TypeError(f"max_spec_tokens must be an int or None, got {type(max_spec_tokens).__name__}")
-        if k < 0:
-            raise ValueError(f"max_spec_tokens must be >= 0, got {k}")
+        k = resolve_max_spec_tokens(max_spec_tokens, self.max_spec_tokens)
         if k == 0:
             return Proposal.empty(source="ngram")
         start, n = _longest_recent_match(ctx.buf, ctx.length, self.min_n, self.max_n)

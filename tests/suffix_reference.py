@@ -192,7 +192,7 @@ class RefCache:
 
     def finish_request(self, rid):
         st = self.live.pop(rid)
-        new = st["ctx"][st["indexed_from"] if self.index_prompts else st["prompt_len"]:]
+        new = st["ctx"][st["indexed_from"] if self.index_prompts else max(0, st["prompt_len"] - self.D):]
         if new:
             self.glob.seqs.append(list(new))
             self.glob.starts.append(0)
