@@ -1,0 +1,263 @@
+"""Oracle replay of agent traces through a proposer, and the cost model that turns it into a projected speedup.
+
+For every call, in order: the proposer starts a request with the call's prompt (declaring the earlier call of the
+same trajectory whose prompt + response this prompt extends, so a session-aware proposer indexes only new tokens),
+then steps through the logged response: it proposes up to K tokens, the accepted length is the longest prefix of the
+proposal equal to the response from the current position (a greedy target that generated the logged response
+accepts exactly that), and the position advances by accepted + 1 (the target's own token after the accepted run),
+the advance being appended to the proposer. The request is then finished, so its response enters the proposer's
+global history, which persists across the trajectories of a framework as a server's would. Each framework gets a
+fresh proposer: different agent frameworks are different deployments.
+
+Projected speedup: without speculation every response token costs one target step, t_verify(0). With it, a step
+that verifies k draft tokens costs t_verify(k) plus the proposer's measured speculate and append time. The default
+t_verify table is SmolLM2-135M's on this project's CPU; `python -m hybridspec.target --measure-verify-cost --json
+PATH` measures the user's own, and any {k: ms} table (e.g. a GPU server's) can be given instead.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hybridspec.agent_traces.tokenization import TokenizedTrajectory
+from hybridspec.proposal import Proposer
+
+# Verification cost (ms) of SmolLM2-135M-Instruct, fp32, warm KV at 512 context, by number of draft tokens k
+# (DESIGN.md, measured on this project's 2-core CPU): a pass over 1 + k tokens.
+DEFAULT_VERIFY_MS: dict[int, float] = {0: 59.0, 1: 59.0, 2: 96.0, 4: 98.0, 8: 95.0, 16: 111.0, 32: 149.0}
+
+
+class VerifyCost:
+    """t_verify(k) in ms: piecewise-linear in k through the table's points, extrapolated from the last two."""
+
+    def __init__(self, table_ms: Mapping[int, float] = DEFAULT_VERIFY_MS):
+        if 0 not in table_ms:
+            raise ValueError("a verify-cost table needs k = 0 (a plain decoding step)")
+        items = sorted((int(k), float(v)) for k, v in table_ms.items())
+        if any(k < 0 or v <= 0 for k, v in items):
+            raise ValueError("verify-cost table: k must be >= 0 and every cost > 0 ms")
+        self.ks = np.array([k for k, _ in items], dtype=np.float64)
+        self.ms = np.array([v for _, v in items], dtype=np.float64)
+
+    def __call__(self, k: np.ndarray | int) -> np.ndarray:
+        k = np.asarray(k, dtype=np.float64)
+        out = np.interp(k, self.ks, self.ms)
+        if len(self.ks) > 1:
+            slope = (self.ms[-1] - self.ms[-2]) / (self.ks[-1] - self.ks[-2])
+            out = np.where(k > self.ks[-1], self.ms[-1] + slope * (k - self.ks[-1]), out)
+        return out
+
+    def table(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in zip(self.ks, self.ms)}
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "VerifyCost":
+        """Read {"k": ms, ...}, or the output of `python -m hybridspec.target --measure-verify-cost --json PATH`
+        ({"draft_tokens": [...], "ms": [...]}, possibly under "verify_cost")."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read the verify-cost table ({e})") from None
+        if isinstance(data, dict) and isinstance(data.get("verify_cost"), dict):
+            data = data["verify_cost"]
+        try:
+            if isinstance(data, dict) and "draft_tokens" in data:
+                table = dict(zip(map(int, data["draft_tokens"]), map(float, data["ms"]), strict=True))
+            else:
+                table = {int(k): float(v) for k, v in data.items()}
+            return cls(table)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: expected a JSON object {{k: ms}} with k = 0 included ({e})") from None
+
+
+@dataclass
+class ReplayStats:
+    """What one proposer did on a set of calls: per-step arrays and summed times."""
+
+    calls: int = 0
+    response_tokens: int = 0
+    draft_len: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))     # tokens proposed per step
+    accepted: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))      # tokens accepted per step
+    produced: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))      # tokens emitted per step
+    speculate_ns: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # speculate() time per step
+    append_ns: int = 0         # total append() time; one append per step
+    start_ns: int = 0          # total start_request() time (prompt indexing; not part of the decode cost)
+    wall_ns: int = 0           # total time of the replay loop for this proposer, start to finish of every call
+    prompt_tokens: int = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self.produced)
+
+    @classmethod
+    def merge(cls, parts: Sequence["ReplayStats"]) -> "ReplayStats":
+        return cls(
+            calls=sum(p.calls for p in parts), response_tokens=sum(p.response_tokens for p in parts),
+            draft_len=np.concatenate([p.draft_len for p in parts]), accepted=np.concatenate([p.accepted for p in parts]),
+            produced=np.concatenate([p.produced for p in parts]),
+            speculate_ns=np.concatenate([p.speculate_ns for p in parts]),
+            append_ns=sum(p.append_ns for p in parts), start_ns=sum(p.start_ns for p in parts),
+            wall_ns=sum(p.wall_ns for p in parts), prompt_tokens=sum(p.prompt_tokens for p in parts))
+
+    def projected_speedup(self, cost: VerifyCost) -> float:
+        if self.steps == 0:
+            return 1.0
+        baseline_ms = self.response_tokens * float(cost(0))
+        spec_ms = float(cost(self.draft_len).sum()) + (int(self.speculate_ns.sum()) + self.append_ns) / 1e6
+        return baseline_ms / spec_ms
+
+    def summary(self, cost: VerifyCost) -> dict[str, float | int]:
+        """The report's metrics (the JSON layout of `hybridspec replay`)."""
+        proposed = int(self.draft_len.sum())
+        us = self.speculate_ns / 1e3
+        return {
+            "calls": self.calls,
+            "response_tokens": self.response_tokens,
+            "steps": self.steps,
+            "tokens_per_step": self.response_tokens / self.steps if self.steps else 0.0,
+            "acceptance_rate": int(self.accepted.sum()) / proposed if proposed else 0.0,
+            "us_per_speculate_p50": float(np.percentile(us, 50)) if self.steps else 0.0,
+            "us_per_speculate_p99": float(np.percentile(us, 99)) if self.steps else 0.0,
+            "us_per_append_token": self.append_ns / 1e3 / self.response_tokens if self.response_tokens else 0.0,
+            "projected_speedup": self.projected_speedup(cost),
+        }
+
+
+@dataclass(frozen=True)
+class ProposerSpec:
+    """A named way to build a fresh proposer (one per framework)."""
+
+    label: str
+    make: Callable[[], Proposer]
+
+
+def proposer_spec(name: str, max_spec_tokens: int, label: str | None = None, **options) -> ProposerSpec:
+    """`suffix` (hybridspec.suffix.SuffixCache), `ngram` (NgramProposer) or `arctic` (ArcticInference's suffix
+    decoding through hybridspec.peers.ArcticProposer; needs arctic-inference). `options` go to the constructor."""
+    if name == "suffix":
+        from hybridspec.suffix import SuffixCache as cls
+    elif name == "ngram":
+        from hybridspec.suffix import NgramProposer as cls
+    elif name == "arctic":
+        from hybridspec.peers import ArcticProposer as cls
+    else:
+        raise ValueError(f"unknown proposer {name!r}; known: suffix, ngram, arctic")
+    cls(max_spec_tokens=max_spec_tokens, **options)  # fail now, not mid-replay, on a bad option or a missing peer
+    return ProposerSpec(label or name, lambda: cls(max_spec_tokens=max_spec_tokens, **options))
+
+
+def arctic_available() -> bool:
+    return importlib.util.find_spec("arctic_inference") is not None
+
+
+def session_links(trajectory: TokenizedTrajectory) -> list[int | None]:
+    """For each call, the latest earlier call of the trajectory whose prompt + response its prompt starts with."""
+    links: list[int | None] = []
+    for i, call in enumerate(trajectory.calls):
+        link = None
+        for j in range(i - 1, -1, -1):
+            prev = trajectory.calls[j]
+            lp, lr = len(prev.prompt), len(prev.response)
+            if (len(call.prompt) >= lp + lr and np.array_equal(call.prompt[:lp], prev.prompt)
+                    and np.array_equal(call.prompt[lp:lp + lr], prev.response)):
+                link = j
+                break
+        links.append(link)
+    return links
+
+
+class _Recorder:
+    """Per-step lists, turned into arrays once a framework is done."""
+
+    def __init__(self) -> None:
+        self.draft_len: list[int] = []
+        self.accepted: list[int] = []
+        self.produced: list[int] = []
+        self.speculate_ns: list[int] = []
+        self.stats = ReplayStats()
+
+    def finish(self) -> ReplayStats:
+        s = self.stats
+        s.draft_len = np.asarray(self.draft_len, dtype=np.int32)
+        s.accepted = np.asarray(self.accepted, dtype=np.int32)
+        s.produced = np.asarray(self.produced, dtype=np.int32)
+        s.speculate_ns = np.asarray(self.speculate_ns, dtype=np.int64)
+        return s
+
+
+def _replay_call(proposer: Proposer, rid: int, prompt: np.ndarray, response: np.ndarray, extends: int | None,
+                 max_spec_tokens: int, rec: _Recorder) -> None:
+    clock = time.perf_counter_ns
+    start = clock()
+    proposer.start_request(rid, prompt, extends=extends)
+    rec.stats.start_ns += clock() - start
+    target = response.tolist()
+    n, pos = len(target), 0
+    while pos < n:
+        t0 = clock()
+        draft = proposer.speculate(rid, max_spec_tokens).token_ids
+        t1 = clock()
+        limit = min(len(draft), n - pos)
+        accepted = 0
+        while accepted < limit and draft[accepted] == target[pos + accepted]:
+            accepted += 1
+        advance = min(accepted + 1, n - pos)
+        t2 = clock()
+        proposer.append(rid, response[pos:pos + advance])
+        t3 = clock()
+        pos += advance
+        rec.draft_len.append(len(draft))
+        rec.accepted.append(accepted)
+        rec.produced.append(advance)
+        rec.speculate_ns.append(t1 - t0)
+        rec.stats.append_ns += t3 - t2
+    proposer.finish_request(rid)
+    rec.stats.wall_ns += clock() - start
+    rec.stats.calls += 1
+    rec.stats.response_tokens += n
+    rec.stats.prompt_tokens += len(prompt)
+
+
+def replay(trajectories: Sequence[TokenizedTrajectory], specs: Sequence[ProposerSpec], max_spec_tokens: int,
+           progress: bool | None = None) -> dict[str, dict[str, ReplayStats]]:
+    """Replay every call through each proposer: `result[label][framework]`, frameworks in order of first appearance.
+
+    Each framework gets fresh proposers. Calls run in order within each trajectory, trajectories in the given order,
+    and the proposers take turns call by call, so that load from other processes falls on all of them alike.
+    """
+    from tqdm.auto import tqdm
+
+    if max_spec_tokens < 1:
+        raise ValueError(f"max_spec_tokens must be >= 1, got {max_spec_tokens}")
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"proposer labels must be unique, got {labels}")
+    frameworks: dict[str, list[TokenizedTrajectory]] = {}
+    for traj in trajectories:
+        frameworks.setdefault(traj.framework, []).append(traj)
+    out: dict[str, dict[str, ReplayStats]] = {label: {} for label in labels}
+    with tqdm(total=sum(len(t.calls) for t in trajectories), unit="call", desc=f"replay {', '.join(labels)}",
+              disable=None if progress is None else not progress) as bar:
+        for framework, trajs in frameworks.items():
+            proposers = [spec.make() for spec in specs]
+            recorders = [_Recorder() for _ in specs]
+            next_rid = 0
+            for traj in trajs:
+                rids = []
+                for call, link in zip(traj.calls, session_links(traj)):
+                    rids.append(next_rid)
+                    extends = None if link is None else rids[link]
+                    for proposer, rec in zip(proposers, recorders):
+                        _replay_call(proposer, next_rid, call.prompt, call.response, extends, max_spec_tokens, rec)
+                    next_rid += 1
+                    bar.update(1)
+            for label, rec in zip(labels, recorders):
+                out[label][framework] = rec.finish()
+    return out
