@@ -729,6 +729,50 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
 
 # ---------------------------------------------------------------- Python-facing objects
 
+cdef int64_t INT32_MAX = 2147483647
+
+def as_tokens(tokens, int64_t limit=INT32_MAX):
+    """Validate token ids (integers in [0, limit]) and return them as a contiguous int32 array.
+
+    Lists and tuples go through a typed loop and int32 arrays through a view: the per-step appends of a few tokens
+    are where this matters. Anything else goes through numpy."""
+    cdef Py_ssize_t n, k
+    cdef int64_t v
+    cdef int32_t[::1] out
+    cdef const int32_t[::1] view
+    if type(tokens) is list or type(tokens) is tuple:
+        n = len(tokens)
+        arr = np.empty(n, dtype=np.int32)
+        out = arr
+        for k in range(n):
+            x = tokens[k]
+            if type(x) is not int and (isinstance(x, bool) or not isinstance(x, (int, np.integer))):
+                if isinstance(x, (list, tuple, np.ndarray)):
+                    raise ValueError("token ids must be a flat sequence of integers")
+                raise TypeError(f"token ids must be integers, got {type(x).__name__} values")
+            if x < 0 or x > limit:
+                raise ValueError(f"token id {x} is out of range [0, {limit}]")
+            out[k] = <int32_t> x
+        return arr
+    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be a flat sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got {arr.dtype} values")
+    if arr.dtype == np.int32 and arr.flags.c_contiguous:
+        view = arr
+        for k in range(view.shape[0]):
+            if view[k] < 0 or view[k] > limit:
+                raise ValueError(f"token id {view[k]} is out of range [0, {limit}]")
+        return arr
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > limit:
+        raise ValueError(f"token id {lo if lo < 0 else hi} is out of range [0, {limit}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
 cdef class _Scratch:
     """Draft buffers for one cache (not shared between caches, so two caches may speculate in two threads)."""
     cdef Draft a, b

@@ -45,19 +45,7 @@ class SuffixCacheFileError(ValueError):
 
 def as_token_array(tokens: Sequence[int] | np.ndarray, vocab_size: int | None = None) -> np.ndarray:
     """Validate token ids and return them as a contiguous int32 array (a clear error for anything else)."""
-    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"token ids must be a flat sequence, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int32)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"token ids must be integers, got {arr.dtype} values")
-    lo, hi = int(arr.min()), int(arr.max())
-    limit = _INT32_MAX if vocab_size is None else vocab_size - 1
-    if lo < 0 or hi > limit:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"token id {bad} is out of range [0, {limit}]")
-    return np.ascontiguousarray(arr, dtype=np.int32)
+    return _tree.as_tokens(tokens, _INT32_MAX if vocab_size is None else vocab_size - 1)
 
 
 class SuffixCache:
@@ -193,7 +181,9 @@ class SuffixCache:
         f = d["max_spec_factor"] if max_spec_factor is None else max_spec_factor
         o = d["max_spec_offset"] if max_spec_offset is None else max_spec_offset
         p = d["min_token_prob"] if min_token_prob is None else min_token_prob
-        self._check_spec_args(k, f, o, p, max_tree_nodes)
+        if not (max_spec_tokens is None and max_spec_factor is None and max_spec_offset is None
+                and min_token_prob is None and max_tree_nodes is None):   # the defaults were checked once
+            self._check_spec_args(k, f, o, p, max_tree_nodes)
         nodes = k if max_tree_nodes is None else max_tree_nodes
         with self._lock:
             states = [self._state(r) for r in request_ids]
