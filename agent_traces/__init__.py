@@ -10,7 +10,7 @@ as the oracle, and report what speculation would buy (tokens per step, acceptanc
 from hybridspec.agent_traces.formats import (Call, LoadResult, TraceFormatError, TraceSource, Trajectory,
                                              UnknownFormatError, detect_format, discover, load_source, load_traces,
                                              write_jsonl)
-from hybridspec.agent_traces.replay import (DEFAULT_VERIFY_MS, ProposerSpec, ReplayStats, VerifyCost, proposer_spec,
+from hybridspec.agent_traces.replay import (ProposerSpec, ReplayStats, proposer_spec,
                                             replay, session_links)
 from hybridspec.agent_traces.report import ReplayReport
 from hybridspec.agent_traces.tokenization import (ChatPieces, TokenizedCall, TokenizedTrajectory, TraceTokenizer,
@@ -19,6 +19,6 @@ from hybridspec.agent_traces.tokenization import (ChatPieces, TokenizedCall, Tok
 __all__ = [
     "Call", "Trajectory", "TraceSource", "LoadResult", "TraceFormatError", "UnknownFormatError", "detect_format",
     "discover", "load_source", "load_traces", "write_jsonl", "TraceTokenizer", "TokenizedCall", "TokenizedTrajectory",
-    "ChatPieces", "tokenizer_dir", "VerifyCost", "DEFAULT_VERIFY_MS", "ReplayStats", "ProposerSpec", "proposer_spec",
+    "ChatPieces", "tokenizer_dir", "ReplayStats", "ProposerSpec", "proposer_spec",
     "replay", "session_links", "ReplayReport",
 ]

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from hybridspec.agent_traces.formats import TraceFormatError, load_traces
-from hybridspec.agent_traces.replay import VerifyCost, arctic_available, proposer_spec, replay
+from hybridspec.agent_traces.replay import arctic_available, proposer_spec, replay
+from hybridspec.router import VerifyCost
 from hybridspec.agent_traces.report import ReplayReport
 from hybridspec.agent_traces.tokenization import TraceTokenizer
 
@@ -58,7 +59,7 @@ def _proposer_names(arg: str | None) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     try:
         names = _proposer_names(args.proposer)
-        cost = VerifyCost.from_json(args.cost_table) if args.cost_table else VerifyCost()
+        cost = VerifyCost.load(args.cost_table) if args.cost_table else VerifyCost()
         options = {
             "suffix": dict(max_depth=args.suffix_max_depth, max_spec_factor=args.suffix_max_spec_factor,
                            max_spec_offset=args.suffix_max_spec_offset, min_token_prob=args.suffix_min_token_prob),

@@ -10,9 +10,8 @@ global history, which persists across the trajectories of a framework as a serve
 fresh proposer: different agent frameworks are different deployments.
 
 Projected speedup: without speculation every response token costs one target step, t_verify(0). With it, a step
-that verifies k draft tokens costs t_verify(k) plus the proposer's measured speculate and append time. The default
-t_verify table is SmolLM2-135M's on this project's CPU; `python -m hybridspec.target --measure-verify-cost --json
-PATH` measures the user's own, and any {k: ms} table (e.g. a GPU server's) can be given instead.
+that verifies k draft tokens costs t_verify(k) plus the proposer's measured speculate and append time; the table is
+`hybridspec.router.VerifyCost` (SmolLM2-135M on this project's CPU by default, or the user's own).
 """
 from __future__ import annotations
 
@@ -28,54 +27,7 @@ import numpy as np
 
 from hybridspec.agent_traces.tokenization import TokenizedTrajectory
 from hybridspec.proposal import Proposer
-
-# Verification cost (ms) of SmolLM2-135M-Instruct, fp32, warm KV at 512 context, by number of draft tokens k
-# (DESIGN.md, measured on this project's 2-core CPU): a pass over 1 + k tokens.
-DEFAULT_VERIFY_MS: dict[int, float] = {0: 59.0, 1: 59.0, 2: 96.0, 4: 98.0, 8: 95.0, 16: 111.0, 32: 149.0}
-
-
-class VerifyCost:
-    """t_verify(k) in ms: piecewise-linear in k through the table's points, extrapolated from the last two."""
-
-    def __init__(self, table_ms: Mapping[int, float] = DEFAULT_VERIFY_MS):
-        if 0 not in table_ms:
-            raise ValueError("a verify-cost table needs k = 0 (a plain decoding step)")
-        items = sorted((int(k), float(v)) for k, v in table_ms.items())
-        if any(k < 0 or v <= 0 for k, v in items):
-            raise ValueError("verify-cost table: k must be >= 0 and every cost > 0 ms")
-        self.ks = np.array([k for k, _ in items], dtype=np.float64)
-        self.ms = np.array([v for _, v in items], dtype=np.float64)
-
-    def __call__(self, k: np.ndarray | int) -> np.ndarray:
-        k = np.asarray(k, dtype=np.float64)
-        out = np.interp(k, self.ks, self.ms)
-        if len(self.ks) > 1:
-            slope = (self.ms[-1] - self.ms[-2]) / (self.ks[-1] - self.ks[-2])
-            out = np.where(k > self.ks[-1], self.ms[-1] + slope * (k - self.ks[-1]), out)
-        return out
-
-    def table(self) -> dict[int, float]:
-        return {int(k): float(v) for k, v in zip(self.ks, self.ms)}
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "VerifyCost":
-        """Read {"k": ms, ...}, or the output of `python -m hybridspec.target --measure-verify-cost --json PATH`
-        ({"draft_tokens": [...], "ms": [...]}, possibly under "verify_cost")."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read the verify-cost table ({e})") from None
-        if isinstance(data, dict) and isinstance(data.get("verify_cost"), dict):
-            data = data["verify_cost"]
-        try:
-            if isinstance(data, dict) and "draft_tokens" in data:
-                table = dict(zip(map(int, data["draft_tokens"]), map(float, data["ms"]), strict=True))
-            else:
-                table = {int(k): float(v) for k, v in data.items()}
-            return cls(table)
-        except (AttributeError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: expected a JSON object {{k: ms}} with k = 0 included ({e})") from None
-
+from hybridspec.router import VerifyCost
 
 @dataclass
 class ReplayStats:

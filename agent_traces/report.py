@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from hybridspec.agent_traces.replay import ReplayStats, VerifyCost
+from hybridspec.agent_traces.replay import ReplayStats
+from hybridspec.router import VerifyCost
 
 _COLUMNS = [  # (header, metric key, format)
     ("calls", "calls", "{:,}"),

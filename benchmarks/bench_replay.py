@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridspec.agent_traces import (ReplayReport, ReplayStats, TraceTokenizer, VerifyCost, load_traces, proposer_spec,
+from hybridspec.agent_traces import (ReplayReport, ReplayStats, TraceTokenizer, load_traces, proposer_spec,
                                     replay)
 from hybridspec.agent_traces.replay import arctic_available
+from hybridspec.router import VerifyCost
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACES = REPO.parent / "shared" / "agent_traces"

@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hybridspec.router import VerifyCost
+
 from hybridspec.agent_traces import (Call, ChatPieces, TokenizedCall, TokenizedTrajectory, TraceFormatError,
-                                     TraceTokenizer, Trajectory, UnknownFormatError, VerifyCost, detect_format,
+                                     TraceTokenizer, Trajectory, UnknownFormatError, detect_format,
                                      load_source, load_traces, replay, session_links, write_jsonl)
 from hybridspec.agent_traces.replay import ProposerSpec
 from hybridspec.proposal import Proposal
@@ -469,21 +471,6 @@ def test_session_links_skip_calls_that_do_not_extend():
     b = TokenizedCall(np.array([1, 2, 3, 4, 5, 6], np.int32), np.array([7], np.int32))
     c = TokenizedCall(np.array([1, 2, 3, 4, 6], np.int32), np.array([7], np.int32))
     assert session_links(TokenizedTrajectory("fw", "s", [a, helper, b, c])) == [None, None, 0, None]
-
-
-def test_verify_cost_table(tmp_path):
-    cost = VerifyCost()
-    assert cost(0) == 59.0 and cost(16) == 111.0
-    assert cost(24) == pytest.approx((111.0 + 149.0) / 2)
-    assert cost(40) == pytest.approx(149.0 + 8 * (149.0 - 111.0) / 16)
-    (tmp_path / "t.json").write_text(json.dumps({"0": 10, "8": 12}))
-    assert VerifyCost.from_json(tmp_path / "t.json")(4) == pytest.approx(11.0)
-    measured = {"verify_cost": {"draft_tokens": [0, 2, 4], "ms": [20.0, 30.0, 32.0], "relative": [1, 1.5, 1.6]}}
-    (tmp_path / "m.json").write_text(json.dumps(measured))
-    assert VerifyCost.from_json(tmp_path / "m.json")(3) == pytest.approx(31.0)
-    (tmp_path / "bad.json").write_text(json.dumps({"4": 10}))
-    with pytest.raises(ValueError, match="bad.json.*k = 0"):
-        VerifyCost.from_json(tmp_path / "bad.json")
 
 
 # ------------------------------------------------------------------------------------------------------ CLI

@@ -1,0 +1,68 @@
+"""The verify-cost model: what one target forward pass over [last token] + k draft tokens costs.
+
+Speculation pays only where the expected accepted tokens outweigh the extra cost of the pass, so the router, the
+engine and trace replay all read one table: t(k) in ms for k draft tokens (k = 0 is a plain decoding step),
+piecewise-linear between its points and extrapolated from the last two. The default is SmolLM2-135M-Instruct's, fp32,
+1 thread, 512 tokens of context, measured on this project's 2-core CPU with
+`python -m hybridspec.target --measure-verify-cost --json PATH`; that command measures the user's own machine, and any
+{k: ms} table (a GPU server's, say) can be given instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+DEFAULT_VERIFY_MS: dict[int, float] = {0: 55.3, 1: 64.4, 2: 52.4, 4: 51.3, 8: 64.9, 16: 87.5, 32: 140.4}
+
+
+class VerifyCost:
+    """t(k): the cost in ms of verifying k draft tokens in one pass."""
+
+    def __init__(self, table_ms: Mapping[int, float] | None = None):
+        items = sorted((int(k), float(v)) for k, v in (DEFAULT_VERIFY_MS if table_ms is None else table_ms).items())
+        if not items or items[0][0] != 0:
+            raise ValueError("a verify-cost table needs k = 0 (a plain decoding step)")
+        if any(k < 0 or v <= 0 for k, v in items):
+            raise ValueError("verify-cost table: k must be >= 0 and every cost > 0 ms")
+        self.ks = np.array([k for k, _ in items], dtype=np.float64)
+        self.ms = np.array([v for _, v in items], dtype=np.float64)
+
+    def __call__(self, k: np.ndarray | int) -> np.ndarray:
+        k = np.asarray(k, dtype=np.float64)
+        out = np.interp(k, self.ks, self.ms)
+        if len(self.ks) > 1:
+            slope = (self.ms[-1] - self.ms[-2]) / (self.ks[-1] - self.ks[-2])
+            out = np.where(k > self.ks[-1], self.ms[-1] + slope * (k - self.ks[-1]), out)
+        return out
+
+    def relative(self, k: int) -> float:
+        """t(k) / t(0): the cost of the pass in plain decoding steps."""
+        return float(self(k)) / float(self.ms[0])
+
+    def table(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in zip(self.ks, self.ms)}
+
+    @classmethod
+    def load(cls, source: "VerifyCost | Mapping | str | os.PathLike | None") -> "VerifyCost":
+        """A cost model from itself, a {k: ms} mapping, None (the default), or a JSON file: {"k": ms, ...} or the
+        output of `python -m hybridspec.target --measure-verify-cost` ({"draft_tokens": [...], "ms": [...]})."""
+        if source is None or isinstance(source, VerifyCost):
+            return source or cls()
+        data = source
+        if isinstance(source, (str, os.PathLike)):
+            try:
+                data = json.loads(Path(source).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"{source}: cannot read the verify-cost table ({e})") from None
+        if isinstance(data, Mapping) and isinstance(data.get("verify_cost"), Mapping):
+            data = data["verify_cost"]
+        try:
+            if isinstance(data, Mapping) and "draft_tokens" in data:
+                data = dict(zip(map(int, data["draft_tokens"]), map(float, data["ms"]), strict=True))
+            return cls({int(k): float(v) for k, v in data.items()})
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ValueError(f"{source!r}: expected a table {{k: ms}} with k = 0 included ({e})") from None
