@@ -1,0 +1,240 @@
+"""Checkpoint formats that vLLM reads.
+
+P-EAGLE and EAGLE-3: the `speculators` format (vllm-project/speculators; vLLM's `SpeculatorsConfig` and
+`llama_eagle3.py`): config.json with `speculators_model_type` ("peagle" | "eagle3"), `transformer_layer_config` (a
+Llama config of the drafter's layers, vocab_size = the target's), `draft_vocab_size`, `target_hidden_size`,
+`eagle_aux_hidden_state_layer_ids`, `norm_before_residual` (written explicitly: vLLM's default differs between
+eagle3 (True) and peagle (False)), `mask_token_id` (P-EAGLE, required by vLLM) and `speculators_config` (proposal
+method with speculative_tokens, verifier); weights in model.safetensors named fc.weight, layers.N.*, norm.weight,
+lm_head.weight, d2t (offsets: target id = i + d2t[i]), t2d (bool mask), mask_hidden ([1, 3H], P-EAGLE). The input
+embedding is the target's and is not stored (vLLM shares it when `embed_tokens` is absent).
+
+LSTM: the Arctic speculator format (ArcticTraining's ArcticLSTMSpeculatorConfig, read by ArcticInference's
+ArcticLSTMSpeculator): config.json with model_type "mlp_speculator", method "sum_lstm", input_hidden_dim,
+inner_dim/proj_dim/emb_dim (strings), vocab_size, n_predict, tie_weights, tie_lstm_embs, scale_input; weights
+forget_emb.0, projs.0, projs.1, cell_ln.0, state_ln.0, head.0 (tied heads are stored once).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from hybridspec.speculators.common import (Drafter, EagleBase, EagleConfig, LayerConfig, TargetInfo,
+                                           default_aux_layer_ids)
+from hybridspec.speculators.eagle3 import Eagle3Drafter
+from hybridspec.speculators.lstm import LSTMConfig, LSTMDrafter
+from hybridspec.speculators.peagle import PEagleDrafter
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+SPECULATORS_VERSION = "0.3.0"
+EAGLE_ARCHITECTURES = {"peagle": "PEagleSpeculator", "eagle3": "Eagle3Speculator"}
+EAGLE_CLASSES: dict[str, type[EagleBase]] = {"peagle": PEagleDrafter, "eagle3": Eagle3Drafter}
+ARCTIC_ARCHITECTURE = "ArcticLSTMSpeculatorPreTrainedModel"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _weights(drafter: Drafter, dtype: torch.dtype | None, skip: Sequence[str] = ()) -> dict[str, Tensor]:
+    out = {}
+    for name, tensor in drafter.state_dict().items():
+        if any(name.startswith(s) for s in skip):
+            continue
+        tensor = tensor.detach().cpu()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        out[name] = tensor.contiguous()
+    return out
+
+
+def _write(path: Path, config: dict[str, Any], weights: dict[str, Tensor]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    # Write then rename, so an interrupted save never leaves a checkpoint that loads half-old, half-new.
+    tmp_weights, tmp_config = path / (WEIGHTS + ".tmp"), path / (CONFIG + ".tmp")
+    save_file(weights, str(tmp_weights), metadata={"format": "pt"})
+    tmp_config.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp_weights, path / WEIGHTS)
+    os.replace(tmp_config, path / CONFIG)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# speculators format (P-EAGLE, EAGLE-3)
+
+
+def eagle_config_dict(drafter: EagleBase, verifier_name_or_path: str = "", verifier_architectures: Sequence[str] = (),
+                      dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    cfg, layer = drafter.config, drafter.config.layer
+    kind = drafter.name
+    layer_config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.target_vocab_size,
+        "hidden_size": layer.hidden_size, "intermediate_size": layer.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": layer.num_attention_heads,
+        "num_key_value_heads": layer.num_key_value_heads, "head_dim": layer.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": layer.rms_norm_eps, "max_position_embeddings": layer.max_position_embeddings,
+        # Both spellings: transformers >= 5 reads rope_parameters, older readers rope_theta.
+        "rope_theta": layer.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": layer.rope_theta},
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    }
+    config: dict[str, Any] = {
+        "architectures": [EAGLE_ARCHITECTURES[kind]],
+        "speculators_model_type": kind,
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "norm_before_residual": cfg.norm_before_residual,
+        "tie_word_embeddings": False,
+        "dtype": _dtype_name(dtype),
+        "speculators_config": {
+            "algorithm": kind,
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
+        },
+    }
+    if kind == "peagle":
+        config["mask_token_id"] = cfg.mask_token_id
+    return config
+
+
+def _eagle_from_config(config: dict[str, Any]) -> tuple[type[EagleBase], EagleConfig]:
+    kind = config["speculators_model_type"]
+    if kind not in EAGLE_CLASSES:
+        raise ValueError(f"unsupported speculators_model_type {kind!r}; this loader reads {sorted(EAGLE_CLASSES)}")
+    layer = config.get("transformer_layer_config") or config.get("transformer_config")
+    if not isinstance(layer, dict):
+        raise ValueError("a speculators config needs a transformer_layer_config dictionary")
+    rope = layer.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"only default RoPE is supported in drafter layers, got {rope.get('rope_type')!r}")
+    heads = layer["num_attention_heads"]
+    layer_cfg = LayerConfig(
+        hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"], num_attention_heads=heads,
+        num_key_value_heads=layer.get("num_key_value_heads", heads),
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // heads, rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)),
+        max_position_embeddings=layer.get("max_position_embeddings", 8192))
+    proposals = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise ValueError("the checkpoint does not say which target layers it reads (eagle_aux_hidden_state_layer_ids); "
+                         "pass aux_layer_ids= to load it against the layers it was trained on")
+    eagle = EagleConfig(
+        layer=layer_cfg, num_layers=layer["num_hidden_layers"],
+        target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
+        target_vocab_size=layer["vocab_size"], draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"],
+        aux_layer_ids=tuple(ids), norm_before_residual=bool(config.get("norm_before_residual", kind == "eagle3")),
+        mask_token_id=config.get("mask_token_id"),
+        speculative_tokens=int(proposals[0].get("speculative_tokens", 3)))
+    return EAGLE_CLASSES[kind], eagle
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arctic LSTM format
+
+
+def lstm_config_dict(drafter: LSTMDrafter, verifier_name_or_path: str = "",
+                     dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    c = drafter.config
+    return {
+        "architectures": [ARCTIC_ARCHITECTURE], "base_model_name_or_path": verifier_name_or_path,
+        "model_type": "mlp_speculator", "method": "sum_lstm", "input_hidden_dim": c.input_hidden_dim,
+        "inner_dim": str(c.dim), "proj_dim": str(c.dim), "emb_dim": str(c.dim), "vocab_size": c.vocab_size,
+        "n_predict": c.n_predict, "n_candidates": c.n_predict, "num_lookahead_tokens": c.n_predict,
+        "top_k_tokens_per_head": [1] * c.n_predict, "tie_weights": True, "tie_lstm_embs": True,
+        "scale_input": c.scale_input, "torch_dtype": _dtype_name(dtype),
+    }
+
+
+def _lstm_from_config(config: dict[str, Any]) -> LSTMConfig:
+    if config.get("method") != "sum_lstm" or not config.get("tie_weights") or not config.get("tie_lstm_embs"):
+        raise ValueError("only Arctic LSTM speculators with method 'sum_lstm', tie_weights and tie_lstm_embs are "
+                         f"supported, got method={config.get('method')!r} tie_weights={config.get('tie_weights')} "
+                         f"tie_lstm_embs={config.get('tie_lstm_embs')}")
+    dims = {key: [int(x) for x in str(config[key]).split(".")] for key in ("inner_dim", "proj_dim", "emb_dim")}
+    if any(len(v) != 1 for v in dims.values()) or len({v[0] for v in dims.values()}) != 1:
+        raise ValueError(f"sum_lstm needs one equal inner/proj/emb dimension, got {dims}")
+    return LSTMConfig(input_hidden_dim=int(config["input_hidden_dim"]), dim=dims["inner_dim"][0],
+                      vocab_size=int(config["vocab_size"]), n_predict=int(config["n_predict"]),
+                      scale_input=bool(config.get("scale_input", False)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# public API
+
+
+def save_drafter(drafter: Drafter, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                 verifier_name_or_path: str = "", verifier_architectures: Sequence[str] = (),
+                 save_embeddings: bool = False) -> Path:
+    """Write `drafter` to the directory `path` in the format vLLM reads for its kind. dtype: cast floating weights
+    (e.g. torch.bfloat16 for a smaller file; None keeps them). The shared target embedding is stored only when
+    save_embeddings (vLLM then uses it instead of the target's)."""
+    path = Path(path)
+    dtype_written = dtype or next(drafter.parameters()).dtype
+    if isinstance(drafter, LSTMDrafter):
+        config = lstm_config_dict(drafter, verifier_name_or_path, dtype_written)
+        _write(path, config, _weights(drafter, dtype))
+    elif isinstance(drafter, EagleBase):
+        config = eagle_config_dict(drafter, verifier_name_or_path, verifier_architectures, dtype_written)
+        _write(path, config, _weights(drafter, dtype, skip=() if save_embeddings else ("embed_tokens.",)))
+    else:
+        raise TypeError(f"no checkpoint format for {type(drafter).__name__}")
+    return path
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a drafter checkpoint directory (no {CONFIG})")
+    return json.loads(file.read_text())
+
+
+def load_drafter(path: str | os.PathLike, *, target: Any = None, embed_tokens: Tensor | None = None,
+                 aux_layer_ids: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> Drafter:
+    """Load a P-EAGLE / EAGLE-3 (speculators format) or LSTM (Arctic format) drafter.
+
+    target: the target's config (or a TargetInfo); when given, a drafter whose vocabulary, hidden size or aux layer
+    ids do not fit it raises ValueError. aux_layer_ids: the layers the runtime captures, checked against the
+    checkpoint's. embed_tokens: the target's input embedding [V, H], needed by EAGLE-family checkpoints that do not
+    store their own.
+    """
+    config = read_config(path)
+    weights = load_file(str(Path(path) / WEIGHTS))
+    drafter: Drafter
+    if "speculators_model_type" in config:
+        if not config.get("eagle_aux_hidden_state_layer_ids") and target is not None:
+            # vLLM's fallback for checkpoints that do not record their layers; made explicit here.
+            config["eagle_aux_hidden_state_layer_ids"] = list(default_aux_layer_ids(TargetInfo.of(target).num_layers))
+        cls, eagle = _eagle_from_config(config)
+        stored = weights.pop("embed_tokens.weight", None)
+        embedding = stored if stored is not None else embed_tokens
+        if embedding is None:
+            raise ValueError(f"{path} does not store an input embedding: pass the target's as embed_tokens=")
+        drafter = cls(eagle, embed_tokens=embedding.to(dtype))
+        missing, unexpected = drafter.load_state_dict(weights, strict=False)
+        missing = [m for m in missing if not m.startswith("embed_tokens.")]
+    elif config.get("model_type") == "mlp_speculator" or ARCTIC_ARCHITECTURE in config.get("architectures", []):
+        drafter = LSTMDrafter(_lstm_from_config(config))
+        missing, unexpected = drafter.load_state_dict(weights, strict=False)
+    else:
+        raise ValueError(f"{path}: neither a speculators-format (speculators_model_type) nor an Arctic LSTM "
+                         f"(model_type mlp_speculator) checkpoint")
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    if target is not None:
+        drafter.check_target(target, aux_layer_ids)
+    elif aux_layer_ids is not None and list(aux_layer_ids) != list(drafter.aux_layer_ids):
+        raise ValueError(f"the runtime captures layers {list(aux_layer_ids)} but the drafter was trained on "
+                         f"{list(drafter.aux_layer_ids)}")
+    return drafter.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,45 @@
+"""`hybridspec train RECIPE.yaml`: build (or resume) the recipe's feature cache, then train (or resume) its drafter
+and write the checkpoint to the recipe's output directory."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hybridspec.speculators.train.recipe import load_recipe
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="train a drafter (P-EAGLE, EAGLE-3, LSTM) from a YAML recipe",
+                                   description=__doc__)
+    parser.add_argument("recipe", help="path of the recipe YAML")
+    parser.add_argument("--data-only", action="store_true", help="build the feature cache and stop")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop after this many more steps (the run resumes from there next time)")
+    parser.add_argument("--no-resume", action="store_true", help="start training from scratch")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from hybridspec.speculators.train.data import build_features, features_complete
+    from hybridspec.speculators.train.trainer import Trainer
+
+    recipe = load_recipe(args.recipe)
+    if args.no_resume:
+        recipe.output.resume = False
+    progress = not args.no_progress and sys.stderr.isatty()
+    torch.set_num_threads(recipe.training.threads)
+    if not features_complete(recipe):
+        # The face may use the runtime's model resolution; the training library itself takes a model object.
+        from hybridspec.models import load_model, load_tokenizer
+
+        build_features(recipe, load_model(recipe.target), load_tokenizer(recipe.target), progress=progress)
+    if args.data_only:
+        print(f"features ready in {recipe.feature_dir()}")
+        return 0
+    result = Trainer(recipe, recipe.feature_dir(), progress=progress).run(max_steps=args.max_steps)
+    print(json.dumps(result, indent=1))
+    return 0

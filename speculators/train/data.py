@@ -1,0 +1,321 @@
+"""Training data: prompts and texts, the target's responses, and the target features cached on disk in shards.
+
+A cache directory holds `meta.json` (the target's facts and the aux layer ids), `target_head.safetensors` (the
+target's input embedding and lm_head, which the drafters share or distil from), and shards
+`{train,heldout}-NNNNN.safetensors`, each written atomically: a shard that exists is complete, so an interrupted
+build resumes at the first missing one. A shard holds, for its sequences concatenated:
+    tokens [S] int32, offsets [n+1] int64, response_start [n] int64 (index of the first trained-on token),
+    aux [S, kH] fp16 (target hidden states at the inputs of the aux layers), final [S, H] fp16 (final hidden state),
+    topk_ids [S, k] int32 / topk_logits [S, k] fp16 (the target's next-token logits at each position),
+and in its metadata "sources": the data source of each sequence (JSON list).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from hybridspec.speculators.common import default_aux_layer_ids
+from hybridspec.speculators.train.recipe import PromptSource, Recipe
+
+SPLITS = ("heldout", "train")  # held-out first: a partial cache can already be evaluated on
+
+
+@dataclass(frozen=True)
+class Item:
+    """One training sequence to build: a user prompt, and (mode "text") the response text to use instead of the
+    target's own answer."""
+
+    source: str
+    prompt: str
+    response: str | None = None
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha1(f"{self.source}\0{self.prompt}\0{self.response}".encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# sources
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multi-part messages: keep the text parts
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def _conversations(path: Path) -> Iterator[list[dict]]:
+    """Message lists of the agent trace files under path (SWE-agent .traj, mini-swe-agent .traj.json,
+    AutoCodeRover conversation_round_*.json)."""
+    patterns = ("*.traj", "*.traj.json", "conversation_round_*.json")
+    files = [f for pattern in patterns for f in sorted(path.rglob(pattern))]
+    for file in files:
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        messages = data if isinstance(data, list) else data.get("history") or data.get("messages") or []
+        yield [m for m in messages if isinstance(m, dict) and "role" in m]
+
+
+def _source_items(source: PromptSource, path: Path) -> list[Item]:
+    name = f"{source.kind}:{path.name}"
+    if source.kind == "agent_traces":
+        items = []
+        for messages in _conversations(path):
+            for i, m in enumerate(messages):
+                if source.mode == "generate" and m["role"] == "user":
+                    items.append(Item(name, _message_text(m.get("content"))))
+                elif source.mode == "text" and m["role"] == "assistant" and i > 0 and messages[i - 1]["role"] == "user":
+                    items.append(Item(name, _message_text(messages[i - 1].get("content")),
+                                      _message_text(m.get("content"))))
+        return items
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if source.kind == "mt_bench":
+        if source.mode == "text":
+            raise ValueError("mt_bench has no responses: use mode 'generate'")
+        return [Item(name, r["turns"][0]) for r in rows]
+    if source.kind == "humaneval":
+        prompt = "Complete this Python function.\n\n```python\n{}```"
+        return [Item(name, prompt.format(r["prompt"]), r["canonical_solution"] if source.mode == "text" else None)
+                for r in rows]
+    if source.mode == "generate":
+        return [Item(name, r["text"]) for r in rows]
+    return [Item(name, r["prompt"], r["text"]) for r in rows]
+
+
+def heldout(item: Item, fraction: float) -> bool:
+    """Stable split by content hash: the same text is always on the same side."""
+    return int(item.key[:8], 16) / 0x100000000 < fraction
+
+
+def load_items(recipe: Recipe) -> dict[str, list[Item]]:
+    """Deduplicated items per split, in a stable order (by content hash), each source capped at max_items."""
+    out: dict[str, list[Item]] = {s: [] for s in SPLITS}
+    frac = recipe.data.heldout_fraction
+    for source in recipe.data.sources:
+        path = recipe.path(source.path)
+        if not path.exists():
+            raise FileNotFoundError(f"data source {source.kind} not found at {path}")
+        unique = {i.key: i for i in _source_items(source, path)
+                  if i.prompt.strip() and (i.response is None or i.response.strip())}
+        items = [unique[k] for k in sorted(unique)]
+        split = {"heldout": [i for i in items if heldout(i, frac)], "train": [i for i in items if not heldout(i, frac)]}
+        if source.max_items is not None:
+            n_held = max(1, round(source.max_items * frac))
+            split = {"heldout": split["heldout"][:n_held], "train": split["train"][: source.max_items - n_held]}
+        for s in SPLITS:
+            out[s].extend(split[s])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# building the cache
+
+
+def _prompt_ids(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
+    """Chat-templated prompt ids with the user text cut to max_tokens tokens (its head kept)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
+    messages = [{"role": "user", "content": tokenizer.decode(ids)}]
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    return ids
+
+
+def _response_ids(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
+    if len(ids) < max_tokens and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.inference_mode()
+def generate_responses(model: Any, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
+                       pad_id: int) -> list[list[int]]:
+    """Greedy responses of the target (cut after the first EOS), one left-padded batch."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad_id, eos_token_id=eos_id)
+    responses = []
+    for row in out[:, width:].tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[: row.index(eos_id) + 1]
+        responses.append(row)
+    return responses
+
+
+@torch.inference_mode()
+def target_features(model: Any, tokens: list[int], aux_layer_ids: Sequence[int], top_k: int) -> dict[str, Tensor]:
+    """The target's aux hidden states, final hidden state and top-k next-token logits at every position."""
+    ids = torch.tensor([tokens])
+    out = model.base_model(input_ids=ids, output_hidden_states=True)
+    hidden = out.hidden_states
+    final = hidden[-1][0]
+    logits = model.get_output_embeddings()(final)
+    values, indices = torch.topk(logits.float(), top_k, dim=-1)
+    return {"aux": torch.cat([hidden[i][0] for i in aux_layer_ids], dim=-1).half(), "final": final.half(),
+            "topk_ids": indices.int(), "topk_logits": values.half()}
+
+
+def _save_atomic(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def target_meta(model: Any, tokenizer: Any, aux_layer_ids: Sequence[int]) -> dict[str, Any]:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return {"num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+            "aux_layer_ids": list(aux_layer_ids), "pad_token_id": tokenizer.pad_token_id,
+            "name_or_path": getattr(cfg, "_name_or_path", ""), "architectures": list(cfg.architectures or []),
+            "config": cfg.to_dict()}
+
+
+def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = True) -> Path:
+    """Compute (or finish computing) the recipe's feature cache; returns its directory."""
+    root = recipe.feature_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    num_layers = model.config.num_hidden_layers
+    aux_ids = tuple(recipe.architecture.aux_layer_ids or default_aux_layer_ids(num_layers))
+    meta = target_meta(model, tokenizer, aux_ids)
+    meta_file = root / "meta.json"
+    if meta_file.exists():
+        old = json.loads(meta_file.read_text())
+        if (old["hidden_size"], old["vocab_size"], old["aux_layer_ids"]) != (meta["hidden_size"], meta["vocab_size"],
+                                                                              meta["aux_layer_ids"]):
+            raise ValueError(f"{root} holds features of another target or other layers; remove it or set "
+                             "data.cache_dir")
+    else:
+        meta_file.write_text(json.dumps(meta, indent=1))
+    head_file = root / "target_head.safetensors"
+    if not head_file.exists():
+        embed = model.get_input_embeddings().weight.detach().float()
+        head = model.get_output_embeddings().weight.detach().float()
+        tensors = {"embed_tokens": embed} if head.data_ptr() == embed.data_ptr() else {"embed_tokens": embed,
+                                                                                      "lm_head": head}
+        _save_atomic(tensors, head_file)
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    spec = recipe.data
+    items = load_items(recipe)
+    for split in SPLITS:
+        chunks = [items[split][i: i + spec.shard_size] for i in range(0, len(items[split]), spec.shard_size)]
+        todo = [(i, c) for i, c in enumerate(chunks) if not (root / f"{split}-{i:05d}.safetensors").exists()]
+        bar = tqdm(total=sum(len(c) for _, c in todo), desc=f"features ({split})", unit="seq", disable=not progress)
+        for index, chunk in todo:
+            prompts = [_prompt_ids(tokenizer, item.prompt, spec.max_prompt_tokens) for item in chunk]
+            responses: list[list[int] | None] = [
+                _response_ids(tokenizer, item.response, spec.max_text_tokens) if item.response is not None else None
+                for item in chunk]
+            to_generate = [j for j, r in enumerate(responses) if r is None]
+            for start in range(0, len(to_generate), spec.generation_batch_size):
+                batch = to_generate[start: start + spec.generation_batch_size]
+                for j, r in zip(batch, generate_responses(model, [prompts[j] for j in batch], spec.max_new_tokens,
+                                                          eos, pad)):
+                    responses[j] = r
+            parts, starts, sources = [], [], []
+            for item, prompt, response in zip(chunk, prompts, responses):
+                bar.update(1)
+                if len(response) < 2:  # nothing a drafter could learn from
+                    continue
+                parts.append(target_features(model, prompt + response, aux_ids, spec.top_k))
+                parts[-1]["tokens"] = torch.tensor(prompt + response, dtype=torch.int32)
+                starts.append(len(prompt))
+                sources.append(item.source)
+            if parts:
+                lengths = torch.tensor([p["tokens"].numel() for p in parts])
+                shard = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+                shard["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+                shard["response_start"] = torch.tensor(starts, dtype=torch.long)
+            else:
+                shard = {"offsets": torch.zeros(1, dtype=torch.long)}
+            _save_atomic(shard, root / f"{split}-{index:05d}.safetensors", {"sources": json.dumps(sources)})
+        bar.close()
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reading the cache
+
+
+class FeatureStore:
+    """All sequences of one split of a feature cache, in memory (fp16 features)."""
+
+    def __init__(self, root: str | os.PathLike, split: str) -> None:
+        root = Path(root)
+        if not (root / "meta.json").exists():
+            raise FileNotFoundError(f"{root} is not a feature cache (no meta.json): run the data step first")
+        self.meta = json.loads((root / "meta.json").read_text())
+        shards, self.sources = [], []  # sources: the data source of each sequence
+        for path in sorted(root.glob(f"{split}-*.safetensors")):
+            shard = load_file(str(path))
+            if shard["offsets"].numel() > 1:
+                shards.append(shard)
+                with safe_open(str(path), "pt") as f:
+                    self.sources.extend(json.loads(f.metadata()["sources"]))
+        if not shards:
+            raise ValueError(f"{root} has no {split} sequences")
+        keys = ("tokens", "aux", "final", "topk_ids", "topk_logits")
+        self.data = {k: torch.cat([s[k] for s in shards]) for k in keys}
+        spans, base = [], 0
+        for s in shards:
+            offsets = s["offsets"]
+            for i in range(offsets.numel() - 1):
+                spans.append((base + int(offsets[i]), base + int(offsets[i + 1]), int(s["response_start"][i])))
+            base += int(offsets[-1])
+        self.spans = spans  # (start, end, response start relative to start) per sequence
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data["tokens"].numel()
+
+    def response_target_counts(self, vocab_size: int) -> Tensor:
+        """How often each token is the target's greedy next token inside the responses (draft vocabulary input)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        top1 = self.data["topk_ids"][:, 0].long()
+        for start, end, rs in self.spans:
+            counts += torch.bincount(top1[start + rs - 1: end - 1], minlength=vocab_size)
+        return counts
+
+
+def load_target_head(root: str | os.PathLike) -> tuple[Tensor, Tensor]:
+    """(input embedding, lm_head weight) of the target the cache was built with."""
+    head = load_file(str(Path(root) / "target_head.safetensors"))
+    return head["embed_tokens"], head.get("lm_head", head["embed_tokens"])
+
+
+def features_complete(recipe: Recipe) -> bool:
+    """True when the cache already holds every shard the recipe's data would produce (no target needed then)."""
+    root = recipe.feature_dir()
+    if not ((root / "meta.json").exists() and (root / "target_head.safetensors").exists()):
+        return False
+    items = load_items(recipe)
+    size = recipe.data.shard_size
+    return all((root / f"{split}-{i:05d}.safetensors").exists()
+               for split in SPLITS for i in range(math.ceil(len(items[split]) / size)))

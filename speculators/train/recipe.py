@@ -1,0 +1,191 @@
+"""Training recipes: one YAML file holds the data, the drafter's architecture, the hyper-parameters and the output.
+
+    drafter: peagle            # peagle | eagle3 | lstm
+    target: smollm2            # "smollm2" or a local Hugging Face model directory
+    data: {...}                # DataSpec
+    architecture: {...}        # ArchitectureSpec
+    training: {...}            # TrainingSpec
+    output: {...}              # OutputSpec
+
+Unknown keys are errors (a typo must not silently train something else). Relative paths are relative to the recipe's
+directory, `~` is expanded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DRAFTERS = ("peagle", "eagle3", "lstm")
+
+
+def cache_root() -> Path:
+    """hybridspec's user cache ($HYBRIDSPEC_CACHE, else ~/.cache/hybridspec): feature caches and resumable state."""
+    root = os.environ.get("HYBRIDSPEC_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "hybridspec"
+
+
+@dataclass
+class PromptSource:
+    """Where prompts (or texts) come from.
+
+    kind: "agent_traces" (user turns of the trace files under path), "mt_bench" (first turns), "humaneval" (function
+    prompts), "jsonl" (field `text` of each line). mode: "generate" (the target answers the prompt; the response is
+    trained on) or "text" (the source's own text is the training text, with the target's features: for agent traces,
+    the assistant turns). max_items caps how many are taken (after deduplication, in a stable order).
+    """
+
+    kind: str
+    path: str
+    mode: str = "generate"
+    max_items: int | None = None
+
+
+@dataclass
+class DataSpec:
+    sources: list[PromptSource] = field(default_factory=list)
+    heldout_fraction: float = 0.1       # of each source, chosen by a hash of the text: never trained on
+    max_prompt_tokens: int = 256        # prompts are cut to this many tokens (head kept)
+    max_new_tokens: int = 160           # generated response length cap
+    max_text_tokens: int = 384          # "text" items are cut to this many tokens
+    generation_batch_size: int = 8
+    shard_size: int = 16                # sequences per cached shard (the unit of resumption)
+    top_k: int = 8                      # target logits kept per position
+    cache_dir: str | None = None        # default: <cache>/features/<hash of target + data settings>
+
+
+@dataclass
+class ArchitectureSpec:
+    num_layers: int = 1                 # EAGLE family decoder layers
+    intermediate_size: int | None = None  # default: the target's
+    draft_vocab_size: int = 8192
+    mask_token_id: int | None = None    # P-EAGLE; default: the tokenizer's pad token, else 0
+    aux_layer_ids: list[int] | None = None  # default: (2, L//2, L-3)
+    norm_before_residual: bool = False
+    dim: int = 128                      # LSTM inner/proj/emb dimension
+    n_predict: int = 7                  # LSTM heads trained
+    scale_input: bool = True            # LSTM: normalise the target hidden state first
+
+
+@dataclass
+class TrainingSpec:
+    steps: int = 500
+    tokens_per_step: int = 768          # real slots packed into one step
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_depth: int = 7                  # chain depth trained (P-EAGLE parallel depths, EAGLE-3 TTT steps, LSTM heads)
+    keep_ratio: float = 0.7             # per-depth chain sampling (P-EAGLE, LSTM): ~n * max(keep^d, min) at depth d
+    min_ratio: float = 0.2
+    sample_chains: bool = True          # False: every chain to every depth (EAGLE-3's training-time test)
+    eval_every: int = 100
+    save_every: int = 50
+    eval_ks: list[int] = field(default_factory=lambda: [3, 5, 7])
+    eval_max_sequences: int | None = None
+    seed: int = 0
+    threads: int = 1                    # more OpenMP threads than free cores is many times slower, not faster
+
+
+@dataclass
+class OutputSpec:
+    dir: str = "checkpoints/drafter"
+    dtype: str = "bfloat16"             # weights as written; training runs in float32
+    state_dir: str | None = None        # resumable state; default: <cache>/train/<recipe hash>
+    resume: bool = True
+    verifier: str | None = None         # the target's name recorded in the checkpoint (e.g. a hub id); default: target
+
+
+@dataclass
+class Recipe:
+    drafter: str
+    target: str = "smollm2"
+    data: DataSpec = field(default_factory=DataSpec)
+    architecture: ArchitectureSpec = field(default_factory=ArchitectureSpec)
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    output: OutputSpec = field(default_factory=OutputSpec)
+    base_dir: str = "."                 # the recipe's directory (relative paths resolve against it)
+
+    def path(self, value: str) -> Path:
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else Path(self.base_dir) / p
+
+    def data_key(self) -> str:
+        """Identifies the cached features: the target, every data setting and the aux layers they hold."""
+        spec = dataclasses.asdict(self.data)
+        spec.pop("cache_dir")
+        spec.pop("generation_batch_size")
+        for source in spec["sources"]:
+            source["path"] = str(self.path(source["path"]).resolve())
+        blob = json.dumps({"target": self.target, "data": spec, "aux_layer_ids": self.architecture.aux_layer_ids},
+                          sort_keys=True)
+        return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+    def feature_dir(self) -> Path:
+        if self.data.cache_dir:
+            return self.path(self.data.cache_dir)
+        return cache_root() / "features" / self.data_key()
+
+    def state_dir(self) -> Path:
+        if self.output.state_dir:
+            return self.path(self.output.state_dir)
+        # Everything that shapes the training run, not where or how its result is written.
+        blob = json.dumps({k: v for k, v in dataclasses.asdict(self).items() if k not in ("base_dir", "output")},
+                          sort_keys=True)
+        return cache_root() / "train" / hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+    def output_dir(self) -> Path:
+        return self.path(self.output.dir)
+
+
+def _build(cls: type, value: Any, where: str) -> Any:
+    if value is None:
+        return cls()
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(value).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"unknown key(s) in {where}: {unknown}; allowed: {sorted(names)}")
+    return cls(**value)
+
+
+def recipe_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> Recipe:
+    if not isinstance(raw, dict):
+        raise ValueError("a recipe must be a YAML mapping")
+    allowed = {"drafter", "target", "data", "architecture", "training", "output"}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ValueError(f"unknown top-level recipe key(s): {unknown}; allowed: {sorted(allowed)}")
+    if raw.get("drafter") not in DRAFTERS:
+        raise ValueError(f"recipe 'drafter' must be one of {DRAFTERS}, got {raw.get('drafter')!r}")
+    data_raw = dict(raw.get("data") or {})
+    sources = [_build(PromptSource, s, "data.sources[]") for s in data_raw.pop("sources", [])]
+    for s in sources:
+        if s.kind not in ("agent_traces", "mt_bench", "humaneval", "jsonl") or s.mode not in ("generate", "text"):
+            raise ValueError(f"bad data source {s}: kind must be agent_traces|mt_bench|humaneval|jsonl, "
+                             "mode generate|text")
+    data = _build(DataSpec, data_raw, "data")
+    data.sources = sources
+    if not 0.0 < data.heldout_fraction < 1.0:
+        raise ValueError(f"data.heldout_fraction must be in (0, 1), got {data.heldout_fraction}")
+    training = _build(TrainingSpec, raw.get("training"), "training")
+    if training.max_depth < max(training.eval_ks, default=1):
+        raise ValueError(f"training.max_depth {training.max_depth} < the largest eval K {max(training.eval_ks)}")
+    return Recipe(drafter=raw["drafter"], target=str(raw.get("target", "smollm2")), data=data,
+                  architecture=_build(ArchitectureSpec, raw.get("architecture"), "architecture"),
+                  training=training, output=_build(OutputSpec, raw.get("output"), "output"), base_dir=str(base_dir))
+
+
+def load_recipe(path: str | os.PathLike) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no recipe at {path}")
+    return recipe_from_dict(yaml.safe_load(path.read_text()), base_dir=path.parent.resolve())

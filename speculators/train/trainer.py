@@ -1,0 +1,363 @@
+"""The training loop shared by the three drafters: packed batches of real slots, chains sampled per depth, the loss of
+each drafter, periodic evaluation of acceptance length on held-out text, resumable checkpoints.
+
+Slot j of a sequence x_0..x_{T-1} is the target's features at position j with the token x_{j+1} that followed; the
+chain element (j, d) predicts x_{j+d+2}, whose target distribution is the target's output at position j+d+1.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from hybridspec.speculators.common import (ChainLayout, EagleBase, EagleConfig, LayerConfig, build_draft_vocab,
+                                           full_chain_origins, sample_chain_origins)
+from hybridspec.speculators.eagle3 import Eagle3Drafter
+from hybridspec.speculators.formats import save_drafter
+from hybridspec.speculators.lstm import LSTMConfig, LSTMDrafter
+from hybridspec.speculators.peagle import PEagleDrafter
+from hybridspec.speculators.train.data import FeatureStore, load_target_head
+from hybridspec.speculators.train.recipe import Recipe
+
+STATE_FILE = "train_state.pt"
+
+
+@dataclass
+class Batch:
+    """Real slots of several sequences packed together (one row per slot)."""
+
+    aux: Tensor           # [N, kH] target aux hidden states
+    final: Tensor         # [N, H] target final hidden state
+    next_tokens: Tensor   # [N] the token after the slot's position
+    target_final: Tensor  # [N, H] target final hidden state one position later (its distribution is the slot's target)
+    target_top1: Tensor   # [N] the target's greedy token for the slot's target
+    loss_mask: Tensor     # [N] the slot's target token is inside the response
+    is_origin: Tensor     # [N] drafting starts here at inference (the committed token is a response token)
+    seq_id: Tensor        # [N]
+    positions: Tensor     # [N]
+    valid_depth: Tensor   # [N] deepest chain element whose target exists in the same sequence
+
+    def __len__(self) -> int:
+        return self.next_tokens.numel()
+
+
+def make_batch(store: FeatureStore, seq_indices: list[int], max_slots: int, max_depth: int) -> Batch:
+    """Pack sequences; a sequence longer than max_slots keeps its last max_slots slots (the response end)."""
+    rows, seq_ids, positions, loss, origin, depth = [], [], [], [], [], []
+    for b, index in enumerate(seq_indices):
+        start, end, rs = store.spans[index]
+        n = end - start - 2  # slots 0..T-3: each has a target token inside the sequence
+        if n <= 0:
+            continue
+        first = max(0, n - max_slots)
+        j = torch.arange(first, n)
+        rows.append(start + j)
+        seq_ids.append(torch.full_like(j, b))
+        positions.append(j)
+        loss.append(j + 2 >= rs)
+        origin.append(j + 1 >= rs)
+        depth.append(torch.clamp(n - 1 - j, max=max_depth - 1))
+    g = torch.cat(rows)
+    data = store.data
+    return Batch(aux=data["aux"][g].float(), final=data["final"][g].float(), next_tokens=data["tokens"][g + 1].long(),
+                 target_final=data["final"][g + 1].float(), target_top1=data["topk_ids"][g + 1, 0].long(),
+                 loss_mask=torch.cat(loss), is_origin=torch.cat(origin), seq_id=torch.cat(seq_ids),
+                 positions=torch.cat(positions), valid_depth=torch.cat(depth))
+
+
+def chain_logits(drafter: Any, batch: Batch, layout: ChainLayout) -> list[Tensor]:
+    """The drafter's logits for every chain element of `layout` (EAGLE family: aux features, LSTM: final)."""
+    inputs = batch.aux if isinstance(drafter, EagleBase) else batch.final
+    return drafter.chain_logits(inputs, batch.next_tokens, layout)
+
+
+def predicted_ids(drafter: Any, logits: Tensor) -> Tensor:
+    """Greedy draft tokens as target ids."""
+    ids = logits.argmax(-1)
+    return drafter.draft_to_target()[ids] if isinstance(drafter, EagleBase) else ids
+
+
+def walk_acceptance(correct: Tensor, valid_depth: Tensor, is_origin: Tensor, k: int) -> tuple[int, int]:
+    """(tokens, steps) of greedy speculative decoding over one sequence's slots with chains of k drafts.
+
+    correct [n, max_k]: draft d of the chain from slot i equals the target's greedy token. Decoding starts at the first
+    origin; a step from slot i commits 1 + (leading correct drafts, within the text) tokens and the next step starts
+    that many slots later, exactly as online decoding with a drafter whose state is rebuilt from target features.
+    """
+    origins = torch.nonzero(is_origin).flatten()
+    if origins.numel() == 0:
+        return 0, 0
+    limit = torch.clamp(valid_depth + 1, max=k)
+    run = torch.cumprod(correct[:, :k].int(), dim=1)
+    accepted = [min(int(r), int(m)) for r, m in zip(run.sum(1), limit)]
+    tokens = steps = 0
+    pos, end = int(origins[0]), correct.shape[0]
+    while pos < end:
+        step = 1 + accepted[pos]
+        tokens, steps, pos = tokens + step, steps + 1, pos + step
+    return tokens, steps
+
+
+@torch.no_grad()
+def evaluate_acceptance(drafter: Any, store: FeatureStore, ks: list[int], indices: list[int] | None = None,
+                        slots_per_batch: int = 512) -> dict[str, Any]:
+    """Acceptance length at each K: tokens per decoding step (1 + accepted drafts) of greedy speculative decoding
+    through the responses of the given sequences, simulated offline.
+
+    Exact for greedy decoding: the drafter sees the target features it would see online, and teacher-forcing the real
+    tokens equals feeding its own drafts for as long as they are accepted. (Averaging the acceptance of every position
+    instead would overstate it: online, steps start at the hard positions right after a rejection.)
+    """
+    drafter.eval()
+    max_k = max(ks)
+    indices = list(range(len(store))) if indices is None else indices
+    totals = {k: [0, 0] for k in ks}
+    depth_correct, depth_count = torch.zeros(max_k), torch.zeros(max_k)
+    groups, group, size = [], [], 0
+    for index in indices:
+        start, end, _ = store.spans[index]
+        group.append(index)
+        size += end - start
+        if size >= slots_per_batch:
+            groups.append(group)
+            group, size = [], 0
+    groups += [group] if group else []
+    for group in groups:
+        # whole sequences: the walk needs every slot of a response
+        batch = make_batch(store, group, 1 << 30, max_k)
+        layout = ChainLayout(batch.seq_id, batch.positions, full_chain_origins(batch.valid_depth, max_k))
+        correct = torch.zeros(len(batch), max_k, dtype=torch.bool)
+        for d, (lg, origins) in enumerate(zip(chain_logits(drafter, batch, layout), layout.origins)):
+            hit = predicted_ids(drafter, lg) == batch.target_top1[origins + d]
+            correct[origins, d] = hit
+            counted = batch.loss_mask[origins + d]
+            depth_correct[d] += (hit & counted).sum()
+            depth_count[d] += counted.sum()
+        for s in range(len(group)):
+            rows = batch.seq_id == s
+            for k in ks:
+                tokens, steps = walk_acceptance(correct[rows], batch.valid_depth[rows], batch.is_origin[rows], k)
+                totals[k][0] += tokens
+                totals[k][1] += steps
+    result: dict[str, Any] = {f"acceptance@{k}": totals[k][0] / totals[k][1] if totals[k][1] else float("nan")
+                              for k in ks}
+    result["steps"] = {k: totals[k][1] for k in ks}
+    result["accuracy_by_depth"] = [round(float(c / max(n, 1)), 4) for c, n in zip(depth_correct, depth_count)]
+    return result
+
+def build_drafter(recipe: Recipe, meta: dict[str, Any], embed: Tensor) -> Any:
+    arch, cfg = recipe.architecture, SimpleNamespace(**meta["config"])
+    if recipe.drafter == "lstm":
+        return LSTMDrafter(LSTMConfig(input_hidden_dim=meta["hidden_size"], dim=arch.dim, vocab_size=meta["vocab_size"],
+                                      n_predict=arch.n_predict, scale_input=arch.scale_input))
+    mask_token = arch.mask_token_id
+    if mask_token is None:
+        mask_token = meta.get("pad_token_id") or 0
+    eagle = EagleConfig(layer=LayerConfig.like_target(cfg, arch.intermediate_size), num_layers=arch.num_layers,
+                        target_hidden_size=meta["hidden_size"], target_vocab_size=meta["vocab_size"],
+                        draft_vocab_size=arch.draft_vocab_size, aux_layer_ids=tuple(meta["aux_layer_ids"]),
+                        norm_before_residual=arch.norm_before_residual,
+                        mask_token_id=mask_token if recipe.drafter == "peagle" else None,
+                        speculative_tokens=max(recipe.training.eval_ks))
+    cls = PEagleDrafter if recipe.drafter == "peagle" else Eagle3Drafter
+    return cls(eagle, embed_tokens=embed)
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, feature_dir: str | os.PathLike, progress: bool = True) -> None:
+        self.recipe, self.progress = recipe, progress
+        t = recipe.training
+        torch.manual_seed(t.seed)
+        self.train = FeatureStore(feature_dir, "train")
+        self.heldout = FeatureStore(feature_dir, "heldout")
+        self.meta = self.train.meta
+        embed, lm_head = load_target_head(feature_dir)
+        self.drafter = build_drafter(recipe, self.meta, embed)
+        self.is_eagle = isinstance(self.drafter, EagleBase)
+        if self.is_eagle:
+            d2t, t2d = build_draft_vocab(self.train.response_target_counts(self.meta["vocab_size"]),
+                                         recipe.architecture.draft_vocab_size)
+            self.drafter.set_draft_vocab(d2t, t2d)
+            # The target's lm_head rows of the draft vocabulary: KL targets over the draft vocabulary.
+            self.draft_head = lm_head[self.drafter.draft_to_target()].float()
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+        self.generator = torch.Generator().manual_seed(t.seed)
+        self.step, self.elapsed, self.history = 0, 0.0, []
+        self.epoch, self.cursor, self.order = 0, 0, torch.randperm(len(self.train), generator=self.generator)
+        self.state_dir = recipe.state_dir()
+
+    # -- schedule and batches -----------------------------------------------------------------------------------------
+
+    def lr_at(self, step: int) -> float:
+        t = self.recipe.training
+        if step < t.warmup_steps:
+            return t.lr * (step + 1) / t.warmup_steps
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+    def next_batch(self) -> Batch:
+        t = self.recipe.training
+        chosen, slots = [], 0
+        while slots < t.tokens_per_step:
+            if self.cursor >= len(self.order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self.order = torch.randperm(len(self.train), generator=self.generator)
+            index = int(self.order[self.cursor])
+            self.cursor += 1
+            start, end, _ = self.train.spans[index]
+            chosen.append(index)
+            slots += max(0, end - start - 2)
+        return make_batch(self.train, chosen, t.tokens_per_step, t.max_depth)
+
+    def layout(self, batch: Batch, sample: bool) -> ChainLayout:
+        t = self.recipe.training
+        first = None
+        if not self.is_eagle:  # the LSTM reads no context: only chains with a trained-on target are worth running
+            slots = torch.arange(len(batch))
+            first = slots[batch.loss_mask[slots + batch.valid_depth]]
+        if sample:
+            origins = sample_chain_origins(batch.valid_depth, t.max_depth, t.keep_ratio, t.min_ratio, self.generator,
+                                           first)
+        else:
+            origins = full_chain_origins(batch.valid_depth, t.max_depth, first)
+        return ChainLayout(seq_id=batch.seq_id, positions=batch.positions, origins=origins)
+
+    # -- loss ---------------------------------------------------------------------------------------------------------
+
+    def loss(self, batch: Batch) -> tuple[Tensor, dict[str, float]]:
+        """Mean over depths of each depth's masked mean loss (every depth weighs the same, as in P-EAGLE)."""
+        layout = self.layout(batch, self.recipe.training.sample_chains)
+        logits = chain_logits(self.drafter, batch, layout)
+        if self.is_eagle:
+            with torch.no_grad():
+                target_logp = torch.log_softmax(batch.target_final @ self.draft_head.T, dim=-1)
+        total, metrics = 0.0, {}
+        for d, (lg, origins) in enumerate(zip(logits, layout.origins)):
+            slots = origins + d
+            mask = batch.loss_mask[slots].float()
+            if self.is_eagle:  # KL(target || draft) over the draft vocabulary
+                tl = target_logp[slots]
+                per = (tl.exp() * (tl - torch.log_softmax(lg, dim=-1))).sum(-1)
+            else:              # per-head cross-entropy on the target's greedy token
+                per = F.cross_entropy(lg, batch.target_top1[slots], reduction="none")
+            count = mask.sum().clamp(min=1.0)
+            total = total + (per * mask).sum() / count / len(logits)
+            with torch.no_grad():
+                correct = (predicted_ids(self.drafter, lg) == batch.target_top1[slots]).float()
+                metrics[f"acc{d}"] = float((correct * mask).sum() / count)
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def train_step(self) -> dict[str, float]:
+        self.drafter.train()
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss, metrics = self.loss(self.next_batch())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.recipe.training.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return metrics
+
+    # -- evaluation ---------------------------------------------------------------------------------------------------
+
+    def evaluate(self, store: FeatureStore | None = None, ks: list[int] | None = None) -> dict[str, Any]:
+        """Acceptance on the held-out split (or `store`); see evaluate_acceptance."""
+        store = store or self.heldout
+        indices = list(range(len(store)))[: self.recipe.training.eval_max_sequences]
+        slots = max(64, self.recipe.training.tokens_per_step // (1 if self.is_eagle else 4))
+        return evaluate_acceptance(self.drafter, store, ks or self.recipe.training.eval_ks, indices, slots)
+
+    # -- state --------------------------------------------------------------------------------------------------------
+
+    def trainable_state(self) -> dict[str, Tensor]:
+        return {k: v for k, v in self.drafter.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    def save_state(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        state = {"step": self.step, "elapsed": self.elapsed, "history": self.history, "model": self.trainable_state(),
+                 "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
+                 "torch_rng": torch.get_rng_state(), "epoch": self.epoch, "cursor": self.cursor, "order": self.order}
+        tmp = self.state_dir / (STATE_FILE + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.state_dir / STATE_FILE)
+
+    def load_state(self) -> bool:
+        file = self.state_dir / STATE_FILE
+        if not file.exists():
+            return False
+        state = torch.load(file, weights_only=False)
+        missing, unexpected = self.drafter.load_state_dict(state["model"], strict=False)
+        if unexpected or any(not m.startswith("embed_tokens.") for m in missing):
+            raise ValueError(f"{file} does not fit this recipe's drafter; remove it or set output.resume: false")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.elapsed, self.history = state["step"], state["elapsed"], state["history"]
+        self.epoch, self.cursor, self.order = state["epoch"], state["cursor"], state["order"]
+        return True
+
+    # -- the run ------------------------------------------------------------------------------------------------------
+
+    def run(self, max_steps: int | None = None) -> dict[str, Any]:
+        """Train to recipe.training.steps (or stop after max_steps more, e.g. to test resumption), evaluating and
+        saving periodically; on completion write the checkpoint and train_log.json to the output directory."""
+        t = self.recipe.training
+        torch.set_num_threads(t.threads)
+        if self.recipe.output.resume:
+            self.load_state()
+        stop = t.steps if max_steps is None else min(t.steps, self.step + max_steps)
+        bar = tqdm(total=t.steps, initial=self.step, desc=f"train {self.recipe.drafter}", disable=not self.progress)
+        since_save = time.perf_counter()
+        final_eval = None  # the last step's evaluation, when this process ran it
+        while self.step < stop:
+            metrics = self.train_step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc0']:.2f}")
+            record: dict[str, Any] = {"step": self.step, **{k: round(v, 4) for k, v in metrics.items()}}
+            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                record["eval"] = self.evaluate()
+                final_eval = record["eval"] if self.step == t.steps else None
+                bar.write(f"step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in record["eval"].items()
+                                                           if k.startswith("acceptance")))
+            self.history.append(record)
+            if self.step % t.save_every == 0 or self.step == stop:
+                now = time.perf_counter()
+                self.elapsed += now - since_save
+                since_save = now
+                self.save_state()
+        bar.close()
+        self.elapsed += time.perf_counter() - since_save
+        result = {"step": self.step, "done": self.step >= t.steps}
+        if result["done"]:
+            result["final_eval"] = final_eval or self.evaluate()
+            self.write_output(result["final_eval"])
+        return result
+
+    def write_output(self, final_eval: dict[str, Any]) -> Path:
+        out = self.recipe.output_dir()
+        dtype = getattr(torch, self.recipe.output.dtype)
+        save_drafter(self.drafter, out, dtype=dtype,
+                     verifier_name_or_path=self.recipe.output.verifier or self.recipe.target,
+                     verifier_architectures=self.meta.get("architectures", []))
+        log = {"drafter": self.recipe.drafter, "target": self.recipe.target, "steps": self.step,
+               "train_seconds": round(self.elapsed, 1), "train_sequences": len(self.train),
+               "train_tokens": self.train.num_tokens, "heldout_sequences": len(self.heldout),
+               "heldout_tokens": self.heldout.num_tokens, "final_eval": final_eval,
+               "recipe": {k: v for k, v in asdict(self.recipe).items() if k != "base_dir"},
+               "history": [h for h in self.history if "eval" in h]}
+        (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+        return out

@@ -1,0 +1,422 @@
+"""Model drafters (P-EAGLE, EAGLE-3, LSTM) against a tiny random Llama target: shapes, the one-pass property of
+P-EAGLE, inference == training computation, KV-cache bookkeeping, checkpoint formats, mismatch errors, and a few
+training steps per drafter raising acceptance above chance."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridspec.proposal import Proposal
+from hybridspec.speculators import (DrafterProposer, Eagle3Drafter, EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter,
+                                    PEagleDrafter, TargetFeatures, TargetInfo, build_draft_vocab,
+                                    default_aux_layer_ids, load_drafter, save_drafter)
+from hybridspec.speculators.common import ChainLayout, full_chain_origins, sample_chain_origins
+
+K = 5
+DRAFT_VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model):
+    return tiny_model
+
+
+@pytest.fixture(scope="module")
+def sequence(target):
+    """A greedy continuation x_0..x_{T-1} of the tiny target and its features at positions 0..T-2 (row i produced
+    x_{i+1}, so tokens[1:] are the aligned next tokens)."""
+    torch.manual_seed(1)
+    prompt = torch.randint(3, target.config.vocab_size, (1, 12))
+    with torch.no_grad():
+        tokens = target.generate(prompt, max_new_tokens=28, do_sample=False, eos_token_id=None, pad_token_id=0)[0]
+        hidden = target.model(tokens[None], output_hidden_states=True).hidden_states
+    features = TargetFeatures.from_hidden_states(hidden, default_aux_layer_ids(target.config.num_hidden_layers))
+    return tokens, features[:-1]
+
+
+def eagle_config(target, *, num_layers=2, mask=True) -> EagleConfig:
+    c = target.config
+    return EagleConfig(layer=LayerConfig.like_target(c), num_layers=num_layers, target_hidden_size=c.hidden_size,
+                       target_vocab_size=c.vocab_size, draft_vocab_size=DRAFT_VOCAB,
+                       aux_layer_ids=default_aux_layer_ids(c.num_hidden_layers),
+                       mask_token_id=c.vocab_size - 1 if mask else None, speculative_tokens=K)
+
+
+def make_drafter(kind: str, target, seed: int = 0):
+    torch.manual_seed(seed)
+    c = target.config
+    if kind == "lstm":
+        return LSTMDrafter(LSTMConfig(input_hidden_dim=c.hidden_size, dim=24, vocab_size=c.vocab_size,
+                                      n_predict=K)).eval()
+    cls = PEagleDrafter if kind == "peagle" else Eagle3Drafter
+    drafter = cls(eagle_config(target, num_layers=2 if kind == "peagle" else 1),
+                  embed_tokens=target.get_input_embeddings().weight)
+    counts = torch.rand(c.vocab_size, generator=torch.Generator().manual_seed(seed))
+    drafter.set_draft_vocab(*build_draft_vocab(counts, DRAFT_VOCAB))
+    with torch.no_grad():  # random weights give flat logits; sharpen so argmax comparisons mean something
+        drafter.lm_head.weight.mul_(20)
+    return drafter.eval()
+
+
+KINDS = ["peagle", "eagle3", "lstm"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# features and vocabulary
+
+
+def test_features_from_hidden_states_picks_layer_inputs(target, sequence):
+    tokens, features = sequence
+    ids = default_aux_layer_ids(target.config.num_hidden_layers)
+    assert ids == (2, 3, 3)
+    captured = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, kw, i=i: captured.__setitem__(i, kw.get("hidden_states",
+                                                                                                 a[0] if a else None)),
+                                             with_kwargs=True)
+             for i, layer in enumerate(target.model.layers)]
+    with torch.no_grad():
+        final = target.model(tokens[None]).last_hidden_state[0]
+    for h in hooks:
+        h.remove()
+    h = target.config.hidden_size
+    for slot, layer_id in enumerate(ids):
+        torch.testing.assert_close(features.aux[:, slot * h:(slot + 1) * h], captured[layer_id][0, :-1])
+    torch.testing.assert_close(features.final, final[:-1])
+    with pytest.raises(ValueError, match="outside the target"):
+        TargetFeatures.from_hidden_states([torch.zeros(3, h)] * 4, (1, 2, 3))
+    with pytest.raises(ValueError, match="same n"):
+        TargetFeatures(torch.zeros(3, 6), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="at least 4 layers"):
+        default_aux_layer_ids(3)
+
+
+def test_draft_vocab_keeps_most_frequent_tokens_as_offsets():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])
+    d2t, t2d = build_draft_vocab(counts, 4)
+    target_ids = torch.arange(4) + d2t
+    assert target_ids.tolist() == [0, 2, 3, 5]  # the 4 most frequent, ordered by target id
+    assert t2d.nonzero().flatten().tolist() == [0, 2, 3, 5]
+    # ties broken by the lower target id, deterministically
+    assert (torch.arange(2) + build_draft_vocab(torch.ones(8), 2)[0]).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_draft_vocab(counts, 9)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# proposals
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_proposal_shapes(kind, target, sequence):
+    tokens, features = sequence
+    drafter = make_drafter(kind, target)
+    state = drafter.begin(features, tokens[1:])
+    proposal = drafter.propose(state, K)
+    assert isinstance(proposal, Proposal) and proposal.source == kind
+    assert len(proposal) == K and proposal.parents == [-1, 0, 1, 2, 3] and proposal.is_chain
+    assert proposal.draft_logits.shape == (K, target.config.vocab_size)
+    assert all(0 <= t < target.config.vocab_size for t in proposal.token_ids)
+    # greedy: each token is the argmax of its logits; probs are cumulative and the score their sum
+    assert proposal.token_ids == proposal.draft_logits.argmax(-1).tolist()
+    assert all(a >= b for a, b in zip(proposal.probs, proposal.probs[1:]))
+    assert proposal.score == pytest.approx(sum(proposal.probs))
+    if kind != "lstm":  # tokens outside the draft vocabulary can never be proposed
+        outside = ~drafter.t2d
+        assert torch.isinf(proposal.draft_logits[:, outside]).all()
+        assert all(drafter.t2d[t] for t in proposal.token_ids)
+
+
+def count_layer_calls(drafter):
+    calls = []
+    hook = drafter.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, out: calls.append(a[0].shape[0]))
+    return calls, hook
+
+
+def test_peagle_drafts_k_tokens_in_one_forward_pass(target, sequence):
+    tokens, features = sequence
+    drafter = make_drafter("peagle", target)
+    state = drafter.begin(features, tokens[1:])
+    calls, hook = count_layer_calls(drafter)
+    drafter.propose(state, 7)
+    assert calls == [len(features) + 6]  # one pass: every pending real slot plus K-1 mask slots
+    calls.clear()
+    drafter.accept(state, features[-3:], [5, 6, 7])
+    drafter.propose(state, 7)
+    assert calls == [3 + 6]              # later passes: only the new real slots
+    assert len(state.kv) == len(features) + 3  # mask slots never stay in the cache
+    hook.remove()
+
+
+def test_eagle3_drafts_with_k_sequential_passes(target, sequence):
+    tokens, features = sequence
+    drafter = make_drafter("eagle3", target)
+    state = drafter.begin(features, tokens[1:])
+    calls, hook = count_layer_calls(drafter)
+    drafter.propose(state, 7)
+    hook.remove()
+    assert calls == [len(features)] + [1] * 6
+    assert len(state.kv) == len(features)  # draft slots are dropped after proposing
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inference_matches_training_computation(kind, target, sequence):
+    """Proposals from the KV-cached inference path equal the chains of the training forward (all chains at once)."""
+    tokens, features = sequence
+    drafter = make_drafter(kind, target)
+    next_tokens = tokens[1:].clone()
+    n = len(next_tokens)
+    for origin in (4, 15):
+        proposal = drafter.propose(drafter.begin(features[: origin + 1], next_tokens[: origin + 1]), K)
+        # Teacher forcing with the drafted tokens reproduces the autoregressive drafters' chains.
+        chain_tokens = next_tokens.clone()
+        chain_tokens[origin + 1: origin + K] = torch.tensor(proposal.token_ids[: K - 1])
+        layout = ChainLayout(seq_id=torch.zeros(n, dtype=torch.long), positions=torch.arange(n),
+                             origins=full_chain_origins(torch.clamp(n - 1 - torch.arange(n), max=K - 1), K))
+        with torch.no_grad():
+            inputs = features.final[:n] if kind == "lstm" else features.aux[:n]
+            logits = drafter.chain_logits(inputs, chain_tokens, layout)
+        rows = torch.stack([logits[d][layout.rank_in_depth[d][origin]] for d in range(K)])
+        expected = rows if kind == "lstm" else drafter.full_vocab_logits(rows)
+        torch.testing.assert_close(proposal.draft_logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_incremental_accepts_equal_a_fresh_start(kind, target, sequence):
+    tokens, features = sequence
+    drafter = make_drafter(kind, target)
+    next_tokens = tokens[1:]
+    fresh = drafter.propose(drafter.begin(features, next_tokens), K)
+    state = drafter.begin(features[:10], next_tokens[:10])
+    first = drafter.propose(state, K)
+    assert drafter.propose(state, K).token_ids == first.token_ids  # proposing again changes nothing
+    for start, end in ((10, 11), (11, 19), (19, len(features))):
+        drafter.accept(state, features[start:end], next_tokens[start:end])
+        drafter.propose(state, 3)
+    again = drafter.propose(state, K)
+    assert again.token_ids == fresh.token_ids
+    torch.testing.assert_close(again.draft_logits, fresh.draft_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_draws_from_the_given_distribution(kind, target, sequence):
+    tokens, features = sequence
+    drafter = make_drafter(kind, target)
+    state = drafter.begin(features, tokens[1:])
+    forced = int(drafter.propose(state, 1).token_ids[0])
+
+    def one_hot(logits):  # a processing that keeps only one token
+        p = torch.zeros_like(logits)
+        p[forced] = 1.0
+        return p
+
+    proposal = drafter.propose(state, 4, probs_fn=one_hot)
+    assert proposal.token_ids == [forced] * 4 and proposal.probs == [1.0] * 4
+    soft = lambda logits: torch.softmax(logits / 2.0, dim=-1)  # noqa: E731
+    a = drafter.propose(state, 4, soft, torch.Generator().manual_seed(3))
+    b = drafter.propose(state, 4, soft, torch.Generator().manual_seed(3))
+    assert a.token_ids == b.token_ids
+
+
+def test_errors_on_misaligned_input(target, sequence):
+    tokens, features = sequence
+    for kind in KINDS:
+        drafter = make_drafter(kind, target)
+        with pytest.raises(ValueError, match="one token per row"):
+            drafter.begin(features, tokens[1:4])
+        with pytest.raises(RuntimeError, match="begin"):
+            drafter.propose(drafter.new_state(), 3)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        PEagleDrafter(eagle_config(target, mask=False))
+    with pytest.raises(ValueError, match="target embedding"):
+        PEagleDrafter(eagle_config(target), embed_tokens=torch.zeros(5, target.config.hidden_size))
+
+
+def test_drafter_proposer_keeps_state_in_step_with_accepted_tokens(target):
+    """Greedy speculative decoding driven through DrafterProposer exactly as an engine would: the output equals plain
+    greedy decoding and after every step the drafter proposes what a fresh drafter over the same prefix proposes."""
+    aux_ids = default_aux_layer_ids(target.config.num_hidden_layers)
+    prompt = torch.randint(3, target.config.vocab_size, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        reference = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(prompt):].tolist()
+
+    def forward(ids):
+        with torch.no_grad():
+            out = target(torch.tensor([ids]), output_hidden_states=True)
+        return out.logits[0], TargetFeatures.from_hidden_states(out.hidden_states, aux_ids)
+
+    for kind in KINDS:
+        drafter = make_drafter(kind, target)
+        proposer = DrafterProposer(drafter, num_speculative_tokens=4)
+        logits, feats = forward(prompt)
+        sequence = prompt + [int(logits[-1].argmax())]
+        proposer.start_request("r", prompt, features=feats, next_token=sequence[-1])
+        steps = 0
+        while len(sequence) - len(prompt) < 24:
+            proposal = proposer.speculate("r")
+            assert len(proposal) == 4
+            logits, feats = forward(sequence + proposal.token_ids)
+            base = len(sequence) - 1  # position of the last committed token
+            accepted = 0
+            while accepted < len(proposal) and proposal.token_ids[accepted] == int(logits[base + accepted].argmax()):
+                accepted += 1
+            new_tokens = proposal.token_ids[:accepted] + [int(logits[base + accepted].argmax())]
+            proposer.append("r", new_tokens, features=feats[base: base + accepted + 1])
+            sequence += new_tokens
+            steps += 1
+            fresh = make_drafter(kind, target)
+            _, full = forward(sequence[:-1])
+            fresh_proposal = fresh.propose(fresh.begin(full, sequence[1:]), 4)
+            assert proposer.speculate("r").token_ids == fresh_proposal.token_ids
+        proposer.finish_request("r")
+        assert sequence[len(prompt):len(prompt) + 24] == reference
+        assert proposer.states == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# formats
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_round_trip_gives_identical_proposals(kind, target, sequence, tmp_path):
+    tokens, features = sequence
+    drafter = make_drafter(kind, target)
+    if kind == "peagle":
+        with torch.no_grad():
+            drafter.mask_hidden.normal_()
+    save_drafter(drafter, tmp_path / kind, verifier_name_or_path="tiny")
+    loaded = load_drafter(tmp_path / kind, target=target.config, embed_tokens=target.get_input_embeddings().weight)
+    assert type(loaded) is type(drafter)
+    for name, tensor in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0)
+    for k in (1, K):
+        a = drafter.propose(drafter.begin(features, tokens[1:]), k)
+        b = loaded.propose(loaded.begin(features, tokens[1:]), k)
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.draft_logits, b.draft_logits, rtol=0, atol=0)
+    # bfloat16 halves the file and still loads
+    save_drafter(drafter, tmp_path / "bf16", dtype=torch.bfloat16)
+    size = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in (kind, "bf16")}
+    assert size["bf16"] < 0.6 * size[kind]
+    load_drafter(tmp_path / "bf16", target=target.config, embed_tokens=target.get_input_embeddings().weight)
+
+
+def test_speculators_config_has_the_keys_vllm_reads(target, tmp_path):
+    from safetensors import safe_open
+    from transformers import LlamaConfig
+
+    for kind in ("peagle", "eagle3"):
+        save_drafter(make_drafter(kind, target), tmp_path / kind, verifier_name_or_path="tiny")
+        config = json.loads((tmp_path / kind / "config.json").read_text())
+        assert config["speculators_model_type"] == kind
+        assert config["draft_vocab_size"] == DRAFT_VOCAB
+        assert config["target_hidden_size"] == target.config.hidden_size
+        assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+        assert config["norm_before_residual"] is False  # explicit: vLLM defaults it to True for eagle3
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+        assert ("mask_token_id" in config) == (kind == "peagle")
+        layer = LlamaConfig(**config["transformer_layer_config"])  # what vLLM builds the draft model config from
+        assert layer.vocab_size == target.config.vocab_size
+        assert layer.num_hidden_layers == (2 if kind == "peagle" else 1)
+        with safe_open(str(tmp_path / kind / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.self_attn.q_proj.weight",
+                "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
+                "layers.0.mlp.down_proj.weight"} <= names
+        assert ("mask_hidden" in names) == (kind == "peagle")
+        assert not any(n.startswith("embed_tokens") for n in names)  # shared with the target
+        with safe_open(str(tmp_path / kind / "model.safetensors"), "pt") as f:
+            assert f.get_tensor("layers.0.self_attn.q_proj.weight").shape[1] == 2 * target.config.hidden_size
+            if kind == "peagle":
+                assert f.get_tensor("mask_hidden").shape == (1, 3 * target.config.hidden_size)
+                assert f.get_tensor("layers.1.self_attn.q_proj.weight").shape[1] == target.config.hidden_size
+            assert f.get_tensor("t2d").dtype == torch.bool and f.get_tensor("d2t").dtype == torch.int64
+
+
+def test_arctic_lstm_config_and_weight_names(target, tmp_path):
+    from safetensors import safe_open
+
+    save_drafter(make_drafter("lstm", target), tmp_path / "lstm")
+    config = json.loads((tmp_path / "lstm" / "config.json").read_text())
+    assert config["model_type"] == "mlp_speculator" and config["method"] == "sum_lstm"
+    assert config["tie_weights"] and config["tie_lstm_embs"]
+    assert (config["inner_dim"], config["emb_dim"], config["proj_dim"]) == ("24", "24", "24")
+    assert config["input_hidden_dim"] == target.config.hidden_size and config["n_predict"] == K
+    with safe_open(str(tmp_path / "lstm" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == {"forget_emb.0.weight", "projs.0.weight", "projs.1.weight", "cell_ln.0.weight",
+                                 "cell_ln.0.bias", "state_ln.0.weight", "state_ln.0.bias", "head.0.weight"}
+        assert f.get_tensor("projs.0.weight").shape == (4 * 24, target.config.hidden_size)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loading_against_a_mismatched_target_fails_clearly(kind, target, tmp_path):
+    save_drafter(make_drafter(kind, target), tmp_path / kind)
+    embed = target.get_input_embeddings().weight
+    c = target.config
+    with pytest.raises(ValueError, match="vocabulary"):
+        load_drafter(tmp_path / kind, target=TargetInfo(c.num_hidden_layers, c.hidden_size, c.vocab_size + 1),
+                     embed_tokens=embed)
+    with pytest.raises(ValueError, match="hidden size"):
+        load_drafter(tmp_path / kind, target=TargetInfo(c.num_hidden_layers, c.hidden_size * 2, c.vocab_size),
+                     embed_tokens=embed)
+    if kind != "lstm":
+        with pytest.raises(ValueError, match="layers"):  # trained on layer 3 of a 6-layer target; this one has 3
+            load_drafter(tmp_path / kind, target=TargetInfo(3, c.hidden_size, c.vocab_size), embed_tokens=embed)
+        with pytest.raises(ValueError, match=r"captures layers \[1, 2, 3\]"):
+            load_drafter(tmp_path / kind, target=c, embed_tokens=embed, aux_layer_ids=[1, 2, 3])
+        with pytest.raises(ValueError, match="embed_tokens"):
+            load_drafter(tmp_path / kind, target=c)
+    with pytest.raises(FileNotFoundError):
+        load_drafter(tmp_path / "nothing")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# chain sampling
+
+
+def test_chain_sampling_keeps_complete_chains_per_depth():
+    valid = torch.clamp(torch.arange(999, -1, -1), max=7)  # 1000 slots; chains near the end are short
+    origins = sample_chain_origins(valid, 8, 0.7, 0.2, torch.Generator().manual_seed(0))
+    assert origins[0].tolist() == list(range(1000))
+    for d in range(1, 8):
+        assert len(origins[d]) == min(round(1000 * max(0.7 ** d, 0.2)), int((valid >= d).sum()))
+        assert set(origins[d].tolist()) <= set(origins[d - 1].tolist())  # nested: every chain is complete
+        assert bool((valid[origins[d]] >= d).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafter_proposer_accepts_a_window_of_the_prompt(kind, target, sequence):
+    """An engine may hand over features of the prompt's last positions only: the drafter then drafts from that window
+    (its positions are relative), exactly as a drafter begun on the same window."""
+    tokens, features = sequence
+    prompt, next_token = tokens[:-1].tolist(), int(tokens[-1])
+    drafter = make_drafter(kind, target)
+    proposer = DrafterProposer(drafter, num_speculative_tokens=3)
+    proposer.start_request("w", prompt, features=features[-8:], next_token=next_token)
+    expected = drafter.propose(drafter.begin(features[-8:], tokens[-8:]), 3)
+    assert proposer.speculate("w").token_ids == expected.token_ids
+    assert proposer.speculate("w", max_spec_tokens=0).token_ids == []
+    assert len(proposer.speculate("w", max_spec_tokens=2)) == 2
+
+
+def test_chains_can_start_from_a_subset_of_slots(target, sequence):
+    """The LSTM reads no context, so its training chains may start from some slots only: same logits per chain."""
+    tokens, features = sequence
+    drafter = make_drafter("lstm", target)
+    n = len(features)
+    valid = torch.clamp(n - 1 - torch.arange(n), max=K - 1)
+    seq, pos = torch.zeros(n, dtype=torch.long), torch.arange(n)
+    first = torch.tensor([3, 7, 20, n - 2])
+    full = ChainLayout(seq, pos, full_chain_origins(valid, K))
+    part = ChainLayout(seq, pos, full_chain_origins(valid, K, first))
+    assert part.origins[1].tolist() == [3, 7, 20, n - 2] and part.origins[2].tolist() == [3, 7, 20]
+    sampled = sample_chain_origins(valid, K, 0.7, 0.2, torch.Generator().manual_seed(1), first)
+    assert sampled[0] is first and set(sampled[1].tolist()) <= set(first.tolist())
+    with torch.no_grad():
+        a = drafter.chain_logits(features.final, tokens[1:], full)
+        b = drafter.chain_logits(features.final, tokens[1:], part)
+    for d in range(K):
+        torch.testing.assert_close(b[d], a[d][full.rank_in_depth[d][part.origins[d]]])

@@ -1,0 +1,288 @@
+"""The training pipeline: recipes, prompt sources and the held-out split, the resumable feature cache, batch
+alignment, a few training steps per drafter (loss falls, acceptance rises above chance), resumption, the CLI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hybridspec.speculators import (DrafterProposer, TargetFeatures, TargetInfo, default_aux_layer_ids,
+                                    load_drafter)
+from hybridspec.testing import tiny_llama
+from hybridspec.speculators.train import (FeatureStore, Trainer, build_features, features_complete, load_items,
+                                          load_recipe, recipe_from_dict)
+from hybridspec.speculators.train import data as data_module
+from hybridspec.speculators.train.trainer import make_batch, walk_acceptance
+
+WORKLOADS = Path("/work/shared/workloads")
+RECIPES = Path(__file__).resolve().parents[1] / "speculators" / "recipes"
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory) -> Path:
+    """A small jsonl prompt set (the real MT-Bench file when present, else synthetic questions)."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    if (WORKLOADS / "mt_bench_questions.jsonl").exists():
+        lines = (WORKLOADS / "mt_bench_questions.jsonl").read_text().splitlines()
+        rows = [json.loads(line)["turns"][0] for line in lines]
+    else:
+        rows = [f"Question {i}: how would you explain topic {i * 7 % 13} to a child?" for i in range(40)]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    return path
+
+
+def tiny_recipe(drafter: str, root: Path, chat_file: Path, **training) -> dict:
+    return {
+        "drafter": drafter, "target": "tiny",
+        "data": {"sources": [{"kind": "jsonl", "path": str(chat_file), "max_items": 24}], "heldout_fraction": 0.25,
+                 "max_prompt_tokens": 24, "max_new_tokens": 40, "shard_size": 6, "generation_batch_size": 6,
+                 "cache_dir": str(root / "features")},
+        "architecture": {"num_layers": 1, "draft_vocab_size": 96, "mask_token_id": 127, "dim": 32, "n_predict": 7},
+        "training": {"steps": 40, "tokens_per_step": 192, "lr": 3e-3, "warmup_steps": 4, "eval_every": 0,
+                     "save_every": 10, **training},
+        "output": {"dir": str(root / f"out-{drafter}"), "state_dir": str(root / f"state-{drafter}"),
+                   "dtype": "float32"},
+    }
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny random target whose greedy text mixes repeats and short loops with fresh tokens: structure a drafter can
+    learn in a few dozen steps (the shared tiny_model's text is too varied for that)."""
+    return tiny_llama(init_std=0.1)
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory, target, tiny_tokenizer, chat_file) -> Path:
+    root = tmp_path_factory.mktemp("train")
+    recipe = recipe_from_dict(tiny_recipe("peagle", root, chat_file))
+    build_features(recipe, target, tiny_tokenizer, progress=False)
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# recipes
+
+
+def test_shipped_recipes_load():
+    names = {p.stem: load_recipe(p) for p in RECIPES.glob("*.yaml")}
+    assert {r.drafter for r in names.values()} == {"peagle", "eagle3", "lstm"}
+    for recipe in names.values():
+        assert recipe.target == "smollm2" and recipe.data.sources
+        assert recipe.output_dir().is_relative_to(RECIPES.parent)
+    # the three drafters share one feature cache, so they are trained on the same data
+    assert len({r.feature_dir() for r in names.values()}) == 1
+
+
+def test_recipe_errors(tmp_path):
+    with pytest.raises(ValueError, match="drafter"):
+        recipe_from_dict({"drafter": "medusa"})
+    with pytest.raises(ValueError, match="unknown key"):
+        recipe_from_dict({"drafter": "peagle", "training": {"stpes": 3}})
+    with pytest.raises(ValueError, match="unknown top-level"):
+        recipe_from_dict({"drafter": "peagle", "optimizer": {}})
+    with pytest.raises(ValueError, match="bad data source"):
+        recipe_from_dict({"drafter": "lstm", "data": {"sources": [{"kind": "web", "path": "x"}]}})
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        recipe_from_dict({"drafter": "lstm", "data": {"heldout_fraction": 0}})
+    with pytest.raises(ValueError, match="max_depth"):
+        recipe_from_dict({"drafter": "lstm", "training": {"max_depth": 3, "eval_ks": [3, 5]}})
+    with pytest.raises(FileNotFoundError):
+        load_recipe(tmp_path / "missing.yaml")
+    (tmp_path / "r.yaml").write_text("drafter: lstm\noutput: {dir: out}\n")
+    assert load_recipe(tmp_path / "r.yaml").output_dir() == tmp_path.resolve() / "out"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# sources and splits
+
+
+def test_agent_trace_sources_and_stable_heldout_split(tmp_path):
+    traj = {"history": [{"role": "system", "content": "sys"}, {"role": "user", "content": "fix bug A"},
+                        {"role": "assistant", "content": "looking at A"}, {"role": "user", "content": "output of ls"},
+                        {"role": "assistant", "content": "ls shows files"}]}
+    mini = {"messages": [{"role": "user", "content": [{"type": "text", "text": "task B"}]},
+                         {"role": "assistant", "content": "doing B"}]}
+    (tmp_path / "a.traj").write_text(json.dumps(traj))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.traj.json").write_text(json.dumps(mini))
+    (tmp_path / "sub" / "conversation_round_0.json").write_text(json.dumps(traj["history"][:3]))  # duplicate turns
+    base = {"drafter": "lstm", "data": {"heldout_fraction": 0.5}}
+    base["data"]["sources"] = [{"kind": "agent_traces", "path": str(tmp_path)}]
+    items = load_items(recipe_from_dict(base))
+    prompts = sorted(i.prompt for s in items.values() for i in s)
+    assert prompts == ["fix bug A", "output of ls", "task B"]  # user turns, deduplicated
+    base["data"]["sources"][0]["mode"] = "text"
+    pairs = sorted((i.prompt, i.response) for s in load_items(recipe_from_dict(base)).values() for i in s)
+    assert pairs == [("fix bug A", "looking at A"), ("output of ls", "ls shows files"), ("task B", "doing B")]
+
+
+def test_heldout_split_is_disjoint_stable_and_capped(chat_file):
+    recipe = recipe_from_dict({"drafter": "lstm", "data": {"sources": [{"kind": "jsonl", "path": str(chat_file)}],
+                                                           "heldout_fraction": 0.2}})
+    first, second = load_items(recipe), load_items(recipe)
+    assert first == second
+    train, held = {i.key for i in first["train"]}, {i.key for i in first["heldout"]}
+    assert train and held and not train & held
+    assert 0.05 < len(held) / (len(train) + len(held)) < 0.4
+    recipe.data.sources[0].max_items = 10
+    capped = load_items(recipe)
+    assert len(capped["train"]) + len(capped["heldout"]) == 10 and len(capped["heldout"]) == 2
+    assert {i.key for i in capped["heldout"]} <= held  # capping never moves an item across the split
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the feature cache
+
+
+def test_feature_cache_holds_the_targets_features(features, target):
+    store = FeatureStore(features / "features", "train")
+    assert len(store) >= 10 and store.meta["aux_layer_ids"] == [2, 3, 3]
+    assert store.sources == ["jsonl:prompts.jsonl"] * len(store)
+    start, end, rs = store.spans[3]
+    tokens = store.data["tokens"][start:end].long()
+    with torch.no_grad():
+        out = target(tokens[None], output_hidden_states=True)
+    expected = TargetFeatures.from_hidden_states(out.hidden_states, (2, 3, 3))
+    torch.testing.assert_close(store.data["aux"][start:end].float(), expected.aux, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(store.data["final"][start:end].float(), expected.final, atol=2e-3, rtol=2e-3)
+    assert torch.equal(store.data["topk_ids"][start:end, 0].long(), out.logits[0].argmax(-1))
+    # the response is the target's greedy continuation of the prompt
+    assert torch.equal(tokens[rs:], out.logits[0, rs - 1:-1].argmax(-1))
+
+
+def test_feature_cache_resumes_at_the_first_missing_shard(features, target, tiny_tokenizer, chat_file, monkeypatch):
+    recipe = recipe_from_dict(tiny_recipe("peagle", features, chat_file))
+    assert features_complete(recipe)
+    shard = features / "features" / "train-00001.safetensors"
+    before = shard.read_bytes()
+    shard.unlink()
+    assert not features_complete(recipe)
+    calls = []
+    real = data_module.generate_responses
+    monkeypatch.setattr(data_module, "generate_responses", lambda m, p, *a: calls.append(len(p)) or real(m, p, *a))
+    build_features(recipe, target, tiny_tokenizer, progress=False)
+    assert calls == [6]  # only the missing shard's six prompts were generated again
+    assert shard.read_bytes() == before and features_complete(recipe)
+    with pytest.raises(ValueError, match="another target"):
+        build_features(recipe, tiny_llama(hidden_size=32), tiny_tokenizer, progress=False)
+
+
+def test_batches_align_slots_with_their_targets(features):
+    store = FeatureStore(features / "features", "train")
+    batch = make_batch(store, [0, 1], max_slots=10_000, max_depth=7)
+    start, end, rs = store.spans[0]
+    n = end - start - 2
+    assert torch.equal(batch.positions[:n], torch.arange(n)) and bool((batch.seq_id[:n] == 0).all())
+    tokens, top1 = store.data["tokens"].long(), store.data["topk_ids"][:, 0].long()
+    assert torch.equal(batch.next_tokens[:n], tokens[start + 1: start + 1 + n])
+    assert torch.equal(batch.target_top1[:n], top1[start + 1: start + 1 + n])
+    assert torch.equal(batch.loss_mask[:n], torch.arange(n) + 2 >= rs)
+    assert batch.valid_depth[n - 1] == 0 and batch.valid_depth[0] == 6
+    cropped = make_batch(store, [0], max_slots=5, max_depth=7)
+    assert torch.equal(cropped.positions, torch.arange(n - 5, n))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# training
+
+
+@pytest.mark.parametrize("kind", ["peagle", "eagle3", "lstm"])
+def test_a_few_steps_lower_the_loss_and_raise_acceptance(kind, features, chat_file, target):
+    steps = {"peagle": 80, "eagle3": 60, "lstm": 80}[kind]
+    recipe = recipe_from_dict(tiny_recipe(kind, features, chat_file, steps=steps, save_every=1000))
+    recipe.output.resume = False
+    trainer = Trainer(recipe, features / "features", progress=False)
+    before, before_heldout = trainer.evaluate(trainer.train), trainer.evaluate()
+    trainer.run()
+    after, after_heldout = trainer.evaluate(trainer.train), trainer.evaluate()
+    losses = [h["loss"] for h in trainer.history]
+    assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
+    # chance is ~1 + 1/vocab tokens per step; an untrained drafter sits there
+    assert before["acceptance@3"] < 1.05 and before_heldout["acceptance@3"] < 1.05
+    assert after["acceptance@3"] > 1.3 and after_heldout["acceptance@3"] > 1.25
+    # the offline figure is what greedy speculative decoding with the drafter achieves on the held-out prompts
+    online = online_tokens_per_step(target, trainer.drafter, trainer.heldout, k=3)
+    assert online == pytest.approx(after_heldout["acceptance@3"], abs=0.03)
+    # the run wrote a checkpoint in the drafter's format and a log
+    log = json.loads((recipe.output_dir() / "train_log.json").read_text())
+    assert log["steps"] == steps and "acceptance@7" in log["final_eval"]
+    meta = trainer.meta
+    loaded = load_drafter(recipe.output_dir(), target=TargetInfo(meta["num_layers"], meta["hidden_size"],
+                                                                 meta["vocab_size"]),
+                          embed_tokens=trainer.drafter.state_dict().get("embed_tokens.weight"))
+    assert type(loaded) is type(trainer.drafter)
+
+
+def online_tokens_per_step(target, drafter, store, k: int) -> float:
+    """Greedy speculative decoding of each held-out prompt to its response's length, driven as an engine would."""
+    aux_ids = default_aux_layer_ids(target.config.num_hidden_layers)
+
+    def forward(ids):
+        with torch.no_grad():
+            out = target(torch.tensor([ids]), output_hidden_states=True)
+        return out.logits[0], TargetFeatures.from_hidden_states(out.hidden_states, aux_ids)
+
+    proposer, tokens, steps = DrafterProposer(drafter, num_speculative_tokens=k), 0, 0
+    for request, (start, end, rs) in enumerate(store.spans):
+        prompt = store.data["tokens"][start:start + rs].tolist()
+        logits, features = forward(prompt)
+        sequence = prompt + [int(logits[-1].argmax())]
+        proposer.start_request(request, prompt, features=features, next_token=sequence[-1])
+        while len(sequence) < end - start:
+            proposal = proposer.speculate(request)
+            logits, features = forward(sequence + proposal.token_ids)
+            base, accepted = len(sequence) - 1, 0
+            while accepted < k and proposal.token_ids[accepted] == int(logits[base + accepted].argmax()):
+                accepted += 1
+            new_tokens = proposal.token_ids[:accepted] + [int(logits[base + accepted].argmax())]
+            proposer.append(request, new_tokens, features=features[base:base + accepted + 1])
+            sequence += new_tokens
+            tokens, steps = tokens + len(new_tokens), steps + 1
+        proposer.finish_request(request)
+    return tokens / steps
+
+
+def test_walk_acceptance_steps_like_decoding():
+    correct = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    valid = torch.tensor([2, 2, 2, 2, 2, 1, 0])
+    origin = torch.tensor([0, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
+    # starts at slot 1: 1 token -> slot 2: 1+3 -> slot 6: 1 token (end of text)
+    assert walk_acceptance(correct, valid, origin, 3) == (6, 3)
+    # with 2 drafts: slot 1: 1 -> slot 2: 3 -> slot 5: 1 + min(2, valid 1 + 1) = 3 -> end
+    assert walk_acceptance(correct, valid, origin, 2) == (7, 3)
+    assert walk_acceptance(correct, valid, torch.zeros(7, dtype=torch.bool), 3) == (0, 0)
+
+
+def test_interrupted_training_resumes_to_the_same_weights(features, chat_file, tmp_path):
+    def run(state: str, chunks: list[int]) -> dict:
+        raw = tiny_recipe("peagle", features, chat_file, steps=6, save_every=1)
+        raw["output"]["state_dir"] = str(tmp_path / state)
+        raw["output"]["dir"] = str(tmp_path / f"out-{state}")
+        for chunk in chunks:  # a new Trainer per chunk: as if the process had been killed and restarted
+            Trainer(recipe_from_dict(raw), features / "features", progress=False).run(max_steps=chunk)
+        return torch.load(tmp_path / state / "train_state.pt", weights_only=False)
+
+    straight, resumed = run("straight", [6]), run("resumed", [2, 3, 1])
+    assert straight["step"] == resumed["step"] == 6
+    for name, tensor in straight["model"].items():
+        torch.testing.assert_close(resumed["model"][name], tensor, rtol=0, atol=0)
+
+
+def test_cli_trains_from_a_recipe_file(tmp_path, chat_file, tiny_model, tiny_tokenizer):
+    """`hybridspec train RECIPE.yaml` end to end on a tiny local Hugging Face target."""
+    from hybridspec.cli import main
+
+    model_dir = tmp_path / "tiny"
+    tiny_model.save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    raw = tiny_recipe("lstm", tmp_path, chat_file, steps=4)
+    raw["target"] = str(model_dir)
+    raw["data"]["sources"][0]["max_items"] = 8
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["train", str(tmp_path / "recipe.yaml"), "--no-progress"]) == 0
+    assert (tmp_path / "out-lstm" / "config.json").exists()
+    assert json.loads((tmp_path / "out-lstm" / "train_log.json").read_text())["steps"] == 4
