@@ -1,0 +1,126 @@
+"""`hybridspec demo`: an agent-style session on SmolLM2, with and without speculation, side by side.
+
+Sets itself up on first use (the embedded model is converted to a safetensors directory in the user cache), then runs
+the same multi-turn coding-agent conversation twice, with plain greedy decoding and with suffix speculation, and
+prints tokens/s of both, the speedup and whether the outputs are identical.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+SYSTEM = """You are a coding agent working in a Python repository. Think step by step, then reply with exactly one \
+shell command in a ```bash block. The environment shows you the command's output after each of your replies.
+
+Rules:
+- Read the relevant files before you change anything.
+- Change only non-test files.
+- When you are done, reply with: ```bash
+echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT
+```"""
+
+TASK = """<pr_description>
+`parse_duration("1h30m")` returns 5400 but `parse_duration("90s")` raises ValueError: "unknown unit: s". Seconds \
+should be supported, and the error message should list the supported units.
+</pr_description>
+
+Start by looking at the repository."""
+
+OBSERVATIONS = [
+    """<returncode>0</returncode>
+<output>
+README.md
+setup.py
+timeparse/__init__.py
+timeparse/duration.py
+tests/test_duration.py
+</output>""",
+    """<returncode>0</returncode>
+<output>
+import re
+
+UNITS = {"h": 3600, "m": 60}
+_TOKEN = re.compile(r"(\\d+)([a-z]+)")
+
+
+def parse_duration(text: str) -> int:
+    \"\"\"Parse a duration like "1h30m" into seconds.\"\"\"
+    total = 0
+    for amount, unit in _TOKEN.findall(text.strip().lower()):
+        if unit not in UNITS:
+            raise ValueError(f"unknown unit: {unit}")
+        total += int(amount) * UNITS[unit]
+    return total
+</output>""",
+    """<returncode>0</returncode>
+<output>
+</output>""",
+]
+
+
+def _turns(messages_per_turn: int):
+    yield [{"role": "user", "content": TASK}]
+    for observation in OBSERVATIONS[: messages_per_turn - 1]:
+        yield [{"role": "user", "content": observation}]
+
+
+def run_demo(model: str = "smollm2", turns: int = 4, max_new_tokens: int = 96, threads: int | None = None,
+             show: bool = False, out=sys.stdout) -> dict:
+    import torch
+
+    from hybridspec.engine import Engine
+
+    if threads:
+        torch.set_num_threads(threads)
+    print(f"loading {model} (converted to safetensors on first use) ...", file=out, flush=True)
+    start = time.perf_counter()
+    engine = Engine.from_pretrained(model)
+    print(f"ready in {time.perf_counter() - start:.1f} s; {torch.get_num_threads()} CPU threads", file=out)
+    runs = {}
+    for mode in ("none", "suffix"):
+        session = engine.session(system=SYSTEM, max_new_tokens=max_new_tokens, speculate=mode)
+        replies = []
+        for turn, messages in enumerate(_turns(turns)):
+            reply = session.send(messages)
+            replies.append(reply)
+            s = reply.stats
+            print(f"  [{'plain' if mode == 'none' else 'suffix':>6}] turn {turn + 1}: {len(reply.token_ids):>4} tokens "
+                  f"in {s.total_s:5.1f} s ({s.tokens_per_s:5.1f} tok/s, {s.tokens_per_step:4.1f} tokens/step)",
+                  file=out, flush=True)
+            if show:
+                print("    " + reply.text.replace("\n", "\n    "), file=out)
+        runs[mode] = (session, replies)
+    plain, spec = runs["none"][0].stats, runs["suffix"][0].stats
+    identical = all(a.token_ids == b.token_ids for a, b in zip(runs["none"][1], runs["suffix"][1]))
+    speedup = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
+    print(f"\n{'':<22}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'tokens/step':>13}", file=out)
+    print(f"{'plain greedy':<22}{plain.new_tokens:>8}{plain.total_s:>9.1f}{plain.tokens_per_s:>8.1f}"
+          f"{plain.tokens_per_step:>13.2f}", file=out)
+    print(f"{'suffix speculation':<22}{spec.new_tokens:>8}{spec.total_s:>9.1f}{spec.tokens_per_s:>8.1f}"
+          f"{spec.tokens_per_step:>13.2f}", file=out)
+    print(f"\nspeedup: {speedup:.2f}x   acceptance: {spec.acceptance:.0%}   outputs identical: "
+          f"{'yes' if identical else 'NO'}", file=out)
+    return {"baseline_tok_s": plain.tokens_per_s, "spec_tok_s": spec.tokens_per_s, "speedup": speedup,
+            "tokens_per_step": spec.tokens_per_step, "identical": identical}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("demo", help="agent-style session on SmolLM2 with and without speculation",
+                                   description=__doc__)
+    parser.add_argument("--model", default="smollm2", help="'smollm2' or a local Hugging Face model directory")
+    parser.add_argument("--turns", type=int, default=len(OBSERVATIONS) + 1, choices=range(1, len(OBSERVATIONS) + 2),
+                        metavar=f"1..{len(OBSERVATIONS) + 1}")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: decoding is bound by memory bandwidth, and on a busy "
+                             "machine more threads stall each other at every op; 0 = torch's choice)")
+    parser.add_argument("--show", action="store_true", help="print the replies")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.max_new_tokens <= 0:
+        raise SystemExit("--max-new-tokens must be positive")
+    result = run_demo(args.model, args.turns, args.max_new_tokens, args.threads, args.show)
+    return 0 if result["identical"] else 1

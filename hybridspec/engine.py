@@ -1,0 +1,695 @@
+"""Engine: generation on a target model with speculative decoding, the Python API for agent frameworks.
+
+    engine = Engine.from_pretrained("smollm2")
+    result = engine.generate([{"role": "user", "content": "Hi"}], max_new_tokens=64)      # speculate="suffix"
+    for delta in engine.stream("Once upon a time", max_new_tokens=32): print(delta, end="")
+    session = engine.session(system="You are an agent.")                                     # agent loops
+    reply = session.send("ls -la")                                                           # later turns reuse the KV
+                                                                                             # cache and the suffix cache
+Every step of `Engine._decode` is propose -> route -> verify -> update. Outputs are exact: greedy speculative decoding
+returns the target's greedy tokens and sampling keeps the target's distribution (the verifier's rules); speculation only
+changes how many tokens one forward pass of the target commits.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import numbers
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
+
+import torch
+
+from hybridspec.proposal import Proposal, Proposer
+from hybridspec.target import KVCache, TargetModel
+
+Message = Mapping[str, str]
+PromptLike = str | Sequence[int] | Sequence[Message]
+Router = Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]]  # (proposals, context lengths)
+
+SPECULATE_CHOICES = ("suffix", "ngram", "none")
+
+# t(1 + k tokens) / t(1 token) of SmolLM2-135M fp32, 1 thread, on this project's CPU (AMD EPYC, shared), by context
+# length: `python -m hybridspec.target --measure-verify-cost --context 512,2048,4096` (medians, made non-decreasing in
+# k). Attention over the context makes extra draft tokens dearer as the context grows. Pass a measured table as
+# `Engine(verify_cost=...)` on other machines.
+DEFAULT_VERIFY_COST: dict[int, dict[int, float]] = {
+    512: {0: 1.0, 1: 1.17, 2: 1.17, 4: 1.17, 8: 1.17, 16: 1.58, 32: 2.54},
+    2048: {0: 1.0, 1: 1.2, 2: 1.2, 4: 1.2, 8: 1.44, 16: 1.95, 32: 3.09},
+    4096: {0: 1.0, 1: 1.3, 2: 1.3, 4: 1.37, 8: 1.72, 16: 2.3, 32: 3.54},
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# results and statistics
+
+
+@dataclass
+class GenerationStats:
+    """Counters and wall time of one call (summed over its sequences), or cumulative over many calls."""
+
+    calls: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually run (a session reuses the KV cache of earlier turns)
+    new_tokens: int = 0
+    steps: int = 0  # verification passes, counted per sequence
+    draft_tokens: int = 0  # draft tokens sent to verification
+    accepted_tokens: int = 0  # of those, accepted
+    proposals: int = 0  # non-empty proposals from the proposer
+    skipped_proposals: int = 0  # of those, dropped by the router (not worth a verification pass)
+    prefill_s: float = 0.0
+    propose_s: float = 0.0  # proposer and router
+    verify_s: float = 0.0  # target forward pass and acceptance rule
+    update_s: float = 0.0  # KV cache commit, proposer update, stop rules
+    total_s: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.propose_s + self.verify_s + self.update_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s else 0.0
+
+    def add(self, other: "GenerationStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(asdict(self), tokens_per_step=self.tokens_per_step, acceptance=self.acceptance,
+                    tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
+
+
+@dataclass
+class GenerationResult:
+    """One sequence's output. token_ids include a final EOS token when generation stopped on one (text does not)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos" | "stop" | "length"
+    prompt_token_ids: list[int]
+    stats: GenerationStats  # of the whole call (shared by the results of a batch)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the default router: drafts only where verifying them pays
+
+
+def relative_verify_cost(table: Mapping[Any, Any] | str | os.PathLike | None) -> dict[int, dict[int, float]]:
+    """{context: {draft tokens k: t(1 + k) / t(1)}} from: None (the built-in table); the JSON written by
+    `python -m hybridspec.target --measure-verify-cost --json PATH` or its path (one context, or several under
+    "by_context"); {context: {k: ms}}; or {k: ms} (one table for every context)."""
+    if table is None:
+        return {c: dict(t) for c, t in DEFAULT_VERIFY_COST.items()}
+    if isinstance(table, (str, os.PathLike)):
+        import json
+
+        table = json.loads(Path(table).read_text())
+    if "by_context" in table:
+        measurements = table["by_context"]
+    elif "draft_tokens" in table:
+        measurements = [table]
+    elif all(isinstance(v, Mapping) for v in table.values()):
+        measurements = [{"context": c, "draft_tokens": list(t), "ms": list(t.values())} for c, t in table.items()]
+    else:
+        measurements = [{"context": 0, "draft_tokens": list(table), "ms": list(table.values())}]
+    result = {}
+    for m in measurements:
+        costs = {int(k): float(v) for k, v in zip(m["draft_tokens"], m["ms"])}
+        if 0 not in costs or any(k < 0 or v <= 0 for k, v in costs.items()):
+            raise ValueError("a verify-cost table needs k = 0 and positive costs for k >= 0")
+        result[int(m.get("context", 0))] = {k: v / costs[0] for k, v in sorted(costs.items())}
+    return dict(sorted(result.items()))
+
+
+def _interpolate(points: Sequence[float], values: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (points, values), extrapolated linearly from the last two points."""
+    if len(points) == 1 or x <= points[0]:
+        return values[0]
+    i = next((j for j in range(1, len(points)) if points[j] >= x), len(points) - 1)
+    x0, x1, y0, y1 = points[i - 1], points[i], values[i - 1], values[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class CostGate:
+    """The default router: trims every proposal to the draft size with the best expected tokens per unit of cost.
+
+    A proposal's probs are path probabilities (the chance that a node and all its ancestors are accepted), so keeping
+    the m most probable nodes gives an expected 1 + sum(their probs) tokens for a pass costing cost(m, context) plain
+    steps. The gate keeps the m that maximises that ratio, and no draft at all unless the ratio beats a plain step by
+    `min_gain`: a pass with drafts costs more than a plain step (on a CPU 1.1x-3.5x, growing with the context), so a
+    draft that is probably rejected would slow decoding down; speculation must not cost when it has nothing to offer.
+
+    Proposers' probabilities are estimates (the suffix tree's count ratios were measured overconfident on SmolLM2
+    agent sessions: nodes it rated 0.5 were accepted 18% of the time, 1.0 75%), so the gate calibrates them online:
+    `observe` counts, per proposal source and probability decile, how many verified nodes were accepted, and `trim`
+    uses that rate, starting from the proposer's own value (a prior worth `prior_weight` observations) and following
+    drifts (older counts decay by `decay` per observation).
+    """
+
+    def __init__(self, verify_cost: Mapping[Any, Any] | str | os.PathLike | None = None, min_gain: float = 1.0,
+                 calibrate: bool = True, prior_weight: float = 4.0, decay: float = 0.995):
+        self.relative = relative_verify_cost(verify_cost)
+        self.min_gain = min_gain
+        self.calibrate, self.prior_weight, self.decay = calibrate, prior_weight, decay
+        self._contexts = list(self.relative)
+        self._counts: dict[str, list[list[float]]] = {}  # source -> per decile [nodes seen, nodes accepted]
+
+    def cost(self, k: int, context: int = 0) -> float:
+        """t(1 + k) / t(1) at `context` tokens: interpolated in k, then in context, between measured points."""
+        per_context = [_interpolate(list(t), list(t.values()), k) for t in self.relative.values()]
+        return max(1.0, _interpolate(self._contexts, per_context, context)) if k else 1.0
+
+    def __call__(self, proposals: Sequence[Proposal], contexts: Sequence[int]) -> list[Proposal]:
+        return [self.trim(p, c) for p, c in zip(proposals, contexts)]
+
+    def accept_probability(self, source: str, p: float) -> float:
+        """Calibrated chance that a node the proposer rated `p` (a path probability) is accepted."""
+        counts = self._counts.get(source) if self.calibrate else None
+        if counts is None:
+            return p
+        seen, accepted = counts[min(int(p * 10), 9)]
+        return (accepted + self.prior_weight * p) / (seen + self.prior_weight)
+
+    def trim(self, proposal: Proposal, context: int = 0) -> Proposal:
+        n = len(proposal)
+        if n == 0:
+            return proposal
+        path = []  # calibrated, and never above the parent's: every prefix of `order` below is then a subtree
+        for parent, p in zip(proposal.parents, _path_probs(proposal)):
+            path.append(min(self.accept_probability(proposal.source, p), path[parent] if parent >= 0 else 1.0))
+        order = sorted(range(n), key=lambda i: (-path[i], i))
+        best_m, best_value, expected = 0, self.min_gain, 1.0
+        for m, i in enumerate(order, start=1):
+            expected += path[i]
+            value = expected / self.cost(m, context)
+            if value > best_value:
+                best_m, best_value = m, value
+        if best_m == n:
+            return proposal
+        return _subset(proposal, sorted(order[:best_m]))
+
+    def observe(self, proposals: Sequence[Proposal], accepted: Sequence[Sequence[int]]) -> None:
+        """Learn from verification: accepted[b] are the indices of proposals[b]'s nodes that were accepted."""
+        for proposal, taken in zip(proposals, accepted):
+            if not len(proposal) or proposal.probs is None:
+                continue
+            counts = self._counts.setdefault(proposal.source, [[0.0, 0.0] for _ in range(10)])
+            taken = set(taken)
+            for i, p in enumerate(_path_probs(proposal)):
+                bucket = counts[min(int(p * 10), 9)]
+                bucket[0] = bucket[0] * self.decay + 1.0
+                bucket[1] = bucket[1] * self.decay + (i in taken)
+
+
+def _path_probs(proposal: Proposal) -> list[float]:
+    """Each node's probability, capped by its parent's (1.0 for proposers that give none)."""
+    if proposal.probs is None:
+        return [1.0] * len(proposal)
+    path: list[float] = []
+    for parent, p in zip(proposal.parents, proposal.probs):
+        path.append(min(float(p), path[parent] if parent >= 0 else 1.0))
+    return path
+
+
+def _subset(proposal: Proposal, keep: list[int]) -> Proposal:
+    """The proposal restricted to the nodes `keep` (increasing, closed under parents), re-indexed."""
+    if not keep:
+        return Proposal.empty(proposal.source)
+    new_index = {old: new for new, old in enumerate(keep)}
+    probs = [proposal.probs[i] for i in keep] if proposal.probs is not None else None
+    logits = proposal.draft_logits[keep] if proposal.draft_logits is not None else None
+    return Proposal(token_ids=[proposal.token_ids[i] for i in keep],
+                    parents=[new_index[proposal.parents[i]] if proposal.parents[i] >= 0 else -1 for i in keep],
+                    probs=probs, score=float(sum(probs)) if probs is not None else float(len(keep)),
+                    source=proposal.source, match_len=proposal.match_len, draft_logits=logits)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# per-sequence state
+
+
+@dataclass
+class _Params:
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    num_speculative_tokens: int
+    tree: bool
+    stop: tuple[str, ...]
+    generator: torch.Generator | None
+
+
+@dataclass
+class _Sequence:
+    request_id: Hashable
+    tokens: list[int]  # committed: prompt + generated; the cache row holds all but the last
+    prompt_len: int
+    finish_reason: str | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the engine
+
+
+class Engine:
+    """Generates with a `TargetModel`, speculating with a suffix cache, an n-gram proposer or any `Proposer`."""
+
+    def __init__(self, target: TargetModel, tokenizer, *, verify_cost: Mapping | str | os.PathLike | None = None,
+                 router: Router | None = None, suffix_cache=None, num_speculative_tokens: int = 16):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.router: Router = router if router is not None else CostGate(verify_cost)
+        self.num_speculative_tokens = num_speculative_tokens
+        self._suffix_cache = suffix_cache
+        self._ngram = None
+        self._request_ids = itertools.count()
+        self.eos_token_ids = self._eos_ids()
+        self.stats = GenerationStats()  # cumulative over every call
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
+                        max_seq_len: int | None = None, **kwargs) -> "Engine":
+        """An engine on "smollm2" (the embedded model, converted on first use) or a local Hugging Face directory."""
+        from hybridspec.models import load_tokenizer
+
+        return cls(TargetModel.from_pretrained(name_or_path, dtype=dtype, max_seq_len=max_seq_len),
+                   load_tokenizer(name_or_path), **kwargs)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for source in (getattr(self.target.model, "generation_config", None), self.target.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            ids.update([value] if isinstance(value, int) else value or [])
+        return frozenset(ids)
+
+    # ------------------------------------------------------------------------------------------------ proposers
+
+    @property
+    def suffix_cache(self):
+        """The engine's suffix cache: prompts of live requests and every finished response (shared by all calls)."""
+        if self._suffix_cache is None:
+            from hybridspec.suffix import SuffixCache
+
+            self._suffix_cache = SuffixCache(max_spec_tokens=self.num_speculative_tokens,
+                                             vocab_size=self.target.vocab_size)
+        return self._suffix_cache
+
+    def save_cache(self, path: str | os.PathLike) -> None:
+        """Save the suffix cache's global tree (past responses), e.g. between runs of an agent."""
+        self.suffix_cache.save(path)
+
+    def load_cache(self, path: str | os.PathLike) -> None:
+        self.suffix_cache.load(path)
+
+    def _proposer(self, speculate: str | Proposer | None) -> Proposer | None:
+        if speculate is None or speculate == "none":
+            return None
+        if speculate == "suffix":
+            return self.suffix_cache
+        if speculate == "ngram":
+            if self._ngram is None:
+                from hybridspec.suffix import NgramProposer
+
+                self._ngram = NgramProposer(max_spec_tokens=self.num_speculative_tokens)
+            return self._ngram
+        if isinstance(speculate, str):
+            raise ValueError(f"speculate must be one of {SPECULATE_CHOICES} or a Proposer, got {speculate!r}")
+        missing = [m for m in ("start_request", "append", "speculate", "finish_request") if not hasattr(speculate, m)]
+        if missing:
+            raise TypeError(f"speculate={type(speculate).__name__} is not a Proposer (missing {', '.join(missing)})")
+        return speculate
+
+    # ------------------------------------------------------------------------------------------------ input
+
+    def encode(self, prompt: PromptLike) -> list[int]:
+        """Token ids of a prompt: text as is, chat messages through the tokenizer's chat template, or token ids."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
+            ids = self.tokenizer.apply_chat_template(list(prompt), tokenize=True, add_generation_prompt=True,
+                                                     return_dict=False)
+        elif all(isinstance(t, numbers.Integral) or (isinstance(t, torch.Tensor) and t.dim() == 0) for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is out of the vocabulary [0, {self.target.vocab_size})")
+        else:
+            raise TypeError("a prompt is a string, a list of chat messages ({'role', 'content'}) or a list of token "
+                            "ids")
+        ids = list(ids)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.target.max_seq_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.target.max_seq_len} "
+                             f"(at least one token must remain to generate)")
+        return ids
+
+    @staticmethod
+    def _is_batch(prompt_or_prompts: Any) -> bool:
+        if isinstance(prompt_or_prompts, (str, torch.Tensor)) or not isinstance(prompt_or_prompts, Sequence):
+            return False
+        return len(prompt_or_prompts) > 0 and all(
+            isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, Mapping)) for p in prompt_or_prompts)
+
+    def _params(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                num_speculative_tokens: int | None, tree: bool, stop: str | Sequence[str] | None,
+                seed: int | None) -> _Params:
+        from hybridspec.verifier.reference import check_sampling_params
+
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_sampling_params(temperature, top_k, top_p)
+        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop strings must be non-empty strings")
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return _Params(max_new_tokens, float(temperature), int(top_k), float(top_p), k, bool(tree), stops, generator)
+
+    # ------------------------------------------------------------------------------------------------ public API
+
+    def generate(self, prompt_or_messages: PromptLike | Sequence[PromptLike], max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 speculate: str | Proposer | None = "suffix", num_speculative_tokens: int | None = None,
+                 tree: bool = False, stop: str | Sequence[str] | None = None,
+                 seed: int | None = None) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (text, chat messages or token ids), or a list of prompts as one batch.
+
+        temperature 0 is greedy; otherwise sampling with top_k / top_p. speculate: "suffix" (the engine's suffix
+        cache: prompt and past responses), "ngram", "none", or a Proposer. tree=True drafts token trees (suffix).
+        Stops at EOS, at any of `stop` (the text is cut before it), or after max_new_tokens.
+        """
+        batch = self._is_batch(prompt_or_messages)
+        prompts = list(prompt_or_messages) if batch else [prompt_or_messages]
+        params = self._params(max_new_tokens, temperature, top_p, top_k, num_speculative_tokens, tree, stop, seed)
+        proposer = self._proposer(speculate)
+        seqs = [self._new_sequence(self.encode(p)) for p in prompts]
+        cache = self.target.new_cache(len(seqs), capacity=max(len(s.tokens) for s in seqs) + max_new_tokens + 64)
+        stats = GenerationStats()
+        for _ in self._run(seqs, cache, proposer, params, stats):
+            pass
+        results = self._results(seqs, stats, params.stop)
+        return results if batch else results[0]
+
+    def stream(self, prompt_or_messages: PromptLike, max_new_tokens: int = 256, **kwargs) -> Iterator[str]:
+        """Generate for one prompt, yielding text deltas as tokens are committed (same arguments as `generate`)."""
+        speculate = kwargs.pop("speculate", "suffix")
+        params = self._params(max_new_tokens, kwargs.pop("temperature", 0.0), kwargs.pop("top_p", 1.0),
+                              kwargs.pop("top_k", 0), kwargs.pop("num_speculative_tokens", None),
+                              kwargs.pop("tree", False), kwargs.pop("stop", None), kwargs.pop("seed", None))
+        if kwargs:
+            raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
+        seq = self._new_sequence(self.encode(prompt_or_messages))
+        cache = self.target.new_cache(1, capacity=len(seq.tokens) + max_new_tokens + 64)
+        stats = GenerationStats()
+        sent = ""
+        for _ in self._run([seq], cache, self._proposer(speculate), params, stats):
+            text = self._text(seq, params.stop)
+            if seq.finish_reason is None and text.endswith("\ufffd"):
+                continue  # an incomplete UTF-8 character: wait for the rest of its bytes
+            if len(text) > len(sent):
+                yield text[len(sent):]
+                sent = text
+
+    def session(self, system: str | None = None, **defaults) -> "Session":
+        """A multi-turn conversation that keeps its KV cache and feeds the suffix cache turn after turn.
+
+        `defaults` are `generate` arguments used for every turn (e.g. speculate="suffix", max_new_tokens=256)."""
+        return Session(self, system=system, **defaults)
+
+    # ------------------------------------------------------------------------------------------------ the loop
+
+    def _new_sequence(self, prompt: list[int]) -> _Sequence:
+        return _Sequence(request_id=f"hs-{next(self._request_ids)}", tokens=list(prompt), prompt_len=len(prompt))
+
+    def _run(self, seqs: list[_Sequence], cache: KVCache, proposer: Proposer | None, params: _Params,
+             stats: GenerationStats, *, held: list[int] | None = None,
+             extends: Hashable | None = None) -> Iterator[None]:
+        """Prefill every sequence's prompt, then decode; yields after every step.
+
+        For a single sequence whose cache row already holds the KV of the tokens `held` (a session's earlier turns),
+        only the prompt's part past their common prefix is run. The proposer sees each sequence as one request;
+        `extends` names an earlier request whose prompt + response this (single) prompt continues.
+        """
+        start = time.perf_counter()
+        todo = [self._reusable_prefix(cache, row, seq.tokens, held or []) for row, seq in enumerate(seqs)]
+        todo = [seq.tokens[n:-1] for seq, n in zip(seqs, todo)]
+        if any(todo):
+            self.target.prefill(cache, todo)
+        stats.prompt_tokens += sum(seq.prompt_len for seq in seqs)
+        stats.prefill_tokens += sum(len(t) for t in todo)
+        stats.prefill_s += time.perf_counter() - start
+        started = []
+        try:
+            if proposer is not None:
+                for seq in seqs:
+                    proposer.start_request(seq.request_id, list(seq.tokens),
+                                           **({"extends": extends} if extends is not None else {}))
+                    started.append(seq.request_id)
+            yield from self._decode(seqs, cache, proposer, params, stats)
+        finally:
+            for rid in started:
+                if all(s.finish_reason is not None for s in seqs):
+                    proposer.finish_request(rid)
+                elif hasattr(proposer, "abort_request"):
+                    proposer.abort_request(rid)
+            stats.calls += 1
+            stats.total_s += time.perf_counter() - start
+            self.stats.add(stats)
+
+    @staticmethod
+    def _reusable_prefix(cache: KVCache, row: int, tokens: list[int], held: list[int]) -> int:
+        """Truncate the row to the longest prefix of `tokens` whose KV it holds, and return its length.
+
+        The row's first cache.lengths[row] slots hold the KV of `held` (a session's earlier turns), so a conversation
+        that grows turn by turn only runs its new tokens. The last token is never cached: it is the first step's input.
+        """
+        reuse, limit = 0, min(cache.lengths[row], len(tokens) - 1, len(held))
+        while reuse < limit and held[reuse] == tokens[reuse]:
+            reuse += 1
+        cache.truncate(row, reuse)
+        return reuse
+
+    def _decode(self, seqs: list[_Sequence], cache: KVCache, proposer: Proposer | None, params: _Params,
+                stats: GenerationStats) -> Iterator[None]:
+        """The decode loop: propose -> route -> verify -> update, one target pass per step for all live sequences.
+
+        Cache row r belongs to seqs[live[r]]; when a sequence finishes, its row leaves the cache (unless it is the
+        last one, whose cache a session keeps).
+        """
+        from hybridspec.verifier import verify_batch
+
+        max_seq_len = self.target.max_seq_len
+        tree_kwargs = self._tree_kwargs(proposer, params.tree)
+        live = list(range(len(seqs)))
+        while live:
+            # propose: drafts no longer than the context, and no longer than the tokens still wanted
+            t0 = time.perf_counter()
+            proposals = []
+            for i in live:
+                seq = seqs[i]
+                budget = min(params.num_speculative_tokens, max_seq_len - len(seq.tokens),
+                             params.max_new_tokens - len(seq.generated) - 1)
+                if proposer is None or budget <= 0:
+                    proposals.append(Proposal.empty())
+                    continue
+                proposal = proposer.speculate(seq.request_id, max_spec_tokens=budget, **tree_kwargs)
+                if len(proposal) > budget:
+                    raise ValueError(f"{type(proposer).__name__} proposed {len(proposal)} tokens; at most {budget} "
+                                     f"were asked for")
+                proposals.append(proposal)
+            # route: which drafts are worth a verification pass, and how much of them
+            routed = self.router(proposals, [len(seqs[i].tokens) for i in live])
+            stats.proposals += sum(1 for p in proposals if len(p))
+            stats.skipped_proposals += sum(1 for p, r in zip(proposals, routed) if len(p) and not len(r))
+            t1 = time.perf_counter()
+            # verify: one pass of the target over [last token] + draft for every live sequence
+            out = self.target.step(cache, [seqs[i].tokens[-1] for i in live], [p.token_ids for p in routed],
+                                   [p.parents for p in routed])
+            results = verify_batch(out.logits, routed, params.temperature, params.top_k, params.top_p,
+                                   params.generator)
+            t2 = time.perf_counter()
+            # update: keep the accepted path's KV, commit tokens (stop rules may cut them), tell the proposer and router
+            if hasattr(self.router, "observe"):
+                self.router.observe(routed, [r.accepted for r in results])
+            finished = []
+            for row, (i, proposal, result) in enumerate(zip(live, routed, results)):
+                seq = seqs[i]
+                cache.commit(row, [0] + [1 + a for a in result.accepted])
+                committed = self._commit(seq, result.tokens(proposal), params)
+                cache.truncate(row, len(seq.tokens) - 1)  # a stop inside the committed tokens drops the rest
+                if proposer is not None:
+                    proposer.append(seq.request_id, committed)
+                stats.steps += 1
+                stats.new_tokens += len(committed)
+                stats.draft_tokens += len(proposal)
+                stats.accepted_tokens += len(result.accepted)
+                if seq.finish_reason is not None:
+                    finished.append(row)
+            if finished and len(finished) < len(live):
+                keep = [r for r in range(len(live)) if r not in finished]
+                cache.select_rows(keep)
+                live = [live[r] for r in keep]
+            elif finished:
+                live = []
+            t3 = time.perf_counter()
+            stats.propose_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.update_s += t3 - t2
+            yield
+
+    @staticmethod
+    def _tree_kwargs(proposer: Proposer | None, tree: bool) -> dict:
+        if not tree:
+            return {}
+        if proposer is None or "tree" not in inspect.signature(proposer.speculate).parameters:
+            raise ValueError(f"tree=True needs a proposer that drafts trees (speculate(..., tree=True)), "
+                             f"not {type(proposer).__name__}")
+        return {"tree": True}
+
+    def _commit(self, seq: _Sequence, tokens: list[int], params: _Params) -> list[int]:
+        """Append verified tokens, stopping at EOS, max_new_tokens, the context's end or a stop string; returns the
+        tokens kept. The cut depends only on the token stream, not on how many tokens a step committed, so
+        speculative and plain decoding stop at the same token."""
+        kept, reason = [], None
+        for token in tokens:
+            kept.append(token)
+            if token in self.eos_token_ids:
+                reason = "eos"
+            elif (len(seq.generated) + len(kept) >= params.max_new_tokens
+                  or len(seq.tokens) + len(kept) >= self.target.max_seq_len):
+                reason = "length"
+            if reason is not None:
+                break
+        if params.stop:
+            cut = self._stop_cut(seq.generated, kept, params.stop)
+            if cut is not None:
+                kept, reason = kept[:cut], "stop"
+        seq.tokens += kept
+        seq.finish_reason = reason
+        return kept
+
+    def _stop_cut(self, generated: list[int], new: list[int], stops: tuple[str, ...]) -> int | None:
+        """How many of `new` tokens it takes for the text to contain a stop string, or None if all of them do not."""
+        decode = self.tokenizer.decode
+        if not any(s in decode(generated + new, skip_special_tokens=True) for s in stops):
+            return None
+        for j in range(1, len(new) + 1):  # rare: only on the step that completes a stop string
+            text = decode(generated + new[:j], skip_special_tokens=True)
+            if any(s in text for s in stops):
+                return j
+        return len(new)
+
+    def _text(self, seq: _Sequence, stops: tuple[str, ...]) -> str:
+        text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        if seq.finish_reason == "stop":
+            cut = [i for i in (text.find(s) for s in stops) if i >= 0]
+            text = text[:min(cut)] if cut else text
+        return text
+
+    def _results(self, seqs: list[_Sequence], stats: GenerationStats,
+                 stops: tuple[str, ...] = ()) -> list[GenerationResult]:
+        return [GenerationResult(text=self._text(s, stops), token_ids=s.generated, finish_reason=s.finish_reason,
+                                 prompt_token_ids=s.tokens[:s.prompt_len], stats=stats) for s in seqs]
+
+
+class Session:
+    """An agent loop's conversation: each `send` appends messages, generates the assistant's reply and keeps it.
+
+    The conversation's exact token ids are kept across turns: a turn appends only the chat template's text that
+    follows the previous reply (its end tag, the new messages, the generation prompt), tokenised on its own, so the
+    KV cache of every earlier token is reused and the suffix cache indexes only new tokens (`extends=` the previous
+    turn's request).
+    """
+
+    _REPLY = "\x00hybridspec-reply\x00"  # stands for the previous reply when rendering what follows it
+
+    def __init__(self, engine: Engine, system: str | None = None, **defaults):
+        self.engine = engine
+        self.defaults = dict(defaults)
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        self.tokens: list[int] = []  # the conversation so far, as the model saw and wrote it
+        self._cache: KVCache | None = None
+        self._last_request: Hashable | None = None
+        self.stats = GenerationStats()
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def prompt_tokens(self, new_messages: Sequence[Message]) -> list[int]:
+        """The prompt `send(new_messages)` would run: the conversation's tokens + the template's text after the
+        previous reply, for the new messages."""
+        new_messages = [dict(m) for m in new_messages]
+        tokenizer = self.engine.tokenizer
+        if self.tokens:
+            full = self._render(self.messages[:-1] + [{"role": "assistant", "content": self._REPLY}] + new_messages)
+            parts = full.split(self._REPLY)
+            if len(parts) == 2:
+                after = parts[1]
+                if self.tokens[-1] in self.engine.eos_token_ids:  # the reply's EOS is the template's end tag
+                    end_tag = tokenizer.decode(self.tokens[-1:])
+                    after = after[len(end_tag):] if after.startswith(end_tag) else after
+                return self.tokens + tokenizer.encode(after, add_special_tokens=False)
+        # first turn, or a template that does not render the reply verbatim: tokenise the whole conversation
+        return tokenizer.encode(self._render(self.messages + new_messages), add_special_tokens=False)
+
+    def send(self, message: str | Message | Sequence[Message], **kwargs) -> GenerationResult:
+        """Add a user message (a string), a message dict (any role, e.g. a tool observation) or several, and reply."""
+        if isinstance(message, str):
+            new = [{"role": "user", "content": message}]
+        elif isinstance(message, Mapping):
+            new = [dict(message)]
+        else:
+            new = [dict(m) for m in message]
+        if not new or any(not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str) for m in new):
+            raise ValueError("messages need a string 'role' and 'content'")
+        options = {**self.defaults, **kwargs}
+        max_new_tokens = options.pop("max_new_tokens", 256)
+        speculate = options.pop("speculate", "suffix")
+        params = self.engine._params(max_new_tokens, options.pop("temperature", 0.0), options.pop("top_p", 1.0),
+                                     options.pop("top_k", 0), options.pop("num_speculative_tokens", None),
+                                     options.pop("tree", False), options.pop("stop", None), options.pop("seed", None))
+        if options:
+            raise TypeError(f"unexpected arguments: {', '.join(options)}")
+        seq = self.engine._new_sequence(self.engine.encode(self.prompt_tokens(new)))
+        if self._cache is None:
+            self._cache = self.engine.target.new_cache(1, capacity=len(seq.tokens) + max_new_tokens + 64)
+        stats = GenerationStats()
+        try:
+            for _ in self.engine._run([seq], self._cache, self.engine._proposer(speculate), params, stats,
+                                      held=self.tokens, extends=self._last_request):
+                pass
+        except BaseException:
+            self._cache.truncate(0, 0)  # the row's content is unknown now
+            raise
+        result = self.engine._results([seq], stats, params.stop)[0]
+        # The reply stays in the conversation as the model wrote it (up to the stop string's end, if any).
+        self.tokens = seq.tokens
+        self.messages += new + [{"role": "assistant",
+                                 "content": self.engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)}]
+        self._last_request = seq.request_id
+        self.stats.add(stats)
+        return result

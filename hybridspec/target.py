@@ -1,0 +1,477 @@
+"""The target model: prefill, and verification of a chain or a tree of draft tokens in one forward pass.
+
+`TargetModel` runs the forward pass of a Llama-family causal LM (Llama, SmolLM2, Mistral, Qwen2) itself, over the
+weights of the loaded transformers model, with a preallocated KV cache of B rows (one per sequence in flight):
+
+- A step feeds each row its last committed token followed by its draft nodes ([B, q] tokens, rows padded to the same q).
+  Node i of a row sits at position base + depth(i) and attends to the row's committed prefix plus its own ancestors:
+  one 4D boolean mask [B, 1, q, kv] serves chains, trees, per-row lengths and padding alike.
+- After verification only the accepted path is kept: for a chain the row's length just moves forward (a crop of the
+  rejected suffix); for a tree the accepted nodes' keys and values are gathered into consecutive slots (compaction).
+- Hidden states that drafters read (inputs of layers 2, L//2 and L-3, and the final normed state) are returned on request.
+
+Why not `model(..., past_key_values=DynamicCache)`: a DynamicCache grows by `torch.cat` of every layer's keys and
+values at every step, and `crop` leaves strided views behind; measured here, transformers' own forward spent more time
+in those concatenations than in the matrix work. A static cache written in place, fused QKV / gate-up projections
+with weights prepacked for oneDNN (`Linear`) and a precomputed rotary table leave mostly the matrix work, for the
+baseline and the speculative path alike (both use this class).
+
+Batching uses padding (one cache tensor with B rows, each with its own length and positions) rather than B separate
+caches: on a CPU a decode step is bound by reading the weights, so B rows in one pass cost about as much as one row
+(`python -m hybridspec.target --measure-batch` measures it), while per-sequence caches would read the weights B times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 4, 8, 16, 32)
+
+
+def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """Layers whose inputs EAGLE-3 / P-EAGLE drafters read: 2, L//2 and L-3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass
+class StepOutput:
+    """Result of one forward pass over [B, q] input tokens."""
+
+    logits: torch.Tensor  # [B, q, V] (prefill: [B, 1, V], at each row's last new token)
+    aux_hidden: torch.Tensor | None = None  # [B, q, 3H]: inputs of the aux_layer_ids layers, concatenated
+    final_hidden: torch.Tensor | None = None  # [B, q, H]: the final hidden state after the model's last norm
+
+    def with_rows(self, other: "StepOutput", rows: torch.Tensor) -> "StepOutput":
+        """This output with the rows where `rows` [B] is True taken from `other`."""
+        def pick(mine, theirs):
+            return None if mine is None else torch.where(rows[:, None, None], theirs, mine)
+
+        return StepOutput(pick(self.logits, other.logits), pick(self.aux_hidden, other.aux_hidden),
+                          pick(self.final_hidden, other.final_hidden))
+
+
+class KVCache:
+    """Keys and values of B sequences: [layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b] tokens.
+
+    Slots at or beyond a row's length are scratch: a step writes its input tokens there, and `commit` decides which of
+    them become part of the sequence. The tensors are inference tensors: every method that writes them runs in
+    inference mode.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * batch_size
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    @torch.inference_mode()
+    def reserve(self, capacity: int) -> None:
+        """Grow every row to hold at least `capacity` tokens (doubling, to amortise the copy)."""
+        if capacity <= self.capacity:
+            return
+        new_capacity = max(capacity, 2 * self.capacity)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[:3] + (new_capacity,) + old.shape[4:])
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+    @torch.inference_mode()
+    def commit(self, row: int, keep: Sequence[int]) -> None:
+        """Make the step's input slots `keep` (indices into that step's q inputs, increasing) the row's next tokens.
+
+        keep = [0, 1, ..., m-1] (a chain's accepted prefix) needs no copy: the rejected slots are simply past the new
+        length. Otherwise (a tree path) the kept slots are gathered into consecutive positions.
+        """
+        base = self.lengths[row]
+        if list(keep) != list(range(len(keep))):
+            src = torch.as_tensor(keep, dtype=torch.long, device=self.keys.device) + base
+            dst = torch.arange(base, base + len(keep), device=self.keys.device)
+            # Advanced indexing on the right-hand side copies before the write, so overlapping slots are safe.
+            self.keys[:, row, :, dst] = self.keys[:, row, :, src]
+            self.values[:, row, :, dst] = self.values[:, row, :, src]
+        self.lengths[row] = base + len(keep)
+
+    def truncate(self, row: int, length: int) -> None:
+        """Drop a row's tokens beyond `length` (e.g. to re-run a prompt suffix)."""
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}")
+        self.lengths[row] = length
+
+    @torch.inference_mode()
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keep only `rows`, in that order (sequences that finished leave the batch)."""
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.keys.device)
+        self.keys = self.keys.index_select(1, index)
+        self.values = self.values.index_select(1, index)
+        self.lengths = [self.lengths[r] for r in rows]
+
+
+def tree_depths_and_mask(parents: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+    """Depth of each input slot and the ancestor-or-self mask [1 + n, 1 + n] for `[last token] + nodes`.
+
+    Slot 0 is the last committed token; node i is slot i + 1 and its parent p is slot p + 1 (-1 -> slot 0).
+    """
+    n = len(parents)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    depth = [0] * (n + 1)
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"parents[{i}] = {p}: a parent must precede its child (or be -1)")
+        mask[i + 1] = mask[p + 1]
+        mask[i + 1, i + 1] = True
+        depth[i + 1] = depth[p + 1] + 1
+    return depth, mask
+
+
+def _onednn_available(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class Linear:
+    """y = x @ weight.T (+ bias), with the weight packed once for oneDNN on CPUs.
+
+    Why: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix. torch's default CPU
+    path (MKL sgemm) repacks the weight on every call and, on this project's AMD CPU, took 2x the time of a one-row
+    product already at 2 rows and 4x at 9; oneDNN with a prepacked weight stays near the one-row cost up to ~8 rows
+    (measured: sum over SmolLM2's linears, 1 thread, 1/2/5/9/17/33 rows: MKL 19/41/59/78/115/144 ms, oneDNN
+    17/19/19/32/49/92 ms). Elsewhere it is F.linear.
+    """
+
+    __slots__ = ("weight", "bias", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+        self.bias = bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack and _onednn_available(weight) \
+            else None
+        self.weight = weight if self.packed is None else None  # the packed copy replaces it
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Layer:
+    """One decoder layer's weights in the layout the fused forward uses."""
+
+    __slots__ = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
+
+    def __init__(self, layer, pack: bool):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        # One matrix for Q, K and V (and one for gate and up): fewer, larger matmuls per layer.
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        self.qkv = Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                          torch.cat(biases) if all(b is not None for b in biases) else None, pack)
+        self.o = Linear(attn.o_proj.weight, pack=pack)
+        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), pack=pack)
+        self.down = Linear(mlp.down_proj.weight, pack=pack)
+
+
+class TargetModel:
+    """A Llama-family transformers model run with a static KV cache, tree attention and hidden-state capture."""
+
+    def __init__(self, model, max_seq_len: int | None = None, pack_weights: bool = True):
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (Llama-family models use silu)")
+        if config.model_type == "mistral" and getattr(config, "sliding_window", None):
+            raise ValueError("sliding-window attention is not supported")
+        self.model = model
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.max_seq_len = int(max_seq_len or config.max_position_embeddings)
+        self.eps = config.rms_norm_eps
+        self.aux_layer_ids = aux_layer_ids(self.num_layers) if self.num_layers >= 4 else ()
+        decoder = model.model
+        self.dtype = decoder.embed_tokens.weight.dtype
+        self.device = decoder.embed_tokens.weight.device
+        with torch.no_grad():
+            self.embed = decoder.embed_tokens.weight
+            self.layers = [_Layer(layer, pack_weights) for layer in decoder.layers]
+            self.final_norm = decoder.norm.weight
+            self.lm_head = Linear(model.get_output_embeddings().weight, pack=pack_weights)
+            # The rotary table for every position, computed once by the model's own rotary module (any RoPE scaling).
+            positions = torch.arange(self.max_seq_len, device=self.device)[None]
+            cos, sin = decoder.rotary_emb(self.embed[:1][None], positions)
+            self.rope_cos, self.rope_sin = cos[0].contiguous(), sin[0].contiguous()  # [max_seq_len, head_dim]
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
+                        max_seq_len: int | None = None, pack_weights: bool = True) -> "TargetModel":
+        from hybridspec.models import load_model
+
+        return cls(load_model(name_or_path, dtype=dtype), max_seq_len=max_seq_len, pack_weights=pack_weights)
+
+    def new_cache(self, batch_size: int = 1, capacity: int = 1024) -> KVCache:
+        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim,
+                       min(capacity, self.max_seq_len), self.dtype, self.device)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # forward
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * weight
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
+                *, output_index: torch.Tensor | None = None, return_hidden: bool = False) -> StepOutput:
+        """Run [B, q] input tokens written at slots lengths[b] + i of each row; does not change the rows' lengths.
+
+        depths [B, q]: position offset of each input from the row's length (a chain: 0..q-1; a tree: node depth).
+        tree_mask [B, q, q] bool: input i attends to input j of the same row (ancestor-or-self; padding: self only).
+        output_index [B]: compute the outputs (logits, hidden states) only at this input of each row (prefill).
+        """
+        bsz, q = tokens.shape
+        lengths = torch.tensor(cache.lengths, dtype=torch.long, device=self.device)
+        kv_len = max(cache.lengths) + q
+        if kv_len > self.max_seq_len:
+            raise ValueError(f"sequence length {kv_len} exceeds the model's context of {self.max_seq_len} tokens")
+        cache.reserve(kv_len)
+        positions = lengths[:, None] + depths  # [B, q]
+        slots = lengths[:, None] + torch.arange(q, device=self.device)  # [B, q]
+        cos = self.rope_cos[positions][:, None]  # [B, 1, q, D]
+        sin = self.rope_sin[positions][:, None]
+        # mask[b, 0, i, j]: committed prefix of row b, then the row's own tree block at its slots.
+        mask = torch.arange(kv_len, device=self.device)[None, None, :] < lengths[:, None, None]
+        mask = mask.expand(bsz, q, kv_len).clone()
+        rows = torch.arange(bsz, device=self.device)[:, None, None]
+        mask[rows, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = tree_mask
+        mask = mask[:, None]
+        same_length = all(n == cache.lengths[0] for n in cache.lengths)
+        start = cache.lengths[0]
+
+        hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        x = self.embed[tokens]  # [B, q, H]
+        layer_inputs = {}
+        for layer_id, layer in enumerate(self.layers):
+            if return_hidden and layer_id in self.aux_layer_ids:
+                layer_inputs[layer_id] = x
+            h = self._rms_norm(x, layer.input_norm)
+            qkv = layer.qkv(h)
+            query, key, value = qkv.split((hq * hd, hk * hd, hk * hd), dim=-1)
+            query = self._rope(query.view(bsz, q, hq, hd).transpose(1, 2), cos, sin)
+            key = self._rope(key.view(bsz, q, hk, hd).transpose(1, 2), cos, sin)
+            value = value.view(bsz, q, hk, hd).transpose(1, 2)
+            keys, values = cache.keys[layer_id], cache.values[layer_id]
+            if same_length:
+                keys[:, :, start:start + q] = key
+                values[:, :, start:start + q] = value
+            else:
+                # Advanced indices split by a slice put their dims first: the target view is [B, q, kv_heads, D].
+                keys[rows[:, :, 0], :, slots] = key.transpose(1, 2)
+                values[rows[:, :, 0], :, slots] = value.transpose(1, 2)
+            attn = F.scaled_dot_product_attention(query, keys[:, :, :kv_len], values[:, :, :kv_len], attn_mask=mask,
+                                                  enable_gqa=hq != hk)
+            x = x + layer.o(attn.transpose(1, 2).reshape(bsz, q, hq * hd))
+            gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        pick = (lambda h: h) if output_index is None else (
+            lambda h: h[torch.arange(bsz, device=self.device), output_index][:, None])
+        final = self._rms_norm(pick(x), self.final_norm)
+        logits = self.lm_head(final)
+        if not return_hidden:
+            return StepOutput(logits)
+        aux = [pick(layer_inputs[i]) for i in self.aux_layer_ids]
+        return StepOutput(logits, torch.cat(aux, dim=-1) if aux else None, final)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # prefill and verification steps
+
+    def prefill(self, cache: KVCache, tokens: Sequence[Sequence[int]], *, chunk_size: int = 512,
+                return_hidden: bool = False) -> StepOutput:
+        """Append tokens[b] to row b of the cache, for all rows in one batched pass per chunk; a row may get none.
+
+        Returns the output at each row's last new token ([B, 1, ...]; meaningless for rows that got none). Rows are
+        padded to the longest; chunks bound the attention mask's memory for long prompts.
+        """
+        if len(tokens) != cache.batch_size:
+            raise ValueError(f"got tokens for {len(tokens)} rows for a cache of {cache.batch_size}")
+        counts = [len(t) for t in tokens]
+        if max(counts, default=0) == 0:
+            raise ValueError("prefill needs at least one token")
+        longest = max(n + counts[b] for b, n in enumerate(cache.lengths))
+        if longest > self.max_seq_len:
+            raise ValueError(f"{longest} tokens exceed the model's context of {self.max_seq_len} tokens")
+        for t in tokens:
+            if t and not 0 <= min(t) <= max(t) < self.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        cache.reserve(longest)
+        bsz, out = cache.batch_size, None
+        last = torch.zeros(bsz, dtype=torch.long)
+        for begin in range(0, max(counts), chunk_size):
+            chunks = [list(t[begin:begin + chunk_size]) for t in tokens]
+            q = max(len(c) for c in chunks)
+            ids = torch.zeros(bsz, q, dtype=torch.long)
+            # causal within each row's chunk; padding slots see only themselves
+            mask = torch.eye(q, dtype=torch.bool).repeat(bsz, 1, 1)
+            for b, chunk in enumerate(chunks):
+                ids[b, :len(chunk)] = torch.as_tensor(chunk, dtype=torch.long)
+                mask[b, :len(chunk), :len(chunk)] = torch.ones(len(chunk), len(chunk), dtype=torch.bool).tril()
+                if chunk:
+                    last[b] = len(chunk) - 1
+            step = self.forward(cache, ids.to(self.device), torch.arange(q, device=self.device).expand(bsz, q),
+                                mask.to(self.device), output_index=last.to(self.device), return_hidden=return_hidden)
+            ends_here = [bool(c) and begin + len(c) == n for c, n in zip(chunks, counts)]
+            out = step if out is None else out.with_rows(step, torch.tensor(ends_here, device=self.device))
+            for b, chunk in enumerate(chunks):
+                cache.lengths[b] += len(chunk)
+        return out
+
+    def step(self, cache: KVCache, last_tokens: Sequence[int], drafts: Sequence[Sequence[int]] | None = None,
+             parents: Sequence[Sequence[int]] | None = None, *, return_hidden: bool = False) -> StepOutput:
+        """One verification pass: row b gets [last_tokens[b]] + drafts[b] (a tree when parents[b] is given).
+
+        Returns logits [B, q, V] where q = 1 + the longest draft; rows with shorter drafts are padded (padding slots
+        see only themselves and their outputs are meaningless). Lengths are unchanged: call `cache.commit` after
+        verification with the slots to keep.
+        """
+        bsz = len(last_tokens)
+        if bsz != cache.batch_size:
+            raise ValueError(f"got {bsz} rows for a cache of {cache.batch_size}")
+        drafts = drafts if drafts is not None else [[]] * bsz
+        parents = parents if parents is not None else [None] * bsz
+        q = 1 + max(len(d) for d in drafts)
+        tokens = torch.zeros(bsz, q, dtype=torch.long)
+        depths = torch.zeros(bsz, q, dtype=torch.long)
+        tree_mask = torch.eye(q, dtype=torch.bool).repeat(bsz, 1, 1)
+        for b in range(bsz):
+            n = len(drafts[b])
+            row_parents = list(parents[b]) if parents[b] is not None else list(range(-1, n - 1))
+            if len(row_parents) != n:
+                raise ValueError(f"row {b}: {n} draft tokens but {len(row_parents)} parents")
+            depth, mask = tree_depths_and_mask(row_parents)
+            tokens[b, 0] = int(last_tokens[b])
+            tokens[b, 1:n + 1] = torch.as_tensor(list(drafts[b]), dtype=torch.long)
+            depths[b, :n + 1] = torch.as_tensor(depth)
+            tree_mask[b, :n + 1, :n + 1] = mask
+        if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        return self.forward(cache, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
+                            return_hidden=return_hidden)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# verify cost curve: t(1 + k tokens) / t(1 token)
+
+
+def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAULT_COST_DRAFT_TOKENS,
+                        context: int = 512, batch_size: int = 1, repeats: int = 7, seed: int = 0) -> dict:
+    """Time one pass over [last token] + k draft tokens at a warm `context`-token cache, for each k.
+
+    Reports the median wall time of `repeats` passes per k (and the process CPU time, less disturbed by other
+    processes on a shared machine), interleaving the sizes round by round so that load from other processes spreads
+    over all of them alike; `relative[i]` = t(1 + k_i) / t(1).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    cache = target.new_cache(batch_size, capacity=context + max(draft_tokens) + 1)
+    target.prefill(cache, torch.randint(0, target.vocab_size, (batch_size, context), generator=gen).tolist())
+    wall: dict[int, list[float]] = {k: [] for k in draft_tokens}
+    cpu: dict[int, list[float]] = {k: [] for k in draft_tokens}
+    for round_ in range(repeats + 1):
+        for k in draft_tokens:
+            drafts = [torch.randint(0, target.vocab_size, (k,), generator=gen).tolist() for _ in range(batch_size)]
+            start, start_cpu = time.perf_counter(), time.process_time()
+            target.step(cache, [1] * batch_size, drafts)
+            if round_ > 0:  # round 0 warms up every shape
+                wall[k].append(time.perf_counter() - start)
+                cpu[k].append(time.process_time() - start_cpu)
+    ms = [1000 * statistics.median(wall[k]) for k in draft_tokens]
+    cpu_ms = [1000 * statistics.median(cpu[k]) for k in draft_tokens]
+    base = ms[list(draft_tokens).index(0)] if 0 in draft_tokens else ms[0]
+    return {"draft_tokens": list(draft_tokens), "ms": [round(t, 3) for t in ms],
+            "relative": [round(t / base, 4) for t in ms], "cpu_ms": [round(t, 3) for t in cpu_ms],
+            "context": context, "batch_size": batch_size,
+            "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "model": target.config.name_or_path, "machine": platform.machine(), "repeats": repeats}
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridspec.target", description=__doc__.split("\n")[0])
+    parser.add_argument("--measure-verify-cost", action="store_true", help="time t(1+k)/t(1) for several k")
+    parser.add_argument("--measure-batch", action="store_true", help="time a plain step at batch 1, 2, 4, 8")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--context", default="512", help="warm context length(s), comma-separated")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--draft-tokens", default=",".join(map(str, DEFAULT_COST_DRAFT_TOKENS)))
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--no-pack", action="store_true", help="plain F.linear instead of prepacked oneDNN weights")
+    parser.add_argument("--json", type=Path, help="write the measurement here")
+    args = parser.parse_args(argv)
+    if not (args.measure_verify_cost or args.measure_batch):
+        parser.error("nothing to do: pass --measure-verify-cost or --measure-batch")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = TargetModel.from_pretrained(args.model, dtype=getattr(torch, args.dtype), pack_weights=not args.no_pack)
+    result = {}
+    contexts = [int(c) for c in args.context.split(",")]
+    if args.measure_verify_cost:
+        ks = [int(k) for k in args.draft_tokens.split(",")]
+        by_context = []
+        for context in contexts:
+            cost = measure_verify_cost(target, ks, context=context, repeats=args.repeats)
+            by_context.append(cost)
+            print(f"verify cost at {cost['context']} context, {cost['dtype']}, {cost['threads']} threads")
+            print(f"{'draft tokens k':>15} {'ms':>9} {'t(1+k)/t(1)':>12} {'cpu ms':>9}")
+            for k, t, r, c in zip(cost["draft_tokens"], cost["ms"], cost["relative"], cost["cpu_ms"]):
+                print(f"{k:>15} {t:>9.1f} {r:>12.2f} {c:>9.1f}")
+        # the first context's table at the top level (what readers of one table take), every context under by_context
+        result["verify_cost"] = dict(by_context[0], by_context=by_context) if len(by_context) > 1 else by_context[0]
+    if args.measure_batch:
+        rows = []
+        for bsz in (1, 2, 4, 8):
+            c = measure_verify_cost(target, (0,), context=contexts[0], batch_size=bsz, repeats=args.repeats)
+            rows.append({"batch_size": bsz, "ms": c["ms"][0]})
+        result["batch_step"] = rows
+        print(f"{'batch':>6} {'ms/step':>9} {'ms/token':>9}")
+        for r in rows:
+            print(f"{r['batch_size']:>6} {r['ms']:>9.1f} {r['ms'] / r['batch_size']:>9.1f}")
+    if args.json:
+        payload = result["verify_cost"] if list(result) == ["verify_cost"] else result
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,394 @@
+"""Engine guarantees on a tiny random Llama: greedy speculative decoding is token-identical to plain greedy decoding
+(chains, trees, batches, every kind of proposer), speculative sampling keeps the target's distribution, sessions reuse
+their KV cache and feed the suffix cache, and bad input gives clear errors."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from hybridspec.engine import CostGate, Engine, relative_verify_cost
+from hybridspec.proposal import Proposal
+from hybridspec.target import TargetModel
+from hybridspec.testing import tiny_llama, tiny_tokenizer
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tiny_tokenizer):
+    # no cost gate: every draft is verified, so the acceptance paths are exercised
+    return Engine(TargetModel(tiny_model), tiny_tokenizer, router=lambda proposals, contexts: list(proposals))
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    """Random prompts, half of them repetitive so that suffix and n-gram proposers find matches."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        if i % 2:
+            unit = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 6))]
+            prompts.append((unit * 8)[: rng.randint(8, 40)])
+        else:
+            prompts.append([rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 30))])
+    return prompts
+
+
+class RandomProposer:
+    """Random drafts (chains or trees) of random length: almost always rejected, sometimes empty."""
+
+    def __init__(self, seed: int, tree: bool = False):
+        self.rng, self.tree = random.Random(seed), tree
+
+    def start_request(self, request_id, prompt, *, extends=None):
+        pass
+
+    def append(self, request_id, tokens):
+        pass
+
+    def finish_request(self, request_id):
+        pass
+
+    def speculate(self, request_id, max_spec_tokens=None, tree=False):
+        n = self.rng.randint(0, max_spec_tokens)
+        parents = [self.rng.randint(-1, i - 1) for i in range(n)] if tree else list(range(-1, n - 1))
+        return Proposal([self.rng.randrange(VOCAB) for _ in range(n)], parents, [1.0] * n, float(n), "random")
+
+
+class NoisyOracle(RandomProposer):
+    """Knows the greedy continuation of each prompt and drafts it with random corruptions (and, for trees, random
+    siblings around the true path): drafts are partly accepted, so accept paths, bonus tokens and KV compaction run."""
+
+    def __init__(self, references: dict[tuple, list[int]], seed: int, tree: bool = False):
+        super().__init__(seed, tree)
+        self.references, self.state = references, {}
+
+    def start_request(self, request_id, prompt, *, extends=None):
+        self.state[request_id] = [self.references[tuple(prompt)], 0]
+
+    def append(self, request_id, tokens):
+        self.state[request_id][1] += len(tokens)
+
+    def speculate(self, request_id, max_spec_tokens=None, tree=False):
+        ref, pos = self.state[request_id]
+        truth = ref[pos:pos + self.rng.randint(0, max_spec_tokens)]
+        tokens = [t if self.rng.random() < 0.8 else self.rng.randrange(VOCAB) for t in truth]
+        parents = list(range(-1, len(tokens) - 1))
+        if tree:  # siblings hang off random nodes of the path, up to the budget
+            while len(tokens) < max_spec_tokens and self.rng.random() < 0.7:
+                parents.append(self.rng.randint(-1, len(tokens) - 1))
+                tokens.append(self.rng.randrange(VOCAB))
+            order = sorted(range(len(tokens)), key=lambda i: self._depth(parents, i))  # parents before children
+            index = {old: new for new, old in enumerate(order)}
+            tokens = [tokens[i] for i in order]
+            parents = [index[parents[i]] if parents[i] >= 0 else -1 for i in order]
+        return Proposal(tokens, parents, [1.0] * len(tokens), float(len(tokens)), "oracle")
+
+    @staticmethod
+    def _depth(parents, i):
+        d = 0
+        while parents[i] >= 0:
+            i, d = parents[i], d + 1
+        return d
+
+
+def test_plain_greedy_matches_transformers_generate(engine, tiny_model):
+    for prompt in random_prompts(4, seed=1):
+        ours = engine.generate(prompt, max_new_tokens=24, speculate="none")
+        with torch.no_grad():
+            ref = tiny_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                      eos_token_id=engine.tokenizer.eos_token_id, pad_token_id=0)[0, len(prompt):]
+        assert ours.token_ids == ref.tolist()
+
+
+PROPOSERS = ["random-chain", "random-tree", "oracle-chain", "oracle-tree", "suffix", "suffix-tree", "ngram"]
+
+
+@pytest.mark.parametrize("kind", PROPOSERS)
+@pytest.mark.parametrize("batch", [False, True])
+def test_speculative_greedy_is_token_identical(engine, kind, batch):
+    prompts = random_prompts(8, seed=hash(kind) % 1000)
+    references = {tuple(p): engine.generate(p, max_new_tokens=40, speculate="none").token_ids for p in prompts}
+    tree = kind.endswith("tree")
+    if kind.startswith("random"):
+        speculate = RandomProposer(seed=3, tree=tree)
+    elif kind.startswith("oracle"):
+        speculate = NoisyOracle(references, seed=4, tree=tree)
+    else:
+        speculate = kind.split("-")[0]
+    if batch:
+        results = engine.generate(prompts, max_new_tokens=40, speculate=speculate, num_speculative_tokens=6,
+                                  tree=tree)
+    else:
+        results = [engine.generate(p, max_new_tokens=40, speculate=speculate, num_speculative_tokens=6, tree=tree)
+                   for p in prompts]
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == references[tuple(prompt)]
+        assert result.finish_reason in ("eos", "length")
+    if kind.startswith("oracle"):
+        stats = results[0].stats if batch else engine.stats
+        assert stats.accepted_tokens > 0 and stats.tokens_per_step > 1
+
+
+def test_stops_cut_at_the_same_token(engine):
+    runs = [(p, engine.generate(p, max_new_tokens=40, speculate="none")) for p in random_prompts(6, seed=9)]
+    prompt, plain = next((p, r) for p, r in runs if len(r.token_ids) >= 20)
+    stop = engine.tokenizer.decode(plain.token_ids[10:12])
+    spec = engine.generate(prompt, max_new_tokens=40, speculate=NoisyOracle({tuple(prompt): plain.token_ids}, 1),
+                           stop=[stop])
+    base = engine.generate(prompt, max_new_tokens=40, speculate="none", stop=stop)
+    assert spec.token_ids == base.token_ids and spec.finish_reason == base.finish_reason == "stop"
+    assert stop not in spec.text and plain.text.startswith(spec.text)
+    assert stop in engine.tokenizer.decode(spec.token_ids)
+    short = engine.generate(prompt, max_new_tokens=5, speculate=NoisyOracle({tuple(prompt): plain.token_ids}, 2))
+    assert short.token_ids == plain.token_ids[:5] and short.finish_reason == "length"
+
+
+def test_stream_yields_the_generated_text(engine):
+    deltas = list(engine.stream("Hello there", max_new_tokens=30))
+    assert len(deltas) > 1 and "".join(deltas) == engine.generate("Hello there", max_new_tokens=30).text
+
+
+def test_session_reuses_kv_cache_and_feeds_suffix_cache(engine, tmp_path):
+    session = engine.session(system="You are terse.", max_new_tokens=25)
+    replies = []
+    for turn in ["ls -la", "cat setup.py", "ls -la"]:
+        replies.append(session.send(turn))
+    # later turns prefill only the new pieces, never the whole conversation
+    assert replies[0].stats.prefill_tokens == replies[0].stats.prompt_tokens - 1
+    for r in replies[1:]:
+        assert r.stats.prefill_tokens < r.stats.prompt_tokens // 2
+    # the conversation's tokens are exactly prompt + reply of every turn, and a fresh, uncached run of the last
+    # prompt (with the exact same tokens) gives the same reply
+    last = replies[-1]
+    assert session.tokens == last.prompt_token_ids + last.token_ids
+    fresh = engine.generate(last.prompt_token_ids, max_new_tokens=25, speculate="none")
+    assert fresh.token_ids == last.token_ids
+    assert session.messages[-1] == {"role": "assistant", "content": last.text}
+    assert engine.suffix_cache.stats()["session_hits"] >= 2  # turns extend the previous one
+    path = tmp_path / "suffix.bin"
+    engine.save_cache(path)
+    other = Engine(engine.target, engine.tokenizer)
+    other.load_cache(path)
+    assert other.suffix_cache.stats()["global_tokens"] == engine.suffix_cache.stats()["global_tokens"] > 0
+
+
+def test_session_tokens_follow_the_chat_template(engine):
+    session = engine.session(max_new_tokens=8, speculate="none")
+    session.send("hi")
+    session.send({"role": "tool", "content": "output"})
+    rendered = engine.tokenizer.apply_chat_template(session.messages, tokenize=False)
+    text = engine.tokenizer.decode(session.tokens)
+    # what the model saw is the template's rendering (an unfinished last reply lacks the closing tag)
+    assert rendered.startswith(text) or text.startswith(rendered.rstrip("\n"))
+
+
+def test_bad_input_gives_clear_errors(engine):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.generate("")
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.generate([[]])
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        engine.generate([5, VOCAB])
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        engine.generate([-1, 5])
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+            engine.generate("abc", max_new_tokens=bad)
+    with pytest.raises(ValueError, match="context is 512"):
+        engine.generate([5] * 512)
+    with pytest.raises(ValueError, match="speculate must be one of"):
+        engine.generate("abc", speculate="eagle")
+    with pytest.raises(TypeError, match="not a Proposer"):
+        engine.generate("abc", speculate=object())
+    with pytest.raises(ValueError, match="tree=True needs a proposer that drafts trees"):
+        engine.generate("abc", speculate="ngram", tree=True)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        engine.generate("abc", temperature=-1)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine.generate("abc", num_speculative_tokens=-1)
+    with pytest.raises(TypeError, match="a prompt is a string"):
+        engine.generate([1.5])
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        engine.session().send({"content": "no role"})
+
+
+def test_context_end_finishes_with_length(engine):
+    result = engine.generate([5] * 500, max_new_tokens=100, speculate="suffix")
+    assert len(result.token_ids) <= 12 and (result.finish_reason == "length" or result.token_ids[-1] == 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the cost gate (default router)
+
+
+def test_cost_gate_trims_to_the_best_expected_gain():
+    gate = CostGate({0: 1.0, 1: 1.5, 2: 1.55, 4: 1.8, 8: 2.0})  # one table for every context
+    assert gate.cost(3) == pytest.approx(1.675) and gate.cost(16) == pytest.approx(2.4)
+    confident = Proposal.chain([1, 2, 3, 4], probs=[1.0, 1.0, 1.0, 1.0])
+    assert gate.trim(confident) is confident
+    # expected tokens per cost: m=1: 1.3/1.5, m=2: 1.4/1.55, m=3: 1.45/1.675: no prefix beats a plain step
+    assert len(gate.trim(Proposal.chain([1, 2, 3], probs=[0.3, 0.1, 0.05]))) == 0
+    # m=2 gives (1 + 0.9 + 0.8) / 1.55 = 1.74, better than keeping the unlikely tail (m=3: 2.75 / 1.675 = 1.64)
+    trimmed = gate.trim(Proposal.chain([7, 8, 9, 10], probs=[0.9, 0.8, 0.05, 0.01]))
+    assert trimmed.token_ids == [7, 8] and trimmed.parents == [-1, 0]
+    tree = Proposal(token_ids=[1, 2, 3, 4, 5], parents=[-1, -1, 0, 2, 1], probs=[0.9, 0.05, 0.85, 0.8, 0.04],
+                    score=2.64, source="suffix")
+    kept = gate.trim(tree)
+    assert kept.token_ids == [1, 3, 4] and kept.parents == [-1, 0, 1]
+
+
+def test_gate_calibrates_overconfident_proposers_online():
+    gate = CostGate({0: 1.0, 8: 1.2})
+    draft = Proposal.chain([1, 2, 3, 4], probs=[0.55, 0.5, 0.5, 0.5], source="suffix")
+    assert len(gate.trim(draft)) == 4  # taken at its word: 1 + 2.05 tokens for 1.1 steps
+    for _ in range(30):  # but such nodes are never accepted
+        gate.observe([draft], [[]])
+    assert gate.accept_probability("suffix", 0.5) < 0.1
+    assert len(gate.trim(draft)) == 0
+    other = Proposal.chain([1, 2, 3, 4], probs=[0.55, 0.5, 0.5, 0.5], source="ngram")
+    assert len(gate.trim(other)) == 4  # calibration is per source
+    for _ in range(30):  # accepted after all: the estimate recovers
+        gate.observe([draft], [[0, 1, 2, 3]])
+    assert gate.accept_probability("suffix", 0.5) > 0.5 and len(gate.trim(draft)) == 4
+    assert CostGate(calibrate=False).accept_probability("suffix", 0.5) == 0.5
+
+
+def test_cost_grows_with_context():
+    gate = CostGate({512: {0: 10.0, 16: 12.0}, 4096: {0: 10.0, 16: 40.0}})
+    assert gate.cost(16, 512) == pytest.approx(1.2) and gate.cost(16, 4096) == pytest.approx(4.0)
+    assert gate.cost(16, 2304) == pytest.approx(2.6) and gate.cost(8, 100) == pytest.approx(1.1)
+    assert gate.cost(0, 9999) == 1.0
+    # the same draft is worth verifying at a short context (1.15 / 1.0125) and not at a long one (1.15 / 1.1875)
+    draft = Proposal.chain(list(range(16)), probs=[0.15] + [0.01] * 15)
+    assert len(gate.trim(draft, 512)) == 1 and len(gate.trim(draft, 4096)) == 0
+
+
+def test_verify_cost_table_formats(tmp_path):
+    measured = {"draft_tokens": [0, 1, 8], "ms": [50.0, 80.0, 100.0], "context": 512}
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(measured))
+    assert relative_verify_cost(path) == {512: {0: 1.0, 1: 1.6, 8: 2.0}}
+    several = dict(measured, by_context=[measured, dict(measured, context=2048, ms=[100.0, 150.0, 300.0])])
+    path.write_text(json.dumps(several))
+    assert relative_verify_cost(path)[2048] == {0: 1.0, 1: 1.5, 8: 3.0}
+    assert relative_verify_cost({0: 2.0, 4: 3.0}) == {0: {0: 1.0, 4: 1.5}}
+    with pytest.raises(ValueError, match="needs k = 0"):
+        relative_verify_cost({1: 2.0})
+
+
+def test_gated_engine_is_exact_and_skips_hopeless_drafts(tiny_model, tiny_tokenizer):
+    gated = Engine(TargetModel(tiny_model), tiny_tokenizer)  # default router: the cost gate
+    prompt = random_prompts(2, seed=5)[0]
+    plain = gated.generate(prompt, max_new_tokens=30, speculate="none")
+    low = Proposal.chain  # a proposer whose drafts promise little
+
+    class Hopeless(RandomProposer):
+        def speculate(self, request_id, max_spec_tokens=None, tree=False):
+            n = max_spec_tokens
+            return low([self.rng.randrange(VOCAB) for _ in range(n)], probs=[0.05 ** (i + 1) for i in range(n)],
+                       source="hopeless")
+
+    result = gated.generate(prompt, max_new_tokens=30, speculate=Hopeless(0))
+    assert result.token_ids == plain.token_ids
+    assert result.stats.draft_tokens == 0 and result.stats.skipped_proposals == result.stats.proposals > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampling keeps the target distribution
+
+
+SMALL_VOCAB = 8
+
+
+class SamplingProposer(RandomProposer):
+    """Two-token drafts: a chain, or a tree (two siblings, one with a child). Deterministic drafts (one-hot, distinct
+    siblings) or drafts sampled from random draft logits (siblings i.i.d. from their parent's distribution)."""
+
+    def __init__(self, seed: int, tree: bool, with_logits: bool):
+        super().__init__(seed, tree)
+        self.with_logits = with_logits
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def speculate(self, request_id, max_spec_tokens=None, tree=False):
+        parents = [-1, -1, 0][:max_spec_tokens] if tree else [-1, 0][:max_spec_tokens]
+        if not self.with_logits:
+            tokens = self.rng.sample(range(SMALL_VOCAB), 2) + [self.rng.randrange(SMALL_VOCAB)]
+            tokens = tokens[:len(parents)] if tree else [tokens[0], tokens[2]][:len(parents)]
+            return Proposal(tokens, parents, [1.0] * len(parents), float(len(parents)), "det")
+        per_parent = {p: 2.0 * torch.randn(SMALL_VOCAB, generator=self.gen) for p in set(parents)}
+        logits = torch.stack([per_parent[p] for p in parents])
+        tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=self.gen)[:, 0].tolist()
+        return Proposal(tokens, parents, [0.5] * len(parents), 0.5 * len(parents), "model", draft_logits=logits)
+
+
+def exact_two_token_distribution(model, prompt, eos) -> dict[tuple, float]:
+    """P(first two generated tokens) under plain sampling at temperature 1, from transformers' forward."""
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        dist = {}
+        for a in range(SMALL_VOCAB):
+            if a == eos:
+                dist[(a,)] = p1[a].item()
+                continue
+            p2 = torch.softmax(model(torch.tensor([prompt + [a]])).logits[0, -1].double(), -1)
+            for b in range(SMALL_VOCAB):
+                dist[(a, b)] = (p1[a] * p2[b]).item()
+    return dist
+
+
+def chi_square_p_value(counts: Counter, expected: dict[tuple, float], n: int) -> float:
+    """Pearson's test, pooling the cells expected below 5 into one."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for cell, p in expected.items():
+        e = n * p
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts.get(cell, 0), pooled_exp + e
+            continue
+        stat += (counts.get(cell, 0) - e) ** 2 / e
+        cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    df = cells - 1
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                   torch.tensor(stat / 2, dtype=torch.float64)).item()
+
+
+@pytest.fixture(scope="module")
+def small_vocab_engine():
+    model = tiny_llama(vocab_size=SMALL_VOCAB, seed=3, init_std=0.2)
+    return Engine(TargetModel(model), tiny_tokenizer(SMALL_VOCAB), router=lambda ps, cs: list(ps)), model
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("with_logits", [False, True])
+def test_speculative_sampling_keeps_the_target_distribution(small_vocab_engine, tree, with_logits):
+    engine, model = small_vocab_engine
+    prompt = [3, 5, 4, 6]
+    eos = engine.tokenizer.eos_token_id
+    expected = exact_two_token_distribution(model, prompt, eos)
+    assert math.isclose(sum(expected.values()), 1.0, rel_tol=1e-9)
+    proposer = SamplingProposer(seed=11 + 2 * tree + with_logits, tree=tree, with_logits=with_logits)
+    n, counts = 0, Counter()
+    for call in range(6):
+        results = engine.generate([prompt] * 500, max_new_tokens=3, temperature=1.0, speculate=proposer, tree=tree,
+                                  seed=1000 * call + 2 * tree + with_logits)
+        for r in results:
+            counts[tuple(r.token_ids[:1]) if r.token_ids[0] == eos else tuple(r.token_ids[:2])] += 1
+        n += len(results)
+        assert results[0].stats.accepted_tokens > 0  # drafts were tried and some accepted
+    assert chi_square_p_value(counts, expected, n) > 1e-3
+
+
+def test_chi_square_detects_a_wrong_distribution(small_vocab_engine):
+    """The statistical test has power: plain greedy outputs (a point mass) are far from the sampled distribution."""
+    engine, model = small_vocab_engine
+    prompt = [3, 5, 4, 6]
+    expected = exact_two_token_distribution(model, prompt, engine.tokenizer.eos_token_id)
+    greedy = engine.generate(prompt, max_new_tokens=2, speculate="none").token_ids
+    assert chi_square_p_value(Counter({tuple(greedy[:2]): 3000}), expected, 3000) < 1e-6

@@ -1,0 +1,73 @@
+"""The exactness guarantee on the real SmolLM2-135M-Instruct (converted from the embedded GGUF on first use): greedy
+speculative decoding returns the same tokens as plain greedy decoding on an agent-like prompt and a chat prompt, with
+chains and trees, at batch 1 and 2."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+AGENT_SYSTEM = ("You are a coding agent. Reply with one shell command in a ```bash block; you will see its output.")
+AGENT_TURNS = [
+    "Fix the bug: `add(2, 3)` in calc.py returns 6. Start by reading the file.",
+    """<returncode>0</returncode>
+<output>
+def add(a, b):
+    \"\"\"Return the sum of a and b.\"\"\"
+    return a * b
+
+
+def sub(a, b):
+    \"\"\"Return a minus b.\"\"\"
+    return a - b
+</output>""",
+]
+CHAT = [{"role": "user", "content": "Give three tips for writing clear emails."}]
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from hybridspec.engine import Engine
+
+    return Engine.from_pretrained("smollm2")
+
+
+@pytest.fixture(scope="module")
+def agent_prompt(engine):
+    """The second turn of an agent session: the model's own first reply, then a tool observation to copy from."""
+    session = engine.session(system=AGENT_SYSTEM, max_new_tokens=MAX_NEW, speculate="none")
+    session.send(AGENT_TURNS[0])
+    return session.prompt_tokens([{"role": "user", "content": AGENT_TURNS[1]}])
+
+
+@pytest.fixture(scope="module")
+def references(engine, agent_prompt):
+    return {name: engine.generate(prompt, max_new_tokens=MAX_NEW, speculate="none").token_ids
+            for name, prompt in (("agent", agent_prompt), ("chat", engine.encode(CHAT)))}
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_greedy_speculation_is_exact_on_agent_and_chat_prompts(engine, agent_prompt, references, tree):
+    for name, prompt in (("agent", agent_prompt), ("chat", engine.encode(CHAT))):
+        result = engine.generate(prompt, max_new_tokens=MAX_NEW, speculate="suffix", tree=tree)
+        assert result.token_ids == references[name], name
+    # the agent prompt holds text to copy: speculation must have committed several tokens per step there
+    agent = engine.generate(agent_prompt, max_new_tokens=MAX_NEW, speculate="suffix", tree=tree)
+    assert agent.stats.tokens_per_step > 1.5
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_greedy_speculation_is_exact_at_batch_2(engine, agent_prompt, references, tree):
+    results = engine.generate([agent_prompt, CHAT], max_new_tokens=MAX_NEW, speculate="suffix", tree=tree)
+    assert [r.token_ids for r in results] == [references["agent"], references["chat"]]
+
+
+def test_session_matches_uncached_generation(engine, agent_prompt, references):
+    """A session (KV cache kept across turns, suffix cache fed turn by turn) gives the same second reply."""
+    session = engine.session(system=AGENT_SYSTEM, max_new_tokens=MAX_NEW, speculate="suffix")
+    session.send(AGENT_TURNS[0])
+    reply = session.send(AGENT_TURNS[1])
+    assert reply.prompt_token_ids == agent_prompt
+    assert reply.token_ids == references["agent"]
+    assert reply.stats.prefill_tokens < len(agent_prompt) // 2

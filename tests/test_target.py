@@ -1,0 +1,178 @@
+"""TargetModel against transformers' own forward pass without a cache (the independent reference): prefill, chain and
+tree verification, KV crop and compaction after acceptance, batches with per-row lengths, hidden-state capture."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybridspec.target import KVCache, TargetModel, aux_layer_ids, measure_verify_cost, tree_depths_and_mask
+
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model):
+    return TargetModel(tiny_model)
+
+
+def reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V]: transformers' forward over the whole sequence, no cache."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+def random_tree(rng: random.Random, n: int) -> list[int]:
+    return [rng.randint(-1, i - 1) for i in range(n)]
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_tree_mask_is_ancestor_or_self():
+    parents = [-1, -1, 0, 2, 1, 0]
+    depth, mask = tree_depths_and_mask(parents)
+    assert depth == [0, 1, 1, 2, 3, 2, 2]
+    for i in range(len(parents)):
+        ancestors = {0} | {a + 1 for a in path_to(parents, i)}
+        assert {j for j in range(len(parents) + 1) if mask[i + 1, j]} == ancestors
+
+
+@pytest.mark.parametrize("parents", [[0], [-1, 1], [-1, -2]])
+def test_tree_mask_rejects_parents_after_children(parents):
+    with pytest.raises(ValueError, match="parent must precede"):
+        tree_depths_and_mask(parents)
+
+
+def test_prefill_in_chunks_with_cache_growth_matches_reference(target, tiny_model):
+    tokens = [random.Random(1).randrange(128) for _ in range(70)]
+    cache = target.new_cache(1, capacity=8)  # forces several regrowths
+    out = target.prefill(cache, [tokens], chunk_size=16)
+    assert cache.lengths == [70] and cache.capacity >= 70
+    torch.testing.assert_close(out.logits[0, -1], reference_logits(tiny_model, tokens)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chain_verify_and_crop_match_reference(target, tiny_model, seed):
+    rng = random.Random(seed)
+    seq = [rng.randrange(128) for _ in range(rng.randint(2, 30))]
+    cache = target.new_cache(1, capacity=16)
+    target.prefill(cache, [seq[:-1]])
+    for _ in range(4):
+        draft = [rng.randrange(128) for _ in range(rng.randint(0, 6))]
+        out = target.step(cache, [seq[-1]], [draft])
+        ref = reference_logits(tiny_model, seq + draft)
+        torch.testing.assert_close(out.logits[0], ref[len(seq) - 1:], atol=ATOL, rtol=0)
+        accepted = rng.randint(0, len(draft))  # keep a prefix: the rest is cropped
+        cache.commit(0, list(range(accepted + 1)))
+        seq = seq + draft[:accepted] + [rng.randrange(128)]
+        assert cache.lengths == [len(seq) - 1]
+    # after all the crops the cache still equals a fresh recompute
+    out = target.step(cache, [seq[-1]])
+    torch.testing.assert_close(out.logits[0, 0], reference_logits(tiny_model, seq)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_verify_and_compaction_match_reference(target, tiny_model, seed):
+    rng = random.Random(100 + seed)
+    seq = [rng.randrange(128) for _ in range(rng.randint(2, 20))]
+    cache = target.new_cache(1, capacity=16)
+    target.prefill(cache, [seq[:-1]])
+    for _ in range(3):
+        n = rng.randint(1, 10)
+        parents, draft = random_tree(rng, n), [rng.randrange(128) for _ in range(n)]
+        out = target.step(cache, [seq[-1]], [draft], [parents])
+        for node in range(n):  # every node sees exactly the sequence + its root-to-node path
+            path = [draft[i] for i in path_to(parents, node)]
+            expected = reference_logits(tiny_model, seq + path)[-1]
+            torch.testing.assert_close(out.logits[0, 1 + node], expected, atol=ATOL, rtol=0)
+        accepted = path_to(parents, rng.randrange(n))  # accept a root-to-node path: its KV is compacted
+        cache.commit(0, [0] + [1 + i for i in accepted])
+        seq = seq + [draft[i] for i in accepted] + [rng.randrange(128)]
+    out = target.step(cache, [seq[-1]], [[5, 6]])
+    torch.testing.assert_close(out.logits[0], reference_logits(tiny_model, seq + [5, 6])[len(seq) - 1:],
+                               atol=ATOL, rtol=0)
+
+
+def test_batch_rows_with_own_lengths_drafts_and_trees(target, tiny_model):
+    rng = random.Random(7)
+    seqs = [[rng.randrange(128) for _ in range(n)] for n in (3, 17, 9)]
+    cache = target.new_cache(3, capacity=8)
+    out = target.prefill(cache, [seq[:-1] for seq in seqs], chunk_size=8)  # rows end in different chunks
+    assert cache.lengths == [len(seq) - 1 for seq in seqs]
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(out.logits[row, 0], reference_logits(tiny_model, seq[:-1])[-1], atol=ATOL, rtol=0)
+    for _ in range(3):
+        drafts = [[rng.randrange(128) for _ in range(rng.randint(0, 5))] for _ in seqs]
+        parents = [random_tree(rng, len(d)) if row == 1 else None for row, d in enumerate(drafts)]
+        out = target.step(cache, [s[-1] for s in seqs], drafts, parents)
+        for row, (seq, draft) in enumerate(zip(seqs, drafts)):
+            tree = parents[row] or list(range(-1, len(draft) - 1))
+            for node in range(-1, len(draft)):
+                path = [draft[i] for i in path_to(tree, node)] if node >= 0 else []
+                torch.testing.assert_close(out.logits[row, 1 + node], reference_logits(tiny_model, seq + path)[-1],
+                                           atol=ATOL, rtol=0)
+            keep = path_to(tree, len(draft) - 1) if draft else []
+            cache.commit(row, [0] + [1 + i for i in keep])
+            seqs[row] = seq + [draft[i] for i in keep] + [rng.randrange(128)]
+    cache.select_rows([2, 0])  # a sequence finished: its row leaves, the others keep their KV
+    out = target.step(cache, [seqs[2][-1], seqs[0][-1]])
+    for row, seq in enumerate([seqs[2], seqs[0]]):
+        torch.testing.assert_close(out.logits[row, 0], reference_logits(tiny_model, seq)[-1], atol=ATOL, rtol=0)
+
+
+def test_hidden_states_are_layer_inputs_and_final_norm(target, tiny_model):
+    tokens = list(range(10, 30))
+    cache = target.new_cache(1)
+    target.prefill(cache, [tokens[:12]])
+    out = target.step(cache, [tokens[12]], [tokens[13:]], return_hidden=True)
+    with torch.no_grad():
+        ref = tiny_model(torch.tensor([tokens]), output_hidden_states=True)
+    layers = aux_layer_ids(tiny_model.config.num_hidden_layers)
+    assert layers == (2, 3, 3)
+    # hidden_states[i] is the input of layer i; the last entry is the final, normed state
+    expected_aux = torch.cat([ref.hidden_states[i][0, 12:] for i in layers], dim=-1)
+    torch.testing.assert_close(out.aux_hidden[0], expected_aux, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.final_hidden[0], ref.hidden_states[-1][0, 12:], atol=ATOL, rtol=0)
+    assert target.step(cache, [1]).aux_hidden is None  # not computed unless asked for
+
+
+def test_bad_input_raises(target):
+    cache = target.new_cache(1)
+    with pytest.raises(ValueError, match="at least one token"):
+        target.prefill(cache, [[]])
+    with pytest.raises(ValueError, match="exceed the model's context"):
+        target.prefill(cache, [[1] * (target.max_seq_len + 1)])
+    with pytest.raises(ValueError, match="token ids must lie"):
+        target.prefill(cache, [[1, 128]])
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 128\)"):
+        target.step(cache, [1], [[128]])
+    with pytest.raises(ValueError, match="2 draft tokens but 1 parents"):
+        target.step(cache, [1], [[3, 4]], [[-1]])
+    with pytest.raises(ValueError, match="got 2 rows for a cache of 1"):
+        target.step(cache, [1, 2])
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(0, 5)
+
+
+def test_unsupported_architecture_is_refused(tiny_model):
+    class Config:
+        model_type = "gpt2"
+
+    class Model:
+        config = Config()
+
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        TargetModel(Model())
+
+
+def test_measure_verify_cost_reports_every_size(target):
+    cost = measure_verify_cost(target, (0, 2, 5), context=16, repeats=1)
+    assert cost["draft_tokens"] == [0, 2, 5] and len(cost["ms"]) == 3
+    assert cost["relative"][0] == 1.0 and all(t > 0 for t in cost["ms"])
