@@ -234,7 +234,7 @@ def load_drafter(path: str | os.PathLike, *, target: Any = None, embed_tokens: T
         raise ValueError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
     if target is not None:
         drafter.check_target(target, aux_layer_ids)
-    elif aux_layer_ids is not None and list(aux_layer_ids) != list(drafter.aux_layer_ids):
+    elif drafter.aux_layer_ids and aux_layer_ids is not None and list(aux_layer_ids) != list(drafter.aux_layer_ids):
         raise ValueError(f"the runtime captures layers {list(aux_layer_ids)} but the drafter was trained on "
                          f"{list(drafter.aux_layer_ids)}")
     return drafter.to(device=device, dtype=dtype).eval()

@@ -367,8 +367,12 @@ def test_loading_against_a_mismatched_target_fails_clearly(kind, target, tmp_pat
             load_drafter(tmp_path / kind, target=TargetInfo(3, c.hidden_size, c.vocab_size), embed_tokens=embed)
         with pytest.raises(ValueError, match=r"captures layers \[1, 2, 3\]"):
             load_drafter(tmp_path / kind, target=c, embed_tokens=embed, aux_layer_ids=[1, 2, 3])
+        with pytest.raises(ValueError, match=r"captures layers \[1, 2, 3\]"):
+            load_drafter(tmp_path / kind, embed_tokens=embed, aux_layer_ids=[1, 2, 3])
         with pytest.raises(ValueError, match="embed_tokens"):
             load_drafter(tmp_path / kind, target=c)
+    else:  # the LSTM reads no aux layers: whatever the runtime captures is fine
+        load_drafter(tmp_path / kind, aux_layer_ids=[1, 2, 3])
     with pytest.raises(FileNotFoundError):
         load_drafter(tmp_path / "nothing")
 

@@ -247,7 +247,7 @@ def online_tokens_per_step(target, drafter, store, k: int) -> float:
 
 
 def test_walk_acceptance_steps_like_decoding():
-    correct = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    correct = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 1], [0, 0, 0]]).bool()
     valid = torch.tensor([2, 2, 2, 2, 2, 1, 0])
     origin = torch.tensor([0, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
     # starts at slot 1: 1 token -> slot 2: 1+3 -> slot 6: 1 token (end of text)
