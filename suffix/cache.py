@@ -1,7 +1,7 @@
 """SuffixCache: the suffix proposer's Python face over the compiled tree (`_tree.pyx`).
 
 Two levels, as in SuffixDecoding: every request has its own tree over its prompt and output so far, and one global tree
-holds finished responses, each after the last `max_depth` tokens of its prompt (all of the prompt with
+holds finished responses, each after the last `prompt_tail_tokens` tokens of its prompt (all of the prompt with
 `index_prompts_globally`). `speculate` drafts from both and keeps the
 higher-scoring draft.
 
@@ -70,11 +70,14 @@ class SuffixCache:
         retained_budget_tokens: int = 4_000_000,
         vocab_size: int | None = None,
         evict_per_call: int = 1024,
+        prompt_tail_tokens: int = 16,
     ) -> None:
         if not 1 <= max_depth <= 65535:
             raise ValueError(f"max_depth must be in [1, 65535], got {max_depth}")
         if global_budget_tokens < 0 or retained_budget_tokens < 0 or max_retained < 0:
             raise ValueError("budgets must be >= 0")
+        if prompt_tail_tokens < 0:
+            raise ValueError(f"prompt_tail_tokens must be >= 0, got {prompt_tail_tokens}")
         if evict_per_call < 1:
             raise ValueError("evict_per_call must be >= 1")
         if vocab_size is not None and not 1 <= vocab_size <= _INT32_MAX:
@@ -89,6 +92,7 @@ class SuffixCache:
         self.retained_budget_tokens = retained_budget_tokens
         self.vocab_size = vocab_size
         self.evict_per_call = evict_per_call
+        self.prompt_tail_tokens = prompt_tail_tokens
         self._global = _tree.SuffixTree(max_depth)
         self._live: dict[Hashable, _tree.RequestState] = {}
         self._retained: OrderedDict[Hashable, _tree.RequestState] = OrderedDict()
@@ -132,16 +136,16 @@ class SuffixCache:
             self._evict_global(self.evict_per_call // 8)
 
     def finish_request(self, request_id: Hashable) -> None:
-        """The request's response enters the global tree, after the prompt's last `max_depth` tokens (or after all of
-        the newly indexed prompt, with index_prompts_globally)."""
+        """The request's response enters the global tree, after the prompt's last `prompt_tail_tokens` tokens (or
+        after all of the newly indexed prompt, with index_prompts_globally)."""
         with self._lock:
             state = self._state(request_id)
             del self._live[request_id]
             state.finished = True
-            # a response enters with the last max_depth prompt tokens before it, so a re-sent prompt (agent retries)
-            # matches at full depth and its earlier response is drafted from the first step
+            # a response enters with the prompt tokens just before it, so a re-sent prompt (agent retries) matches
+            # them and its earlier response is drafted from the first step
             new = state.tokens(state.indexed_from if self.index_prompts_globally
-                               else max(0, state.prompt_len - self.max_depth))
+                               else max(0, state.prompt_len - self.prompt_tail_tokens))
             if len(new):
                 self._global.add_sequence(new)
                 self._evict_global(self.evict_per_call + len(new))

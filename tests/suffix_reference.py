@@ -169,8 +169,9 @@ def ref_speculate(ctx: list[int], glob: RefCorpus, D: int, max_tokens: int, max_
 class RefCache:
     """Mirror of SuffixCache's request life cycle and eviction, on raw token lists."""
 
-    def __init__(self, max_depth, global_budget_tokens, evict_per_call, index_prompts_globally=False):
+    def __init__(self, max_depth, global_budget_tokens, evict_per_call, index_prompts_globally=False, prompt_tail=16):
         self.D = max_depth
+        self.tail = prompt_tail
         self.glob = RefCorpus(max_depth)
         self.budget = global_budget_tokens
         self.evict_per_call = evict_per_call
@@ -192,7 +193,7 @@ class RefCache:
 
     def finish_request(self, rid):
         st = self.live.pop(rid)
-        new = st["ctx"][st["indexed_from"] if self.index_prompts else max(0, st["prompt_len"] - self.D):]
+        new = st["ctx"][st["indexed_from"] if self.index_prompts else max(0, st["prompt_len"] - self.tail):]
         if new:
             self.glob.seqs.append(list(new))
             self.glob.starts.append(0)

@@ -27,6 +27,7 @@ def scenarios(draw):
     budget = draw(st.sampled_from([4, 12, 40, 10_000]))
     evict_per_call = draw(st.sampled_from([1, 3, 8, 1024]))
     index_prompts = draw(st.booleans())
+    tail = draw(st.sampled_from([0, 3, 16]))
     ops = []
     for _ in range(draw(st.integers(1, 20))):
         kind = draw(st.sampled_from(["start", "append", "append", "append", "spec", "spec", "spec", "finish",
@@ -34,14 +35,14 @@ def scenarios(draw):
         ops.append((kind, draw(tokens(vocab, 12)), draw(st.integers(0, 10)), draw(st.booleans()),
                     draw(st.sampled_from([0.0, 0.1, 0.3, 0.6])), draw(st.sampled_from([0.5, 1.0, 2.0])),
                     draw(st.integers(1, 12))))
-    return vocab, depth, budget, evict_per_call, index_prompts, ops
+    return vocab, depth, budget, evict_per_call, index_prompts, tail, ops
 
 
 def run_against_reference(scenario) -> int:
-    vocab, depth, budget, evict_per_call, index_prompts, ops = scenario
+    vocab, depth, budget, evict_per_call, index_prompts, tail, ops = scenario
     cache = SuffixCache(max_depth=depth, global_budget_tokens=budget, evict_per_call=evict_per_call,
-                        index_prompts_globally=index_prompts, vocab_size=vocab)
-    ref = RefCache(depth, budget, evict_per_call, index_prompts)
+                        index_prompts_globally=index_prompts, vocab_size=vocab, prompt_tail_tokens=tail)
+    ref = RefCache(depth, budget, evict_per_call, index_prompts, tail)
     live, finished, compared, n = [], [], 0, 0
     for kind, toks, k, tree, min_prob, factor, nodes in ops:
         if kind == "start" or not live and kind != "extend":
