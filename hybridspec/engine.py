@@ -21,9 +21,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from hybridspec.proposal import Proposal, Proposer
+from hybridspec.router import DEFAULT_VERIFY_MS, VerifyCost
 from hybridspec.target import KVCache, TargetModel
 
 Message = Mapping[str, str]
@@ -31,15 +33,17 @@ PromptLike = str | Sequence[int] | Sequence[Message]
 Router = Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]]  # (proposals, context lengths)
 
 SPECULATE_CHOICES = ("suffix", "ngram", "none")
+GENERATE_DEFAULTS: dict[str, Any] = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, speculate="suffix",
+                                         num_speculative_tokens=None, tree=False, stop=None, seed=None)
 
-# t(1 + k tokens) / t(1 token) of SmolLM2-135M fp32, 1 thread, on this project's CPU (AMD EPYC, shared), by context
-# length: `python -m hybridspec.target --measure-verify-cost --context 512,2048,4096` (medians, made non-decreasing in
-# k). Attention over the context makes extra draft tokens dearer as the context grows. Pass a measured table as
-# `Engine(verify_cost=...)` on other machines.
-DEFAULT_VERIFY_COST: dict[int, dict[int, float]] = {
-    512: {0: 1.0, 1: 1.17, 2: 1.17, 4: 1.17, 8: 1.17, 16: 1.58, 32: 2.54},
-    2048: {0: 1.0, 1: 1.2, 2: 1.2, 4: 1.2, 8: 1.44, 16: 1.95, 32: 3.09},
-    4096: {0: 1.0, 1: 1.3, 2: 1.3, 4: 1.37, 8: 1.72, 16: 2.3, 32: 3.54},
+# Verify cost t(k) in ms of SmolLM2-135M fp32, 1 thread, on this project's CPU, at three context lengths
+# (`python -m hybridspec.target --measure-verify-cost --context 512,2048,4096`; the 512 row is the router's default).
+# Attention over the context makes extra draft tokens dearer as the context grows: 16 drafts cost 1.6 plain steps at
+# 512 tokens and 2.3 at 4096. Pass a measured table as `Engine(verify_cost=...)` on other machines.
+DEFAULT_VERIFY_MS_BY_CONTEXT: dict[int, dict[int, float]] = {
+    512: DEFAULT_VERIFY_MS,
+    2048: {0: 65.9, 1: 78.8, 2: 73.7, 4: 75.8, 8: 95.0, 16: 128.4, 32: 203.5},
+    4096: {0: 83.6, 1: 108.9, 2: 102.0, 4: 114.8, 8: 143.5, 16: 192.1, 32: 295.5},
 }
 
 
@@ -110,31 +114,28 @@ class GenerationResult:
 # the default router: drafts only where verifying them pays
 
 
-def relative_verify_cost(table: Mapping[Any, Any] | str | os.PathLike | None) -> dict[int, dict[int, float]]:
-    """{context: {draft tokens k: t(1 + k) / t(1)}} from: None (the built-in table); the JSON written by
-    `python -m hybridspec.target --measure-verify-cost --json PATH` or its path (one context, or several under
-    "by_context"); {context: {k: ms}}; or {k: ms} (one table for every context)."""
-    if table is None:
-        return {c: dict(t) for c, t in DEFAULT_VERIFY_COST.items()}
-    if isinstance(table, (str, os.PathLike)):
+def verify_costs_by_context(source: Any = None) -> dict[int, VerifyCost]:
+    """{context length: VerifyCost} from: None (the built-in tables); a `VerifyCost`, a {k: ms} table or the JSON of
+    one measurement (any context); a {context: {k: ms}} mapping; or the JSON written by `python -m hybridspec.target
+    --measure-verify-cost --context A,B,... --json PATH` (or its path), whose "by_context" holds one table per context."""
+    if source is None:
+        source = DEFAULT_VERIFY_MS_BY_CONTEXT
+    data = source
+    if isinstance(source, (str, os.PathLike)):
         import json
 
-        table = json.loads(Path(table).read_text())
-    if "by_context" in table:
-        measurements = table["by_context"]
-    elif "draft_tokens" in table:
-        measurements = [table]
-    elif all(isinstance(v, Mapping) for v in table.values()):
-        measurements = [{"context": c, "draft_tokens": list(t), "ms": list(t.values())} for c, t in table.items()]
-    else:
-        measurements = [{"context": 0, "draft_tokens": list(table), "ms": list(table.values())}]
-    result = {}
-    for m in measurements:
-        costs = {int(k): float(v) for k, v in zip(m["draft_tokens"], m["ms"])}
-        if 0 not in costs or any(k < 0 or v <= 0 for k, v in costs.items()):
-            raise ValueError("a verify-cost table needs k = 0 and positive costs for k >= 0")
-        result[int(m.get("context", 0))] = {k: v / costs[0] for k, v in sorted(costs.items())}
-    return dict(sorted(result.items()))
+        try:
+            data = json.loads(Path(source).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{source}: cannot read the verify-cost table ({e})") from None
+    if isinstance(data, Mapping) and isinstance(data.get("verify_cost"), Mapping):
+        data = data["verify_cost"]
+    if isinstance(data, Mapping) and "by_context" in data:
+        return {int(m["context"]): VerifyCost.load(m) for m in data["by_context"]}
+    if isinstance(data, Mapping) and data and all(isinstance(v, Mapping) for v in data.values()) \
+            and "draft_tokens" not in data:
+        return {int(c): VerifyCost.load(t) for c, t in sorted(data.items())}
+    return {0: VerifyCost.load(data)}
 
 
 def _interpolate(points: Sequence[float], values: Sequence[float], x: float) -> float:
@@ -152,8 +153,9 @@ class CostGate:
     A proposal's probs are path probabilities (the chance that a node and all its ancestors are accepted), so keeping
     the m most probable nodes gives an expected 1 + sum(their probs) tokens for a pass costing cost(m, context) plain
     steps. The gate keeps the m that maximises that ratio, and no draft at all unless the ratio beats a plain step by
-    `min_gain`: a pass with drafts costs more than a plain step (on a CPU 1.1x-3.5x, growing with the context), so a
-    draft that is probably rejected would slow decoding down; speculation must not cost when it has nothing to offer.
+    `min_gain` (a margin for the noise in measured costs and the per-step work outside the forward pass): a pass with
+    drafts costs more than a plain step (on a CPU 1.1x-3.5x, growing with the context), so a draft that is probably
+    rejected would slow decoding down; speculation must not cost when it has nothing to offer.
 
     Proposers' probabilities are estimates (the suffix tree's count ratios were measured overconfident on SmolLM2
     agent sessions: nodes it rated 0.5 were accepted 18% of the time, 1.0 75%), so the gate calibrates them online:
@@ -162,18 +164,27 @@ class CostGate:
     drifts (older counts decay by `decay` per observation).
     """
 
-    def __init__(self, verify_cost: Mapping[Any, Any] | str | os.PathLike | None = None, min_gain: float = 1.0,
-                 calibrate: bool = True, prior_weight: float = 4.0, decay: float = 0.995):
-        self.relative = relative_verify_cost(verify_cost)
+    MAX_DRAFT = 256  # draft sizes the cost tables are tabulated for
+
+    def __init__(self, verify_cost: Any = None, min_gain: float = 1.05, calibrate: bool = True,
+                 prior_weight: float = 4.0, decay: float = 0.995):
+        self.costs = dict(sorted(verify_costs_by_context(verify_cost).items()))
         self.min_gain = min_gain
         self.calibrate, self.prior_weight, self.decay = calibrate, prior_weight, decay
-        self._contexts = list(self.relative)
+        self._contexts = list(self.costs)
+        # Relative cost by draft size, made non-decreasing: a measured dip (a kernel that happens to suit 3 rows
+        # better than 2) is noise to plan with, not a reason to draft more.
+        self._relative = [np.maximum.accumulate([max(1.0, c.relative(k)) for k in range(self.MAX_DRAFT)])
+                          for c in self.costs.values()]
         self._counts: dict[str, list[list[float]]] = {}  # source -> per decile [nodes seen, nodes accepted]
 
     def cost(self, k: int, context: int = 0) -> float:
-        """t(1 + k) / t(1) at `context` tokens: interpolated in k, then in context, between measured points."""
-        per_context = [_interpolate(list(t), list(t.values()), k) for t in self.relative.values()]
-        return max(1.0, _interpolate(self._contexts, per_context, context)) if k else 1.0
+        """t(k) / t(0), the pass in plain steps, at `context` tokens: interpolated between measured contexts."""
+        if k == 0:
+            return 1.0
+        if k >= self.MAX_DRAFT:
+            return max(1.0, _interpolate(self._contexts, [c.relative(k) for c in self.costs.values()], context))
+        return _interpolate(self._contexts, [float(r[k]) for r in self._relative], context)
 
     def __call__(self, proposals: Sequence[Proposal], contexts: Sequence[int]) -> list[Proposal]:
         return [self.trim(p, c) for p, c in zip(proposals, contexts)]
@@ -275,7 +286,7 @@ class _Sequence:
 class Engine:
     """Generates with a `TargetModel`, speculating with a suffix cache, an n-gram proposer or any `Proposer`."""
 
-    def __init__(self, target: TargetModel, tokenizer, *, verify_cost: Mapping | str | os.PathLike | None = None,
+    def __init__(self, target: TargetModel, tokenizer, *, verify_cost: Any = None,
                  router: Router | None = None, suffix_cache=None, num_speculative_tokens: int = 16):
         self.target = target
         self.tokenizer = tokenizer
@@ -372,22 +383,28 @@ class Engine:
         return len(prompt_or_prompts) > 0 and all(
             isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, Mapping)) for p in prompt_or_prompts)
 
-    def _params(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                num_speculative_tokens: int | None, tree: bool, stop: str | Sequence[str] | None,
-                seed: int | None) -> _Params:
+    def _options(self, options: Mapping[str, Any]) -> tuple[_Params, Proposer | None]:
+        """Validated generation parameters and the proposer, from `generate`'s keyword arguments."""
         from hybridspec.verifier.reference import check_sampling_params
 
+        unknown = set(options) - set(GENERATE_DEFAULTS)
+        if unknown:
+            raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")
+        o = {**GENERATE_DEFAULTS, **options}
+        max_new_tokens = o["max_new_tokens"]
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        check_sampling_params(temperature, top_k, top_p)
-        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        check_sampling_params(o["temperature"], o["top_k"], o["top_p"])
+        k = self.num_speculative_tokens if o["num_speculative_tokens"] is None else o["num_speculative_tokens"]
         if not isinstance(k, int) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        stops = (o["stop"],) if isinstance(o["stop"], str) else tuple(o["stop"] or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop strings must be non-empty strings")
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        return _Params(max_new_tokens, float(temperature), int(top_k), float(top_p), k, bool(tree), stops, generator)
+        generator = torch.Generator().manual_seed(o["seed"]) if o["seed"] is not None else None
+        params = _Params(max_new_tokens, float(o["temperature"]), int(o["top_k"]), float(o["top_p"]), k,
+                         bool(o["tree"]), stops, generator)
+        return params, self._proposer(o["speculate"])
 
     # ------------------------------------------------------------------------------------------------ public API
 
@@ -404,8 +421,9 @@ class Engine:
         """
         batch = self._is_batch(prompt_or_messages)
         prompts = list(prompt_or_messages) if batch else [prompt_or_messages]
-        params = self._params(max_new_tokens, temperature, top_p, top_k, num_speculative_tokens, tree, stop, seed)
-        proposer = self._proposer(speculate)
+        params, proposer = self._options(dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, speculate=speculate,
+            num_speculative_tokens=num_speculative_tokens, tree=tree, stop=stop, seed=seed))
         seqs = [self._new_sequence(self.encode(p)) for p in prompts]
         cache = self.target.new_cache(len(seqs), capacity=max(len(s.tokens) for s in seqs) + max_new_tokens + 64)
         stats = GenerationStats()
@@ -414,19 +432,14 @@ class Engine:
         results = self._results(seqs, stats, params.stop)
         return results if batch else results[0]
 
-    def stream(self, prompt_or_messages: PromptLike, max_new_tokens: int = 256, **kwargs) -> Iterator[str]:
-        """Generate for one prompt, yielding text deltas as tokens are committed (same arguments as `generate`)."""
-        speculate = kwargs.pop("speculate", "suffix")
-        params = self._params(max_new_tokens, kwargs.pop("temperature", 0.0), kwargs.pop("top_p", 1.0),
-                              kwargs.pop("top_k", 0), kwargs.pop("num_speculative_tokens", None),
-                              kwargs.pop("tree", False), kwargs.pop("stop", None), kwargs.pop("seed", None))
-        if kwargs:
-            raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
+    def stream(self, prompt_or_messages: PromptLike, **kwargs) -> Iterator[str]:
+        """Generate for one prompt, yielding text deltas as tokens are committed (keyword arguments of `generate`)."""
+        params, proposer = self._options(kwargs)
         seq = self._new_sequence(self.encode(prompt_or_messages))
-        cache = self.target.new_cache(1, capacity=len(seq.tokens) + max_new_tokens + 64)
+        cache = self.target.new_cache(1, capacity=len(seq.tokens) + params.max_new_tokens + 64)
         stats = GenerationStats()
         sent = ""
-        for _ in self._run([seq], cache, self._proposer(speculate), params, stats):
+        for _ in self._run([seq], cache, proposer, params, stats):
             text = self._text(seq, params.stop)
             if seq.finish_reason is None and text.endswith("\ufffd"):
                 continue  # an incomplete UTF-8 character: wait for the rest of its bytes
@@ -666,20 +679,13 @@ class Session:
             new = [dict(m) for m in message]
         if not new or any(not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str) for m in new):
             raise ValueError("messages need a string 'role' and 'content'")
-        options = {**self.defaults, **kwargs}
-        max_new_tokens = options.pop("max_new_tokens", 256)
-        speculate = options.pop("speculate", "suffix")
-        params = self.engine._params(max_new_tokens, options.pop("temperature", 0.0), options.pop("top_p", 1.0),
-                                     options.pop("top_k", 0), options.pop("num_speculative_tokens", None),
-                                     options.pop("tree", False), options.pop("stop", None), options.pop("seed", None))
-        if options:
-            raise TypeError(f"unexpected arguments: {', '.join(options)}")
+        params, proposer = self.engine._options({**self.defaults, **kwargs})
         seq = self.engine._new_sequence(self.engine.encode(self.prompt_tokens(new)))
         if self._cache is None:
-            self._cache = self.engine.target.new_cache(1, capacity=len(seq.tokens) + max_new_tokens + 64)
+            self._cache = self.engine.target.new_cache(1, capacity=len(seq.tokens) + params.max_new_tokens + 64)
         stats = GenerationStats()
         try:
-            for _ in self.engine._run([seq], self._cache, self.engine._proposer(speculate), params, stats,
+            for _ in self.engine._run([seq], self._cache, proposer, params, stats,
                                       held=self.tokens, extends=self._last_request):
                 pass
         except BaseException:

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from hybridspec.engine import CostGate, Engine, relative_verify_cost
+from hybridspec.engine import CostGate, Engine, verify_costs_by_context
 from hybridspec.proposal import Proposal
 from hybridspec.target import TargetModel
 from hybridspec.testing import tiny_llama, tiny_tokenizer
@@ -259,7 +259,7 @@ def test_gate_calibrates_overconfident_proposers_online():
 
 
 def test_cost_grows_with_context():
-    gate = CostGate({512: {0: 10.0, 16: 12.0}, 4096: {0: 10.0, 16: 40.0}})
+    gate = CostGate({512: {0: 10.0, 16: 12.0}, 4096: {0: 10.0, 16: 40.0}})  # {context: {k: ms}}
     assert gate.cost(16, 512) == pytest.approx(1.2) and gate.cost(16, 4096) == pytest.approx(4.0)
     assert gate.cost(16, 2304) == pytest.approx(2.6) and gate.cost(8, 100) == pytest.approx(1.1)
     assert gate.cost(0, 9999) == 1.0
@@ -268,17 +268,19 @@ def test_cost_grows_with_context():
     assert len(gate.trim(draft, 512)) == 1 and len(gate.trim(draft, 4096)) == 0
 
 
-def test_verify_cost_table_formats(tmp_path):
+def test_verify_cost_tables_by_context(tmp_path):
     measured = {"draft_tokens": [0, 1, 8], "ms": [50.0, 80.0, 100.0], "context": 512}
-    path = tmp_path / "cost.json"
-    path.write_text(json.dumps(measured))
-    assert relative_verify_cost(path) == {512: {0: 1.0, 1: 1.6, 8: 2.0}}
     several = dict(measured, by_context=[measured, dict(measured, context=2048, ms=[100.0, 150.0, 300.0])])
-    path.write_text(json.dumps(several))
-    assert relative_verify_cost(path)[2048] == {0: 1.0, 1: 1.5, 8: 3.0}
-    assert relative_verify_cost({0: 2.0, 4: 3.0}) == {0: {0: 1.0, 4: 1.5}}
-    with pytest.raises(ValueError, match="needs k = 0"):
-        relative_verify_cost({1: 2.0})
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(several))  # what `python -m hybridspec.target --measure-verify-cost` writes
+    costs = verify_costs_by_context(path)
+    assert sorted(costs) == [512, 2048] and costs[2048].relative(8) == pytest.approx(3.0)
+    assert list(verify_costs_by_context(measured)) == [0]  # one table: for every context
+    assert verify_costs_by_context({0: 2.0, 4: 3.0})[0].relative(4) == pytest.approx(1.5)
+    assert CostGate(path).cost(8, 1280) == pytest.approx(2.5)  # halfway between 2.0 at 512 and 3.0 at 2048
+    assert sorted(verify_costs_by_context(None)) == [512, 2048, 4096]
+    with pytest.raises(ValueError, match="k = 0"):
+        verify_costs_by_context({1: 2.0})
 
 
 def test_gated_engine_is_exact_and_skips_hopeless_drafts(tiny_model, tiny_tokenizer):

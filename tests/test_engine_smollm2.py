@@ -23,7 +23,7 @@ def sub(a, b):
 </output>""",
 ]
 CHAT = [{"role": "user", "content": "Give three tips for writing clear emails."}]
-MAX_NEW = 48
+MAX_NEW = 96
 
 
 @pytest.fixture(scope="module")
