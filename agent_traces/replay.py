@@ -16,12 +16,9 @@ that verifies k draft tokens costs t_verify(k) plus the proposer's measured spec
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 

@@ -17,15 +17,13 @@ import itertools
 import numbers
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from hybridspec.proposal import Proposal, Proposer
-from hybridspec.router import DEFAULT_VERIFY_MS, VerifyCost
+from hybridspec.router import CostGate
 from hybridspec.target import KVCache, TargetModel
 
 Message = Mapping[str, str]
@@ -36,15 +34,6 @@ SPECULATE_CHOICES = ("suffix", "ngram", "none")
 GENERATE_DEFAULTS: dict[str, Any] = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, speculate="suffix",
                                          num_speculative_tokens=None, tree=False, stop=None, seed=None)
 
-# Verify cost t(k) in ms of SmolLM2-135M fp32, 1 thread, on this project's CPU, at three context lengths
-# (`python -m hybridspec.target --measure-verify-cost --context 512,2048,4096`; the 512 row is the router's default).
-# Attention over the context makes extra draft tokens dearer as the context grows: 16 drafts cost 1.6 plain steps at
-# 512 tokens and 2.3 at 4096. Pass a measured table as `Engine(verify_cost=...)` on other machines.
-DEFAULT_VERIFY_MS_BY_CONTEXT: dict[int, dict[int, float]] = {
-    512: DEFAULT_VERIFY_MS,
-    2048: {0: 65.9, 1: 78.8, 2: 73.7, 4: 75.8, 8: 95.0, 16: 128.4, 32: 203.5},
-    4096: {0: 83.6, 1: 108.9, 2: 102.0, 4: 114.8, 8: 143.5, 16: 192.1, 32: 295.5},
-}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,147 +97,6 @@ class GenerationResult:
     finish_reason: str  # "eos" | "stop" | "length"
     prompt_token_ids: list[int]
     stats: GenerationStats  # of the whole call (shared by the results of a batch)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the default router: drafts only where verifying them pays
-
-
-def verify_costs_by_context(source: Any = None) -> dict[int, VerifyCost]:
-    """{context length: VerifyCost} from: None (the built-in tables); a `VerifyCost`, a {k: ms} table or the JSON of
-    one measurement (any context); a {context: {k: ms}} mapping; or the JSON written by `python -m hybridspec.target
-    --measure-verify-cost --context A,B,... --json PATH` (or its path), whose "by_context" holds one table per context."""
-    if source is None:
-        source = DEFAULT_VERIFY_MS_BY_CONTEXT
-    data = source
-    if isinstance(source, (str, os.PathLike)):
-        import json
-
-        try:
-            data = json.loads(Path(source).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{source}: cannot read the verify-cost table ({e})") from None
-    if isinstance(data, Mapping) and isinstance(data.get("verify_cost"), Mapping):
-        data = data["verify_cost"]
-    if isinstance(data, Mapping) and "by_context" in data:
-        return {int(m["context"]): VerifyCost.load(m) for m in data["by_context"]}
-    if isinstance(data, Mapping) and data and all(isinstance(v, Mapping) for v in data.values()) \
-            and "draft_tokens" not in data:
-        return {int(c): VerifyCost.load(t) for c, t in sorted(data.items())}
-    return {0: VerifyCost.load(data)}
-
-
-def _interpolate(points: Sequence[float], values: Sequence[float], x: float) -> float:
-    """Piecewise-linear through (points, values), extrapolated linearly from the last two points."""
-    if len(points) == 1 or x <= points[0]:
-        return values[0]
-    i = next((j for j in range(1, len(points)) if points[j] >= x), len(points) - 1)
-    x0, x1, y0, y1 = points[i - 1], points[i], values[i - 1], values[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
-class CostGate:
-    """The default router: trims every proposal to the draft size with the best expected tokens per unit of cost.
-
-    A proposal's probs are path probabilities (the chance that a node and all its ancestors are accepted), so keeping
-    the m most probable nodes gives an expected 1 + sum(their probs) tokens for a pass costing cost(m, context) plain
-    steps. The gate keeps the m that maximises that ratio, and no draft at all unless the ratio beats a plain step by
-    `min_gain` (a margin for the noise in measured costs and the per-step work outside the forward pass): a pass with
-    drafts costs more than a plain step (on a CPU 1.1x-3.5x, growing with the context), so a draft that is probably
-    rejected would slow decoding down; speculation must not cost when it has nothing to offer.
-
-    Proposers' probabilities are estimates (the suffix tree's count ratios were measured overconfident on SmolLM2
-    agent sessions: nodes it rated 0.5 were accepted 18% of the time, 1.0 75%), so the gate calibrates them online:
-    `observe` counts, per proposal source and probability decile, how many verified nodes were accepted, and `trim`
-    uses that rate, starting from the proposer's own value (a prior worth `prior_weight` observations) and following
-    drifts (older counts decay by `decay` per observation).
-    """
-
-    MAX_DRAFT = 256  # draft sizes the cost tables are tabulated for
-
-    def __init__(self, verify_cost: Any = None, min_gain: float = 1.05, calibrate: bool = True,
-                 prior_weight: float = 4.0, decay: float = 0.995):
-        self.costs = dict(sorted(verify_costs_by_context(verify_cost).items()))
-        self.min_gain = min_gain
-        self.calibrate, self.prior_weight, self.decay = calibrate, prior_weight, decay
-        self._contexts = list(self.costs)
-        # Relative cost by draft size, made non-decreasing: a measured dip (a kernel that happens to suit 3 rows
-        # better than 2) is noise to plan with, not a reason to draft more.
-        self._relative = [np.maximum.accumulate([max(1.0, c.relative(k)) for k in range(self.MAX_DRAFT)])
-                          for c in self.costs.values()]
-        self._counts: dict[str, list[list[float]]] = {}  # source -> per decile [nodes seen, nodes accepted]
-
-    def cost(self, k: int, context: int = 0) -> float:
-        """t(k) / t(0), the pass in plain steps, at `context` tokens: interpolated between measured contexts."""
-        if k == 0:
-            return 1.0
-        if k >= self.MAX_DRAFT:
-            return max(1.0, _interpolate(self._contexts, [c.relative(k) for c in self.costs.values()], context))
-        return _interpolate(self._contexts, [float(r[k]) for r in self._relative], context)
-
-    def __call__(self, proposals: Sequence[Proposal], contexts: Sequence[int]) -> list[Proposal]:
-        return [self.trim(p, c) for p, c in zip(proposals, contexts)]
-
-    def accept_probability(self, source: str, p: float) -> float:
-        """Calibrated chance that a node the proposer rated `p` (a path probability) is accepted."""
-        counts = self._counts.get(source) if self.calibrate else None
-        if counts is None:
-            return p
-        seen, accepted = counts[min(int(p * 10), 9)]
-        return (accepted + self.prior_weight * p) / (seen + self.prior_weight)
-
-    def trim(self, proposal: Proposal, context: int = 0) -> Proposal:
-        n = len(proposal)
-        if n == 0:
-            return proposal
-        path = []  # calibrated, and never above the parent's: every prefix of `order` below is then a subtree
-        for parent, p in zip(proposal.parents, _path_probs(proposal)):
-            path.append(min(self.accept_probability(proposal.source, p), path[parent] if parent >= 0 else 1.0))
-        order = sorted(range(n), key=lambda i: (-path[i], i))
-        best_m, best_value, expected = 0, self.min_gain, 1.0
-        for m, i in enumerate(order, start=1):
-            expected += path[i]
-            value = expected / self.cost(m, context)
-            if value > best_value:
-                best_m, best_value = m, value
-        if best_m == n:
-            return proposal
-        return _subset(proposal, sorted(order[:best_m]))
-
-    def observe(self, proposals: Sequence[Proposal], accepted: Sequence[Sequence[int]]) -> None:
-        """Learn from verification: accepted[b] are the indices of proposals[b]'s nodes that were accepted."""
-        for proposal, taken in zip(proposals, accepted):
-            if not len(proposal) or proposal.probs is None:
-                continue
-            counts = self._counts.setdefault(proposal.source, [[0.0, 0.0] for _ in range(10)])
-            taken = set(taken)
-            for i, p in enumerate(_path_probs(proposal)):
-                bucket = counts[min(int(p * 10), 9)]
-                bucket[0] = bucket[0] * self.decay + 1.0
-                bucket[1] = bucket[1] * self.decay + (i in taken)
-
-
-def _path_probs(proposal: Proposal) -> list[float]:
-    """Each node's probability, capped by its parent's (1.0 for proposers that give none)."""
-    if proposal.probs is None:
-        return [1.0] * len(proposal)
-    path: list[float] = []
-    for parent, p in zip(proposal.parents, proposal.probs):
-        path.append(min(float(p), path[parent] if parent >= 0 else 1.0))
-    return path
-
-
-def _subset(proposal: Proposal, keep: list[int]) -> Proposal:
-    """The proposal restricted to the nodes `keep` (increasing, closed under parents), re-indexed."""
-    if not keep:
-        return Proposal.empty(proposal.source)
-    new_index = {old: new for new, old in enumerate(keep)}
-    probs = [proposal.probs[i] for i in keep] if proposal.probs is not None else None
-    logits = proposal.draft_logits[keep] if proposal.draft_logits is not None else None
-    return Proposal(token_ids=[proposal.token_ids[i] for i in keep],
-                    parents=[new_index[proposal.parents[i]] if proposal.parents[i] >= 0 else -1 for i in keep],
-                    probs=probs, score=float(sum(probs)) if probs is not None else float(len(keep)),
-                    source=proposal.source, match_len=proposal.match_len, draft_logits=logits)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """hybridspec.router: what a draft is worth verifying. Knows Proposals and costs, not models."""
 from hybridspec.router.cost import DEFAULT_VERIFY_MS, VerifyCost
+from hybridspec.router.gate import DEFAULT_VERIFY_MS_BY_CONTEXT, CostGate, verify_costs_by_context
 
-__all__ = ["DEFAULT_VERIFY_MS", "VerifyCost"]
+__all__ = ["DEFAULT_VERIFY_MS", "DEFAULT_VERIFY_MS_BY_CONTEXT", "VerifyCost", "CostGate", "verify_costs_by_context"]

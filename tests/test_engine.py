@@ -11,7 +11,8 @@ from collections import Counter
 import pytest
 import torch
 
-from hybridspec.engine import CostGate, Engine, verify_costs_by_context
+from hybridspec.engine import Engine
+from hybridspec.router import CostGate, verify_costs_by_context
 from hybridspec.proposal import Proposal
 from hybridspec.target import TargetModel
 from hybridspec.testing import tiny_llama, tiny_tokenizer
@@ -394,3 +395,15 @@ def test_chi_square_detects_a_wrong_distribution(small_vocab_engine):
     expected = exact_two_token_distribution(model, prompt, engine.tokenizer.eos_token_id)
     greedy = engine.generate(prompt, max_new_tokens=2, speculate="none").token_ids
     assert chi_square_p_value(Counter({tuple(greedy[:2]): 3000}), expected, 3000) < 1e-6
+
+
+def test_model_resolution(tmp_path, monkeypatch):
+    from hybridspec.models import cache_dir, resolve_model
+
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path / "cache"))
+    assert cache_dir() == tmp_path / "cache"
+    with pytest.raises(FileNotFoundError, match="neither 'smollm2' nor a local Hugging Face model directory"):
+        resolve_model(tmp_path / "missing")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    assert resolve_model(tmp_path / "model") == tmp_path / "model"
