@@ -19,6 +19,19 @@ import numpy as np
 DEFAULT_VERIFY_MS: dict[int, float] = {0: 55.3, 1: 64.4, 2: 52.4, 4: 51.3, 8: 64.9, 16: 87.5, 32: 140.4}
 
 
+def read_cost_json(source):
+    """`source` itself, or the table read from a JSON file at that path (unwrapping a top-level "verify_cost")."""
+    data = source
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            data = json.loads(Path(source).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{source}: cannot read the verify-cost table ({e})") from None
+    if isinstance(data, Mapping) and isinstance(data.get("verify_cost"), Mapping):
+        data = data["verify_cost"]
+    return data
+
+
 class VerifyCost:
     """t(k): the cost in ms of verifying k draft tokens in one pass."""
 
@@ -52,14 +65,7 @@ class VerifyCost:
         output of `python -m hybridspec.target --measure-verify-cost` ({"draft_tokens": [...], "ms": [...]})."""
         if source is None or isinstance(source, VerifyCost):
             return source or cls()
-        data = source
-        if isinstance(source, (str, os.PathLike)):
-            try:
-                data = json.loads(Path(source).read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise ValueError(f"{source}: cannot read the verify-cost table ({e})") from None
-        if isinstance(data, Mapping) and isinstance(data.get("verify_cost"), Mapping):
-            data = data["verify_cost"]
+        data = read_cost_json(source)
         try:
             if isinstance(data, Mapping) and "draft_tokens" in data:
                 data = dict(zip(map(int, data["draft_tokens"]), map(float, data["ms"]), strict=True))

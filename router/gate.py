@@ -2,15 +2,12 @@
 acceptance. Knows Proposals and costs, not models."""
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from hybridspec.proposal import Proposal
-from hybridspec.router.cost import DEFAULT_VERIFY_MS, VerifyCost
+from hybridspec.router.cost import DEFAULT_VERIFY_MS, VerifyCost, read_cost_json
 
 # Verify cost t(k) in ms of SmolLM2-135M fp32, 1 thread, on this project's CPU, at three context lengths
 # (`python -m hybridspec.target --measure-verify-cost --context 512,2048,4096`; the 512 row is the router's default).
@@ -29,14 +26,7 @@ def verify_costs_by_context(source: Any = None) -> dict[int, VerifyCost]:
     --measure-verify-cost --context A,B,... --json PATH` (or its path), whose "by_context" holds one table per context."""
     if source is None:
         source = DEFAULT_VERIFY_MS_BY_CONTEXT
-    data = source
-    if isinstance(source, (str, os.PathLike)):
-        try:
-            data = json.loads(Path(source).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{source}: cannot read the verify-cost table ({e})") from None
-    if isinstance(data, Mapping) and isinstance(data.get("verify_cost"), Mapping):
-        data = data["verify_cost"]
+    data = read_cost_json(source)
     if isinstance(data, Mapping) and "by_context" in data:
         return {int(m["context"]): VerifyCost.load(m) for m in data["by_context"]}
     if isinstance(data, Mapping) and data and all(isinstance(v, Mapping) for v in data.values()) \
