@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mt-bench", type=Path, default=SHARED / "workloads" / "mt_bench_questions.jsonl")
     parser.add_argument("--workloads", default="agent,chat")
     parser.add_argument("--agent-sessions-per-framework", type=int, default=2)
-    parser.add_argument("--agent-turns", type=int, default=4)
+    parser.add_argument("--agent-turns", type=int, default=8)
     parser.add_argument("--agent-max-new-tokens", type=int, default=128)
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--chat-questions", type=int, default=8)

@@ -77,22 +77,22 @@ def run_demo(model: str = "smollm2", turns: int = 4, max_new_tokens: int = 96, t
     start = time.perf_counter()
     engine = Engine.from_pretrained(model)
     print(f"ready in {time.perf_counter() - start:.1f} s; {torch.get_num_threads()} CPU threads", file=out)
-    runs = {}
-    for mode in ("none", "suffix"):
-        session = engine.session(system=SYSTEM, max_new_tokens=max_new_tokens, speculate=mode)
-        replies = []
-        for turn, messages in enumerate(_turns(turns)):
+    # The same conversation twice, turn by turn side by side, so that load from other processes hits both alike.
+    sessions = {mode: engine.session(system=SYSTEM, max_new_tokens=max_new_tokens, speculate=mode)
+                for mode in ("none", "suffix")}
+    replies = {mode: [] for mode in sessions}
+    for turn, messages in enumerate(_turns(turns)):
+        for mode, session in sessions.items():
             reply = session.send(messages)
-            replies.append(reply)
+            replies[mode].append(reply)
             s = reply.stats
-            print(f"  [{'plain' if mode == 'none' else 'suffix':>6}] turn {turn + 1}: {len(reply.token_ids):>4} tokens "
+            print(f"  turn {turn + 1} [{'plain' if mode == 'none' else 'suffix':>6}]: {len(reply.token_ids):>4} tokens "
                   f"in {s.total_s:5.1f} s ({s.tokens_per_s:5.1f} tok/s, {s.tokens_per_step:4.1f} tokens/step)",
                   file=out, flush=True)
-            if show:
-                print("    " + reply.text.replace("\n", "\n    "), file=out)
-        runs[mode] = (session, replies)
-    plain, spec = runs["none"][0].stats, runs["suffix"][0].stats
-    identical = all(a.token_ids == b.token_ids for a, b in zip(runs["none"][1], runs["suffix"][1]))
+        if show:
+            print("    " + replies["suffix"][-1].text.replace("\n", "\n    "), file=out)
+    plain, spec = sessions["none"].stats, sessions["suffix"].stats
+    identical = all(a.token_ids == b.token_ids for a, b in zip(replies["none"], replies["suffix"]))
     speedup = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
     print(f"\n{'':<22}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'tokens/step':>13}", file=out)
     print(f"{'plain greedy':<22}{plain.new_tokens:>8}{plain.total_s:>9.1f}{plain.tokens_per_s:>8.1f}"

@@ -35,7 +35,6 @@ GENERATE_DEFAULTS: dict[str, Any] = dict(max_new_tokens=256, temperature=0.0, to
                                          num_speculative_tokens=None, tree=False, stop=None, seed=None)
 
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # results and statistics
 

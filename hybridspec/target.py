@@ -16,9 +16,11 @@ in those concatenations than in the matrix work. A static cache written in place
 with weights prepacked for oneDNN (`Linear`) and a precomputed rotary table leave mostly the matrix work, for the
 baseline and the speculative path alike (both use this class).
 
-Batching uses padding (one cache tensor with B rows, each with its own length and positions) rather than B separate
-caches: on a CPU a decode step is bound by reading the weights, so B rows in one pass cost about as much as one row
-(`python -m hybridspec.target --measure-batch` measures it), while per-sequence caches would read the weights B times.
+Batching uses padding (one cache tensor with B rows, each with its own length, positions and draft) rather than B
+separate caches run one after another: a decode step is bound by reading the weights, so B rows in one pass cost
+little more than one row, while separate caches read the weights B times. Measured (`python -m hybridspec.target
+--measure-batch`, SmolLM2 fp32, 512 context, 1 thread): a plain step of batch 1/2/4/8 takes 61/93/65/90 ms, i.e.
+61/46/16/11 ms per token, against 61 ms per token for any B with separate caches.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hybridspec.target import KVCache, TargetModel, aux_layer_ids, measure_verify_cost, tree_depths_and_mask
+from hybridspec.target import TargetModel, aux_layer_ids, measure_verify_cost, tree_depths_and_mask
 
 ATOL = 2e-4
 
