@@ -288,8 +288,8 @@ class SuffixCache:
             raise TypeError(f"max_spec_tokens must be an int, got {type(k).__name__}")
         if k < 0:
             raise ValueError(f"max_spec_tokens must be >= 0, got {k}")
-        if factor < 0 or offset < -1e9:
-            raise ValueError("max_spec_factor must be >= 0")
+        if factor < 0:
+            raise ValueError(f"max_spec_factor must be >= 0, got {factor}")
         if not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"min_token_prob must be in [0, 1], got {min_prob}")
         if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, (int, np.integer))
