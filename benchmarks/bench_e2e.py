@@ -1,4 +1,5 @@
-"""End-to-end speed of the Engine on SmolLM2: suffix speculation against plain greedy decoding, same run, same model.
+"""End-to-end speed of the Engine on SmolLM2: speculation (suffix, a model drafter, ...) against plain greedy decoding,
+same run, same model.
 
 Workloads:
 - agent: multi-turn sessions rebuilt from the real agent trajectories in ../shared/agent_traces (the first
@@ -9,12 +10,14 @@ Workloads:
   --max-context tokens.
 - chat: the first turn of MT-Bench questions (one per category first), single requests with nothing to copy.
 
-Baseline: the same Engine with speculate="none" (plain greedy decoding; same model, dtype, KV cache and prefill
-handling). Baseline and speculative runs alternate turn by turn (question by question for chat), so that load from
-other processes on a shared machine falls on both alike. tokens/s counts generated tokens over the whole time of
+Methods (--speculate, comma-separated): suffix, ngram, or a shipped drafter head (peagle, lstm, eagle3), each at its
+default K unless --num-speculative-tokens is given. Baseline: the same Engine with speculate="none" (plain greedy
+decoding; same model, dtype, KV cache and prefill handling). Baseline and speculative runs alternate turn by turn
+(question by question for chat), so that load from other processes on a shared machine falls on all alike. tokens/s counts generated tokens over the whole time of
 the calls, prefill of the prompts included; decode_speedup leaves prefill out. "identical" checks every turn's tokens.
 
     python benchmarks/bench_e2e.py --json out/bench_e2e.json
+    python benchmarks/bench_e2e.py --workloads chat --speculate suffix,peagle,lstm,eagle3 --json out/bench_e2e_drafters.json
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
-TARGETS = {"agent": 2.5, "chat": 0.97}
+TARGETS = {("agent", "suffix"): 2.5, ("chat", "suffix"): 0.97, ("chat", "peagle"): 1.3}
+WORKLOADS = ("agent", "chat")
 
 
 @dataclass
@@ -74,13 +78,14 @@ def chat_questions(path: Path, count: int) -> list[str]:
     return ordered[:count]
 
 
-def run_agent(engine_factory, sessions: list[AgentSession], args, progress) -> dict:
-    """Every session twice, plain and speculative side by side: turn t of one, then turn t of the other."""
+def run_agent(engine_factory, sessions: list[AgentSession], methods: list[str], args, progress) -> dict:
+    """Every session once per method and once plain, side by side: turn t of each, then turn t + 1."""
     from hybridspec.engine import GenerationStats
 
-    totals = {"none": GenerationStats(), "suffix": GenerationStats()}
-    engines = {"none": engine_factory(), "suffix": engine_factory()}  # one suffix cache across sessions, as a server
-    identical, turns_run, per_session = True, 0, []
+    modes = ["none", *methods]
+    totals = {mode: GenerationStats() for mode in modes}
+    engines = {mode: engine_factory() for mode in modes}  # one suffix cache across sessions, as a server
+    identical, turns_run, per_session = {m: True for m in methods}, 0, []
     for session in sessions:
         chats = {mode: engine.session(system=session.system, max_new_tokens=args.agent_max_new_tokens, speculate=mode,
                                       num_speculative_tokens=args.num_speculative_tokens, tree=args.tree)
@@ -94,37 +99,40 @@ def run_agent(engine_factory, sessions: list[AgentSession], args, progress) -> d
                 outputs[mode].append(reply.token_ids)
                 totals[mode].add(reply.stats)
                 progress.update(1)
-            if outputs["none"][-1] != outputs["suffix"][-1]:
+            if any(outputs["none"][-1] != outputs[m][-1] for m in methods):
                 break  # the conversations diverged: later turns would not be comparable
-        same = outputs["none"] == outputs["suffix"]
-        identical &= same
+        for m in methods:
+            identical[m] &= outputs["none"] == outputs[m]
         turns_run += len(outputs["none"])
-        per_session.append({"session": session.name, "turns": len(outputs["none"]), "identical": same,
+        per_session.append({"session": session.name, "turns": len(outputs["none"]),
+                            "identical": all(outputs["none"] == outputs[m] for m in methods),
                             "prompt_tokens_last_turn": len(chats["none"].tokens)})
-    return summarize(totals, identical, turns=turns_run, sessions=per_session)
+    return {m: summarize(totals["none"], totals[m], identical[m], turns=turns_run, sessions=per_session)
+            for m in methods}
 
 
-def run_chat(engine_factory, questions: list[str], args, progress) -> dict:
+def run_chat(engine_factory, questions: list[str], methods: list[str], args, progress) -> dict:
     from hybridspec.engine import GenerationStats
 
-    totals = {"none": GenerationStats(), "suffix": GenerationStats()}
-    identical = True
+    modes = ["none", *methods]
+    totals = {mode: GenerationStats() for mode in modes}
+    identical = {m: True for m in methods}
     engine = engine_factory()
     for question in questions:
         messages = [{"role": "user", "content": question}]
         outputs = {}
-        for mode in ("none", "suffix"):
+        for mode in modes:
             result = engine.generate(messages, max_new_tokens=args.chat_max_new_tokens, speculate=mode,
                                      num_speculative_tokens=args.num_speculative_tokens, tree=args.tree)
             outputs[mode] = result.token_ids
             totals[mode].add(result.stats)
             progress.update(1)
-        identical &= outputs["none"] == outputs["suffix"]
-    return summarize(totals, identical, questions=len(questions))
+        for m in methods:
+            identical[m] &= outputs["none"] == outputs[m]
+    return {m: summarize(totals["none"], totals[m], identical[m], questions=len(questions)) for m in methods}
 
 
-def summarize(totals: dict, identical: bool, **extra) -> dict:
-    base, spec = totals["none"], totals["suffix"]
+def summarize(base, spec, identical: bool, **extra) -> dict:
     return {
         "baseline_tok_s": round(base.tokens_per_s, 3),
         "spec_tok_s": round(spec.tokens_per_s, 3),
@@ -145,14 +153,15 @@ def summarize(totals: dict, identical: bool, **extra) -> dict:
 
 
 def print_table(workloads: dict) -> None:
-    print(f"\n{'workload':<9}{'baseline tok/s':>15}{'suffix tok/s':>13}{'speedup':>9}{'target':>8}{'tokens/step':>13}"
-          f"{'accept':>8}{'decode speedup':>16}{'identical':>11}")
-    for name, w in workloads.items():
-        target = TARGETS.get(name)
-        mark = "" if target is None else (" ok" if w["speedup"] >= target else " MISS")
-        print(f"{name:<9}{w['baseline_tok_s']:>15.2f}{w['spec_tok_s']:>13.2f}{w['speedup']:>8.2f}x"
-              f"{('>= %.2fx' % target) if target else '':>8}{w['tokens_per_step']:>13.2f}{w['acceptance']:>8.0%}"
-              f"{w['decode_speedup']:>15.2f}x{str(w['identical']):>11}{mark}")
+    print(f"\n{'workload':<9}{'method':<8}{'baseline tok/s':>15}{'spec tok/s':>11}{'speedup':>9}{'target':>9}"
+          f"{'tokens/step':>12}{'accept':>8}{'decode speedup':>16}{'identical':>11}")
+    for name, per_method in workloads.items():
+        for method, w in per_method.items():
+            target = TARGETS.get((name, method))
+            mark = "" if target is None else (" ok" if w["speedup"] >= target else " MISS")
+            print(f"{name:<9}{method:<8}{w['baseline_tok_s']:>15.2f}{w['spec_tok_s']:>11.2f}{w['speedup']:>8.2f}x"
+                  f"{('>= %.2fx' % target) if target else '':>9}{w['tokens_per_step']:>12.2f}{w['acceptance']:>8.0%}"
+                  f"{w['decode_speedup']:>15.2f}x{str(w['identical']):>11}{mark}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,17 +180,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--chat-questions", type=int, default=8)
     parser.add_argument("--chat-max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-speculative-tokens", type=int, default=16)
+    parser.add_argument("--speculate", default="suffix",
+                        help="comma-separated methods: suffix, ngram, peagle, lstm, eagle3")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="K for every method (default: 16 for suffix/ngram, a drafter's trained K)")
     parser.add_argument("--tree", action="store_true", help="draft token trees instead of chains")
     parser.add_argument("--verify-cost", type=Path, help="JSON from `python -m hybridspec.target "
                                                          "--measure-verify-cost` for the cost gate")
     args = parser.parse_args(argv)
     workload_names = [w for w in args.workloads.split(",") if w]
-    unknown = set(workload_names) - set(TARGETS)
+    unknown = set(workload_names) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    from hybridspec.engine import SPECULATE_CHOICES, Engine
 
-    from hybridspec.engine import Engine
+    methods = [m for m in args.speculate.split(",") if m]
+    bad = [m for m in methods if m not in SPECULATE_CHOICES or m == "none"]
+    if bad or not methods:
+        parser.error(f"--speculate: unknown method(s) {bad}; choose from {[c for c in SPECULATE_CHOICES if c != 'none']}")
+
     from hybridspec.models import load_tokenizer
     from hybridspec.target import TargetModel
 
@@ -190,21 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.model)
 
     def engine_factory() -> Engine:
-        return Engine(target, tokenizer, verify_cost=args.verify_cost,
-                      num_speculative_tokens=args.num_speculative_tokens)
+        return Engine(target, tokenizer, verify_cost=args.verify_cost)
 
     sessions = agent_sessions(args.traces, args.agent_sessions_per_framework) if "agent" in workload_names else []
     questions = chat_questions(args.mt_bench, args.chat_questions) if "chat" in workload_names else []
-    total_calls = 2 * (sum(min(len(s.turns), args.agent_turns) for s in sessions) + len(questions))
+    total_calls = (1 + len(methods)) * (sum(min(len(s.turns), args.agent_turns) for s in sessions) + len(questions))
     started = time.perf_counter()
     workloads = {}
     with tqdm(total=total_calls, desc="bench_e2e", unit="call", disable=not sys.stderr.isatty()) as progress:
         if "agent" in workload_names:
-            workloads["agent"] = run_agent(engine_factory, sessions, args, progress)
+            workloads["agent"] = run_agent(engine_factory, sessions, methods, args, progress)
         if "chat" in workload_names:
-            workloads["chat"] = run_chat(engine_factory, questions, args, progress)
+            workloads["chat"] = run_chat(engine_factory, questions, methods, args, progress)
     print_table(workloads)
-    result = {"workloads": workloads, "targets": TARGETS, "wall_s": round(time.perf_counter() - started, 1),
+    result = {"workloads": workloads, "targets": {f"{w}/{m}": t for (w, m), t in TARGETS.items()}, "wall_s": round(time.perf_counter() - started, 1),
               "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__}}

@@ -12,25 +12,30 @@ changes how many tokens one forward pass of the target commits.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import itertools
 import numbers
 import os
 import time
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 
 from hybridspec.proposal import Proposal, Proposer
 from hybridspec.router import CostGate
-from hybridspec.target import KVCache, TargetModel
+from hybridspec.speculators import DrafterProposer, TargetFeatures
+from hybridspec.target import KVCache, TargetModel, pack_linears
 
 Message = Mapping[str, str]
 PromptLike = str | Sequence[int] | Sequence[Message]
 Router = Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]]  # (proposals, context lengths)
 
-SPECULATE_CHOICES = ("suffix", "ngram", "none")
+DRAFTER_KINDS = ("peagle", "lstm", "eagle3")
+SPECULATE_CHOICES = ("suffix", "ngram", *DRAFTER_KINDS, "none")
 GENERATE_DEFAULTS: dict[str, Any] = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, speculate="suffix",
                                          num_speculative_tokens=None, tree=False, stop=None, seed=None)
 
@@ -131,16 +136,29 @@ class _Sequence:
 
 
 class Engine:
-    """Generates with a `TargetModel`, speculating with a suffix cache, an n-gram proposer or any `Proposer`."""
+    """Generates with a `TargetModel`, speculating with a suffix cache, an n-gram proposer, a model drafter (P-EAGLE,
+    the LSTM speculator, EAGLE-3) or any `Proposer`.
+
+    drafters: checkpoint directories (or `Drafter` modules) for speculate="peagle" | "lstm" | "eagle3"; by default the
+    heads shipped for SmolLM2-135M-Instruct. A drafter reads the target's hidden states at the last
+    `drafter_context` positions of a prompt, then at every committed token.
+    """
 
     def __init__(self, target: TargetModel, tokenizer, *, verify_cost: Any = None,
-                 router: Router | None = None, suffix_cache=None, num_speculative_tokens: int = 16):
+                 router: Router | None = None, suffix_cache=None, num_speculative_tokens: int = 16,
+                 drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_context: int = 1024):
         self.target = target
         self.tokenizer = tokenizer
         self.router: Router = router if router is not None else CostGate(verify_cost)
         self.num_speculative_tokens = num_speculative_tokens
         self._suffix_cache = suffix_cache
         self._ngram = None
+        unknown = set(drafters or ()) - set(DRAFTER_KINDS)
+        if unknown:
+            raise ValueError(f"drafters: unknown kind(s) {sorted(unknown)}; the kinds are {DRAFTER_KINDS}")
+        self.drafters: dict[str, Any] = dict(drafters or {})
+        self.drafter_context = drafter_context
+        self._drafter_proposers: dict[str, Any] = {}
         self._request_ids = itertools.count()
         self.eos_token_ids = self._eos_ids()
         self.stats = GenerationStats()  # cumulative over every call
@@ -180,11 +198,37 @@ class Engine:
     def load_cache(self, path: str | os.PathLike) -> None:
         self.suffix_cache.load(path)
 
+    def drafter_proposer(self, kind: str):
+        """The engine's `DrafterProposer` for a drafter kind, loaded on first use and checked against the target."""
+        if kind not in self._drafter_proposers:
+            from hybridspec.speculators import Drafter, load_drafter
+
+            source = self.drafters.get(kind, Path(__file__).resolve().parents[1] / "speculators" / "checkpoints"
+                                       / f"{kind}-smollm2")
+            if isinstance(source, Drafter):
+                source.check_target(self.target.config, self.target.aux_layer_ids)
+                drafter = copy.deepcopy(source).to(self.target.device).eval()  # packing below must not touch theirs
+            else:
+                try:
+                    drafter = load_drafter(source, target=self.target.config, embed_tokens=self.target.embed,
+                                           aux_layer_ids=self.target.aux_layer_ids, device=self.target.device)
+                except ValueError as e:
+                    hint = "" if kind in self.drafters else (
+                        f" (the shipped {kind} head is for SmolLM2-135M-Instruct: train one for this target with "
+                        f"`hybridspec train` and pass Engine(..., drafters={{{kind!r}: PATH}}))")
+                    raise ValueError(f"{e}{hint}") from e
+            if self.target.device.type == "cpu":
+                pack_linears(drafter)
+            self._drafter_proposers[kind] = DrafterProposer(drafter)
+        return self._drafter_proposers[kind]
+
     def _proposer(self, speculate: str | Proposer | None) -> Proposer | None:
         if speculate is None or speculate == "none":
             return None
         if speculate == "suffix":
             return self.suffix_cache
+        if speculate in DRAFTER_KINDS:
+            return self.drafter_proposer(speculate)
         if speculate == "ngram":
             if self._ngram is None:
                 from hybridspec.suffix import NgramProposer
@@ -242,7 +286,10 @@ class Engine:
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         check_sampling_params(o["temperature"], o["top_k"], o["top_p"])
-        k = self.num_speculative_tokens if o["num_speculative_tokens"] is None else o["num_speculative_tokens"]
+        proposer = self._proposer(o["speculate"])
+        k = o["num_speculative_tokens"]
+        if k is None:  # a model drafter's own default (the K it was trained for), else the engine's
+            k = getattr(proposer, "num_speculative_tokens", None) or self.num_speculative_tokens
         if not isinstance(k, int) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
         stops = (o["stop"],) if isinstance(o["stop"], str) else tuple(o["stop"] or ())
@@ -251,7 +298,7 @@ class Engine:
         generator = torch.Generator().manual_seed(o["seed"]) if o["seed"] is not None else None
         params = _Params(max_new_tokens, float(o["temperature"]), int(o["top_k"]), float(o["top_p"]), k,
                          bool(o["tree"]), stops, generator)
-        return params, self._proposer(o["speculate"])
+        return params, proposer
 
     # ------------------------------------------------------------------------------------------------ public API
 
@@ -263,7 +310,8 @@ class Engine:
         """Generate for one prompt (text, chat messages or token ids), or a list of prompts as one batch.
 
         temperature 0 is greedy; otherwise sampling with top_k / top_p. speculate: "suffix" (the engine's suffix
-        cache: prompt and past responses), "ngram", "none", or a Proposer. tree=True drafts token trees (suffix).
+        cache: prompt and past responses), "ngram", a model drafter ("peagle", "lstm", "eagle3"; num_speculative_tokens
+        then defaults to the K it was trained for), "none", or a Proposer. tree=True drafts token trees (suffix).
         Stops at EOS, at any of `stop` (the text is cut before it), or after max_new_tokens.
         """
         batch = self._is_batch(prompt_or_messages)
@@ -315,19 +363,27 @@ class Engine:
         `extends` names an earlier request whose prompt + response this (single) prompt continues.
         """
         start = time.perf_counter()
+        drafter = self._feature_proposer(proposer, params)
         todo = [self._reusable_prefix(cache, row, seq.tokens, held or []) for row, seq in enumerate(seqs)]
         todo = [seq.tokens[n:-1] for seq, n in zip(seqs, todo)]
+        features = [None] * len(seqs)
         if any(todo):
-            self.target.prefill(cache, todo)
+            out = self.target.prefill(cache, todo, hidden_tail=self.drafter_context if drafter else 0)
+            if drafter:
+                features = [TargetFeatures(aux, final) for aux, final in out.hidden_tail]
+        elif drafter:  # a session turn whose prompt's KV is all cached: the drafter's state continues as it was
+            features = [TargetFeatures(self._no_hidden(len(self.target.aux_layer_ids)), self._no_hidden(1))] * len(seqs)
         stats.prompt_tokens += sum(seq.prompt_len for seq in seqs)
         stats.prefill_tokens += sum(len(t) for t in todo)
         stats.prefill_s += time.perf_counter() - start
         started = []
         try:
             if proposer is not None:
-                for seq in seqs:
-                    proposer.start_request(seq.request_id, list(seq.tokens),
-                                           **({"extends": extends} if extends is not None else {}))
+                for seq, feats in zip(seqs, features):
+                    kwargs = {"extends": extends} if extends is not None else {}
+                    if drafter:
+                        kwargs["features"] = feats
+                    proposer.start_request(seq.request_id, list(seq.tokens), **kwargs)
                     started.append(seq.request_id)
             yield from self._decode(seqs, cache, proposer, params, stats)
         finally:
@@ -339,6 +395,22 @@ class Engine:
             stats.calls += 1
             stats.total_s += time.perf_counter() - start
             self.stats.add(stats)
+
+    def _no_hidden(self, layers: int) -> torch.Tensor:
+        return torch.zeros(0, layers * self.target.hidden_size, device=self.target.device)
+
+    @staticmethod
+    def _feature_proposer(proposer: Proposer | None, params: _Params):
+        """The proposer if it is a model drafter (it reads the target's hidden states), set up to draft from the
+        distribution the verifier will use; else None."""
+        from hybridspec.verifier import process_logits
+
+        if not isinstance(proposer, DrafterProposer):
+            return None
+        proposer.probs_fn = None if params.temperature == 0 else functools.partial(
+            process_logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        proposer.generator = params.generator
+        return proposer
 
     @staticmethod
     def _reusable_prefix(cache: KVCache, row: int, tokens: list[int], held: list[int]) -> int:
@@ -364,6 +436,7 @@ class Engine:
 
         max_seq_len = self.target.max_seq_len
         tree_kwargs = self._tree_kwargs(proposer, params.tree)
+        drafter = self._feature_proposer(proposer, params)
         live = list(range(len(seqs)))
         while live:
             # propose: drafts no longer than the context, and no longer than the tokens still wanted
@@ -388,7 +461,7 @@ class Engine:
             t1 = time.perf_counter()
             # verify: one pass of the target over [last token] + draft for every live sequence
             out = self.target.step(cache, [seqs[i].tokens[-1] for i in live], [p.token_ids for p in routed],
-                                   [p.parents for p in routed])
+                                   [p.parents for p in routed], return_hidden=drafter is not None)
             results = verify_batch(out.logits, routed, params.temperature, params.top_k, params.top_p,
                                    params.generator)
             t2 = time.perf_counter()
@@ -398,10 +471,15 @@ class Engine:
             finished = []
             for row, (i, proposal, result) in enumerate(zip(live, routed, results)):
                 seq = seqs[i]
-                cache.commit(row, [0] + [1 + a for a in result.accepted])
+                kept_slots = [0] + [1 + a for a in result.accepted]
+                cache.commit(row, kept_slots)
                 committed = self._commit(seq, result.tokens(proposal), params)
                 cache.truncate(row, len(seq.tokens) - 1)  # a stop inside the committed tokens drops the rest
-                if proposer is not None:
+                if drafter is not None:  # the hidden states at the slots that produced the committed tokens
+                    slots = torch.tensor(kept_slots[:len(committed)], device=out.logits.device)
+                    drafter.append(seq.request_id, committed, features=TargetFeatures(
+                        out.aux_hidden[row, slots], out.final_hidden[row, slots]))
+                elif proposer is not None:
                     proposer.append(seq.request_id, committed)
                 stats.steps += 1
                 stats.new_tokens += len(committed)

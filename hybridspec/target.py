@@ -54,6 +54,8 @@ class StepOutput:
     logits: torch.Tensor  # [B, q, V] (prefill: [B, 1, V], at each row's last new token)
     aux_hidden: torch.Tensor | None = None  # [B, q, 3H]: inputs of the aux_layer_ids layers, concatenated
     final_hidden: torch.Tensor | None = None  # [B, q, H]: the final hidden state after the model's last norm
+    # prefill(hidden_tail=n): per row, the last min(n, new tokens) rows of aux and final hidden states
+    hidden_tail: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def with_rows(self, other: "StepOutput", rows: torch.Tensor) -> "StepOutput":
         """This output with the rows where `rows` [B] is True taken from `other`."""
@@ -178,6 +180,30 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+class PackedLinear(torch.nn.Module):
+    """Inference-only stand-in for an nn.Linear, computing with `Linear` (the oneDNN-packed weight); keeps `weight`,
+    `bias`, `in_features` and `out_features` for code that reads them."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.linear = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def pack_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """Swap every nn.Linear inside `module` for a `PackedLinear` (a drafter run next to the target at small batch)."""
+    for name, child in module.named_children():
+        if type(child) is torch.nn.Linear:
+            setattr(module, name, PackedLinear(child))
+        else:
+            pack_linears(child)
+    return module
+
+
 class _Layer:
     """One decoder layer's weights in the layout the fused forward uses."""
 
@@ -256,12 +282,14 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
-                *, output_index: torch.Tensor | None = None, return_hidden: bool = False) -> StepOutput:
+                *, output_index: torch.Tensor | None = None, return_hidden: bool = False,
+                hidden_at_every_input: bool = False) -> StepOutput:
         """Run [B, q] input tokens written at slots lengths[b] + i of each row; does not change the rows' lengths.
 
         depths [B, q]: position offset of each input from the row's length (a chain: 0..q-1; a tree: node depth).
         tree_mask [B, q, q] bool: input i attends to input j of the same row (ancestor-or-self; padding: self only).
-        output_index [B]: compute the outputs (logits, hidden states) only at this input of each row (prefill).
+        output_index [B]: compute the outputs (logits, hidden states) only at this input of each row (prefill);
+        hidden_at_every_input keeps the hidden states at every input all the same (what a drafter reads of a prompt).
         """
         bsz, q = tokens.shape
         lengths = torch.tensor(cache.lengths, dtype=torch.long, device=self.device)
@@ -309,22 +337,24 @@ class TargetModel:
             x = x + layer.down(F.silu(gate) * up)
         pick = (lambda h: h) if output_index is None else (
             lambda h: h[torch.arange(bsz, device=self.device), output_index][:, None])
-        final = self._rms_norm(pick(x), self.final_norm)
-        logits = self.lm_head(final)
+        hidden_pick = (lambda h: h) if hidden_at_every_input else pick
+        final = self._rms_norm(hidden_pick(x), self.final_norm)
+        logits = self.lm_head(pick(final) if hidden_at_every_input else final)
         if not return_hidden:
             return StepOutput(logits)
-        aux = [pick(layer_inputs[i]) for i in self.aux_layer_ids]
+        aux = [hidden_pick(layer_inputs[i]) for i in self.aux_layer_ids]
         return StepOutput(logits, torch.cat(aux, dim=-1) if aux else None, final)
 
     # ------------------------------------------------------------------------------------------------------------
     # prefill and verification steps
 
     def prefill(self, cache: KVCache, tokens: Sequence[Sequence[int]], *, chunk_size: int = 512,
-                return_hidden: bool = False) -> StepOutput:
+                return_hidden: bool = False, hidden_tail: int = 0) -> StepOutput:
         """Append tokens[b] to row b of the cache, for all rows in one batched pass per chunk; a row may get none.
 
-        Returns the output at each row's last new token ([B, 1, ...]; meaningless for rows that got none). Rows are
-        padded to the longest; chunks bound the attention mask's memory for long prompts.
+        Returns the output at each row's last new token ([B, 1, ...]; meaningless for rows that got none), and with
+        hidden_tail=n the hidden states at each row's last min(n, len(tokens[b])) new tokens (a drafter's context).
+        Rows are padded to the longest; chunks bound the attention mask's memory for long prompts.
         """
         if len(tokens) != cache.batch_size:
             raise ValueError(f"got tokens for {len(tokens)} rows for a cache of {cache.batch_size}")
@@ -340,6 +370,7 @@ class TargetModel:
         cache.reserve(longest)
         bsz, out = cache.batch_size, None
         last = torch.zeros(bsz, dtype=torch.long)
+        tails: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bsz)]
         for begin in range(0, max(counts), chunk_size):
             chunks = [list(t[begin:begin + chunk_size]) for t in tokens]
             q = max(len(c) for c in chunks)
@@ -352,11 +383,25 @@ class TargetModel:
                 if chunk:
                     last[b] = len(chunk) - 1
             step = self.forward(cache, ids.to(self.device), torch.arange(q, device=self.device).expand(bsz, q),
-                                mask.to(self.device), output_index=last.to(self.device), return_hidden=return_hidden)
+                                mask.to(self.device), output_index=last.to(self.device),
+                                return_hidden=return_hidden or hidden_tail > 0, hidden_at_every_input=hidden_tail > 0)
+            if hidden_tail > 0:
+                for b, chunk in enumerate(chunks):
+                    skip = max(0, counts[b] - hidden_tail - begin)  # row b's inputs begin.. in this chunk
+                    if skip < len(chunk):
+                        tails[b].append((step.aux_hidden[b, skip:len(chunk)], step.final_hidden[b, skip:len(chunk)]))
+                rows = torch.arange(bsz, device=self.device)
+                step = StepOutput(step.logits, step.aux_hidden[rows, last][:, None],
+                                  step.final_hidden[rows, last][:, None])
             ends_here = [bool(c) and begin + len(c) == n for c, n in zip(chunks, counts)]
             out = step if out is None else out.with_rows(step, torch.tensor(ends_here, device=self.device))
             for b, chunk in enumerate(chunks):
                 cache.lengths[b] += len(chunk)
+        if hidden_tail > 0:
+            width_aux, width = out.aux_hidden.shape[-1], out.final_hidden.shape[-1]
+            out.hidden_tail = [(torch.cat([a for a, _ in parts]) if parts else out.aux_hidden.new_zeros(0, width_aux),
+                                torch.cat([f for _, f in parts]) if parts else out.final_hidden.new_zeros(0, width))
+                               for parts in tails]
         return out
 
     def step(self, cache: KVCache, last_tokens: Sequence[int], drafts: Sequence[Sequence[int]] | None = None,

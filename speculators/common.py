@@ -415,6 +415,7 @@ class Drafter(nn.Module):
 
     name: str = ""
     aux_layer_ids: tuple[int, ...] = ()
+    default_speculative_tokens: int = 3
 
     def begin(self, features: TargetFeatures, tokens: Tensor | Sequence[int]) -> Any:
         state = self.new_state()
@@ -443,49 +444,87 @@ def as_token_tensor(tokens: Tensor | Sequence[int], n: int) -> Tensor:
     return t
 
 
+@dataclass
+class _Track:
+    state: Any       # the drafter's state, None until the first features arrive
+    length: int      # tokens of the sequence seen: features of positions 0..length-2 went in with tokens 1..length-1
+    last_token: int  # the sequence's last token (a request extending this one must continue from it)
+
+
 class DrafterProposer:
     """The engine's face of a model drafter: the Proposer life cycle with the target's features passed in.
 
-    start_request(rid, prompt, features=F, next_token=y): F holds one row per prompt position (or for its last
-    positions only: the drafter's positions are relative, a shorter context just drafts from less); `extends` is
-    accepted for the Proposer protocol and ignored (a drafter's state is rebuilt from the features).
-    append(rid, tokens, features=F): tokens = accepted draft tokens + the verifier's next token, F one row per token
-    (the positions of the last committed token and the accepted drafts). speculate(rid, K) -> Proposal (chain).
-    probs_fn None drafts greedily (temperature 0); for sampling pass the verifier's processing, e.g.
-    functools.partial(process_logits, temperature=t, top_k=k, top_p=p), so drafts come from the distribution the
-    verifier assumes.
+    start_request(rid, tokens, features=F): `tokens` is the whole prompt x_0..x_n; F holds the target's features at
+    the positions before its last token, all of them (0..n-1) or the last len(F) only (the drafter's positions are
+    relative: a shorter context drafts from less). With extends=rid0, a finished request whose tokens this prompt
+    continues, and F starting where rid0's features ended (a session that reused its KV cache), rid0's drafter state
+    is continued instead of rebuilt. append(rid, tokens, features=F): tokens = accepted draft tokens + the verifier's
+    next token, F one row per token (the positions of the last committed token and the accepted drafts).
+    speculate(rid, K) -> Proposal (chain). probs_fn None drafts greedily (temperature 0); for sampling, set it to the
+    verifier's processing (e.g. functools.partial(process_logits, temperature=t, top_k=k, top_p=p)), so drafts come
+    from the distribution the verifier assumes.
     """
 
-    def __init__(self, drafter: Drafter, num_speculative_tokens: int, probs_fn: ProbsFn | None = None,
-                 generator: torch.Generator | None = None) -> None:
-        self.drafter, self.k, self.probs_fn, self.generator = drafter, num_speculative_tokens, probs_fn, generator
-        self.states: dict[Hashable, Any] = {}
+    def __init__(self, drafter: Drafter, num_speculative_tokens: int | None = None, probs_fn: ProbsFn | None = None,
+                 generator: torch.Generator | None = None, max_retained: int = 8) -> None:
+        self.drafter, self.probs_fn, self.generator = drafter, probs_fn, generator
+        self.num_speculative_tokens = num_speculative_tokens or drafter.default_speculative_tokens
+        self.max_retained = max_retained
+        self.live: dict[Hashable, _Track] = {}
+        self.retained: dict[Hashable, _Track] = {}  # finished requests a later prompt may extend (oldest first)
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
         return self.drafter.aux_layer_ids
 
     @torch.inference_mode()
-    def start_request(self, request_id: Hashable, prompt: Sequence[int], *, features: TargetFeatures,
-                      next_token: int, extends: Hashable | None = None) -> None:
-        tokens = (list(prompt[1:]) + [int(next_token)])[-len(features):]
-        self.states[request_id] = self.drafter.begin(features, tokens)
+    def start_request(self, request_id: Hashable, tokens: Sequence[int], *, features: TargetFeatures,
+                      extends: Hashable | None = None) -> None:
+        if request_id in self.live:
+            raise KeyError(f"request {request_id!r} is already running")
+        if len(features) >= len(tokens):
+            raise ValueError(f"{len(features)} feature rows for a prompt of {len(tokens)} tokens: pass one row per "
+                             "position before the prompt's last token")
+        first = len(tokens) - 1 - len(features)  # position of the first feature row
+        previous = self.retained.pop(extends, None) if extends is not None else None
+        if previous is not None and previous.length == first + 1 and tokens[first] == previous.last_token:
+            track = previous
+        else:
+            track = _Track(None, first + 1, int(tokens[first]))
+        self.live[request_id] = track
+        if len(features):
+            self._accept(track, features, list(tokens[first + 1:]))
+
+    def _accept(self, track: _Track, features: TargetFeatures, tokens: Sequence[int]) -> None:
+        if track.state is None:
+            track.state = self.drafter.begin(features, tokens)
+        else:
+            self.drafter.accept(track.state, features, tokens)
+        track.length += len(tokens)
+        track.last_token = int(tokens[-1])
 
     @torch.inference_mode()
     def append(self, request_id: Hashable, tokens: Sequence[int], *, features: TargetFeatures) -> None:
-        self.drafter.accept(self.states[request_id], features, tokens)
+        if len(tokens):
+            self._accept(self.live[request_id], features, tokens)
 
     @torch.inference_mode()
     def speculate(self, request_id: Hashable, max_spec_tokens: int | None = None) -> Proposal:
-        k = self.k if max_spec_tokens is None else min(self.k, max_spec_tokens)
-        if k <= 0:
+        k = self.num_speculative_tokens if max_spec_tokens is None else max_spec_tokens
+        state = self.live[request_id].state
+        if k <= 0 or state is None:  # nothing to draft from yet: a one-token prompt before its first step
             return Proposal.empty(self.drafter.name)
-        return self.drafter.propose(self.states[request_id], k, self.probs_fn, self.generator)
+        return self.drafter.propose(state, k, self.probs_fn, self.generator)
 
     def finish_request(self, request_id: Hashable) -> None:
-        self.states.pop(request_id, None)
+        track = self.live.pop(request_id, None)
+        if track is not None and self.max_retained > 0:
+            self.retained[request_id] = track
+            while len(self.retained) > self.max_retained:
+                del self.retained[next(iter(self.retained))]
 
-    abort_request = finish_request
+    def abort_request(self, request_id: Hashable) -> None:
+        self.live.pop(request_id, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -554,6 +593,10 @@ class EagleBase(Drafter):
         t2d[: cfg.draft_vocab_size] = True
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
+
+    @property
+    def default_speculative_tokens(self) -> int:
+        return self.config.speculative_tokens
 
     # -- vocabulary -------------------------------------------------------------------------------------------------
 

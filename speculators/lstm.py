@@ -91,6 +91,10 @@ class LSTMDrafter(Drafter):
         cell = cell * forget + F.gelu(self.cell_ln[0](candidate)) * input_gate
         return F.gelu(self.state_ln[0](cell)) * output, cell
 
+    @property
+    def default_speculative_tokens(self) -> int:
+        return self.config.n_predict
+
     def check_target(self, target: Any, aux_layer_ids: Sequence[int] | None = None) -> None:
         check_target(self.name, target=TargetInfo.of(target), hidden_size=self.config.input_hidden_dim,
                      vocab_size=self.config.vocab_size)

@@ -329,17 +329,17 @@ class SamplingProposer(RandomProposer):
         return Proposal(tokens, parents, [0.5] * len(parents), 0.5 * len(parents), "model", draft_logits=logits)
 
 
-def exact_two_token_distribution(model, prompt, eos) -> dict[tuple, float]:
+def exact_two_token_distribution(model, prompt, eos, vocab: int = SMALL_VOCAB) -> dict[tuple, float]:
     """P(first two generated tokens) under plain sampling at temperature 1, from transformers' forward."""
     with torch.no_grad():
         p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
         dist = {}
-        for a in range(SMALL_VOCAB):
+        for a in range(vocab):
             if a == eos:
                 dist[(a,)] = p1[a].item()
                 continue
             p2 = torch.softmax(model(torch.tensor([prompt + [a]])).logits[0, -1].double(), -1)
-            for b in range(SMALL_VOCAB):
+            for b in range(vocab):
                 dist[(a, b)] = (p1[a] * p2[b]).item()
     return dist
 

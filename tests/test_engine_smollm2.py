@@ -1,6 +1,6 @@
 """The exactness guarantee on the real SmolLM2-135M-Instruct (converted from the embedded GGUF on first use): greedy
 speculative decoding returns the same tokens as plain greedy decoding on an agent-like prompt and a chat prompt, with
-chains and trees, at batch 1 and 2."""
+chains and trees, at batch 1 and 2, and with each shipped drafter head (P-EAGLE, LSTM, EAGLE-3)."""
 from __future__ import annotations
 
 import pytest
@@ -71,3 +71,13 @@ def test_session_matches_uncached_generation(engine, agent_prompt, references):
     assert reply.prompt_token_ids == agent_prompt
     assert reply.token_ids == references["agent"]
     assert reply.stats.prefill_tokens < len(agent_prompt) // 2
+
+
+@pytest.mark.parametrize("kind", ["peagle", "lstm", "eagle3"])
+def test_shipped_drafters_are_exact_and_accept_tokens(engine, agent_prompt, references, kind):
+    results = engine.generate([agent_prompt, CHAT], max_new_tokens=MAX_NEW, speculate=kind)
+    assert [r.token_ids for r in results] == [references["agent"], references["chat"]]
+    chat = engine.generate(CHAT, max_new_tokens=MAX_NEW, speculate=kind)
+    assert chat.token_ids == references["chat"]
+    # a trained head: clearly better than chance on SmolLM2's own chat reply
+    assert chat.stats.accepted_tokens / chat.stats.steps > 0.2

@@ -252,7 +252,7 @@ def test_drafter_proposer_keeps_state_in_step_with_accepted_tokens(target):
         proposer = DrafterProposer(drafter, num_speculative_tokens=4)
         logits, feats = forward(prompt)
         sequence = prompt + [int(logits[-1].argmax())]
-        proposer.start_request("r", prompt, features=feats, next_token=sequence[-1])
+        proposer.start_request("r", sequence, features=feats)
         steps = 0
         while len(sequence) - len(prompt) < 24:
             proposal = proposer.speculate("r")
@@ -272,7 +272,7 @@ def test_drafter_proposer_keeps_state_in_step_with_accepted_tokens(target):
             assert proposer.speculate("r").token_ids == fresh_proposal.token_ids
         proposer.finish_request("r")
         assert sequence[len(prompt):len(prompt) + 24] == reference
-        assert proposer.states == {}
+        assert proposer.live == {} and list(proposer.retained) == ["r"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -399,7 +399,7 @@ def test_drafter_proposer_accepts_a_window_of_the_prompt(kind, target, sequence)
     prompt, next_token = tokens[:-1].tolist(), int(tokens[-1])
     drafter = make_drafter(kind, target)
     proposer = DrafterProposer(drafter, num_speculative_tokens=3)
-    proposer.start_request("w", prompt, features=features[-8:], next_token=next_token)
+    proposer.start_request("w", prompt + [next_token], features=features[-8:])
     expected = drafter.propose(drafter.begin(features[-8:], tokens[-8:]), 3)
     assert proposer.speculate("w").token_ids == expected.token_ids
     assert proposer.speculate("w", max_spec_tokens=0).token_ids == []

@@ -1,0 +1,212 @@
+"""The engine with model drafters (speculate="peagle" | "lstm" | "eagle3") on tiny random targets: greedy outputs are
+token-identical to plain greedy decoding (single, batched, sessions), the drafter's state follows exactly the
+committed tokens (after every step it drafts what a drafter fed the whole sequence's features drafts), sampling keeps
+the target's distribution, and mismatched drafters give clear errors."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from hybridspec.engine import DRAFTER_KINDS, Engine
+from hybridspec.speculators import (DrafterProposer, Eagle3Drafter, EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter,
+                                    PEagleDrafter, TargetFeatures)
+from hybridspec.target import TargetModel
+from hybridspec.testing import tiny_llama, tiny_tokenizer
+
+from test_engine import chi_square_p_value, exact_two_token_distribution
+
+VOCAB = 16  # small enough that random drafters often agree with the target: accepted paths get exercised
+
+
+def make_drafter(kind: str, model, seed: int = 0):
+    """A random drafter for `model`, with sharpened logits (random weights give nearly flat ones)."""
+    torch.manual_seed(seed)
+    c = model.config
+    if kind == "lstm":
+        drafter = LSTMDrafter(LSTMConfig(input_hidden_dim=c.hidden_size, dim=32, vocab_size=c.vocab_size, n_predict=3))
+        head = drafter.head[0]
+    else:
+        config = EagleConfig(layer=LayerConfig.like_target(c), num_layers=2 if kind == "peagle" else 1,
+                             target_hidden_size=c.hidden_size, target_vocab_size=c.vocab_size,
+                             draft_vocab_size=c.vocab_size, aux_layer_ids=(2, c.num_hidden_layers // 2,
+                                                                           c.num_hidden_layers - 3),
+                             mask_token_id=0, speculative_tokens=4)
+        cls = PEagleDrafter if kind == "peagle" else Eagle3Drafter
+        drafter = cls(config, embed_tokens=model.get_input_embeddings().weight)
+        head = drafter.lm_head
+    with torch.no_grad():
+        head.weight.mul_(10)
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_llama(vocab_size=VOCAB, seed=7, init_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def engine(target_model):
+    drafters = {kind: make_drafter(kind, target_model) for kind in DRAFTER_KINDS}
+    return Engine(TargetModel(target_model), tiny_tokenizer(VOCAB), drafters=drafters,
+                  router=lambda proposals, contexts: list(proposals))  # verify every draft
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 24))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
+def test_greedy_with_a_drafter_is_token_identical(engine, kind, batch):
+    prompts = random_prompts(6, seed=len(kind))
+    references = [engine.generate(p, max_new_tokens=32, speculate="none").token_ids for p in prompts]
+    if batch:
+        results = engine.generate(prompts, max_new_tokens=32, speculate=kind)
+        accepted = results[0].stats.accepted_tokens
+    else:
+        results = [engine.generate(p, max_new_tokens=32, speculate=kind) for p in prompts]
+        accepted = sum(r.stats.accepted_tokens for r in results)
+    assert [r.token_ids for r in results] == references
+    assert accepted > 0  # the accepted-path bookkeeping ran
+    assert all(r.stats.draft_tokens <= 4 * r.stats.steps for r in results)  # K defaults to the drafter's own
+
+
+class CheckedProposer(DrafterProposer):
+    """Before every draft, checks that the state built from the engine's features drafts what a drafter begun on the
+    whole committed sequence (features from a plain transformers forward) drafts."""
+
+    def __init__(self, drafter, model, aux_layer_ids):
+        super().__init__(drafter)
+        self.model, self.aux_layer_ids_, self.tokens, self.checked = model, aux_layer_ids, {}, 0
+
+    def start_request(self, request_id, tokens, *, features, extends=None):
+        super().start_request(request_id, tokens, features=features, extends=extends)
+        self.tokens[request_id] = list(tokens)
+
+    def append(self, request_id, tokens, *, features):
+        super().append(request_id, tokens, features=features)
+        self.tokens[request_id] += list(tokens)
+
+    def speculate(self, request_id, max_spec_tokens=None):
+        proposal = super().speculate(request_id, max_spec_tokens)
+        sequence = self.tokens[request_id]
+        if len(sequence) > 1 and len(proposal):
+            with torch.no_grad():
+                out = self.model(torch.tensor([sequence[:-1]]), output_hidden_states=True)
+            full = TargetFeatures.from_hidden_states(out.hidden_states, self.aux_layer_ids_)
+            expected = self.drafter.propose(self.drafter.begin(full, sequence[1:]), len(proposal))
+            assert proposal.token_ids == expected.token_ids
+            torch.testing.assert_close(proposal.draft_logits, expected.draft_logits, atol=2e-3, rtol=1e-3)
+            self.checked += 1
+        return proposal
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_drafter_state_follows_the_committed_tokens(engine, target_model, kind):
+    proposer = CheckedProposer(engine.drafter_proposer(kind).drafter, target_model, engine.target.aux_layer_ids)
+    prompts, accepted = random_prompts(4, seed=11), 0
+    for prompt in prompts:
+        plain = engine.generate(prompt, max_new_tokens=24, speculate="none")
+        result = engine.generate(prompt, max_new_tokens=24, speculate=proposer)
+        assert result.token_ids == plain.token_ids
+        accepted += result.stats.accepted_tokens
+    results = engine.generate(prompts, max_new_tokens=24, speculate=proposer)  # rows leave the batch as they finish
+    assert proposer.checked > 20 and accepted + results[0].stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_session_continues_the_drafter_state(engine, target_model, kind):
+    """A session's later turns prefill only their new tokens; the drafter continues its state from the previous turn
+    (extends=) and still drafts exactly what a drafter fed the whole conversation drafts."""
+    proposer = CheckedProposer(engine.drafter_proposer(kind).drafter, target_model, engine.target.aux_layer_ids)
+    session = engine.session(max_new_tokens=16, speculate=proposer)
+    plain = engine.session(max_new_tokens=16, speculate="none")
+    for turn in ["ab", "cd ef", "gh"]:
+        reply = session.send(turn)
+        assert reply.token_ids == plain.send(turn).token_ids
+        assert reply.stats.prefill_tokens < reply.stats.prompt_tokens or turn == "ab"
+    assert proposer.checked > 10
+    # each turn continued (and took over) the previous turn's state: one state, covering the whole conversation
+    assert list(proposer.retained) == [session._last_request]
+    assert proposer.retained[session._last_request].length == len(session.tokens)
+
+
+def test_drafter_proposer_rebuilds_when_the_prompt_does_not_continue(target_model):
+    drafter = make_drafter("lstm", target_model)
+    proposer = DrafterProposer(drafter, max_retained=1)
+    h = target_model.config.hidden_size
+    feats = lambda n: TargetFeatures(torch.randn(n, 3 * h), torch.randn(n, h))  # noqa: E731
+    proposer.start_request("a", [3, 4, 5, 6], features=feats(3))
+    proposer.append("a", [7], features=feats(1))
+    proposer.finish_request("a")
+    assert proposer.retained["a"].length == 5
+    proposer.start_request("b", [3, 4, 5, 6, 7, 8, 9], features=feats(2), extends="a")  # continues at position 5
+    assert proposer.live["b"].length == 7 and "a" not in proposer.retained
+    proposer.finish_request("b")
+    proposer.start_request("c", [3, 4, 5, 6, 7, 9, 9, 9], features=feats(4), extends="b")  # a different token 7
+    assert proposer.live["c"].length == 8 and "b" not in proposer.retained
+    with pytest.raises(KeyError, match="already running"):
+        proposer.start_request("c", [3, 4], features=feats(1))
+    with pytest.raises(ValueError, match="feature rows"):
+        proposer.start_request("d", [3, 4], features=feats(2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampling keeps the target distribution
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["peagle", "lstm"])
+def test_sampling_with_a_drafter_keeps_the_target_distribution(kind):
+    vocab = 8
+    model = tiny_llama(vocab_size=vocab, seed=3, init_std=0.2)
+    engine = Engine(TargetModel(model), tiny_tokenizer(vocab), drafters={kind: make_drafter(kind, model, seed=1)},
+                    router=lambda ps, cs: list(ps))
+    prompt = [3, 5, 4, 6]
+    eos = engine.tokenizer.eos_token_id
+    expected = exact_two_token_distribution(model, prompt, eos, vocab)
+    counts, n = Counter(), 0
+    for call in range(6):
+        results = engine.generate([prompt] * 500, max_new_tokens=3, temperature=1.0, speculate=kind,
+                                  num_speculative_tokens=2, seed=100 + call)
+        for r in results:
+            counts[tuple(r.token_ids[:1]) if r.token_ids[0] == eos else tuple(r.token_ids[:2])] += 1
+        n += len(results)
+        assert results[0].stats.accepted_tokens > 0
+    assert chi_square_p_value(counts, expected, n) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# errors
+
+
+def test_drafter_errors(engine, target_model):
+    with pytest.raises(ValueError, match="unknown kind"):
+        Engine(engine.target, engine.tokenizer, drafters={"medusa": "x"})
+    with pytest.raises(ValueError, match="speculate must be one of"):
+        engine.generate([3, 4], max_new_tokens=4, speculate="eagle")
+    with pytest.raises(ValueError, match="drafts trees"):
+        engine.generate([3, 4], max_new_tokens=4, speculate="peagle", tree=True)
+    other = tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=1)
+    with pytest.raises(ValueError, match="hidden size"):
+        Engine(TargetModel(other), engine.tokenizer, drafters={"lstm": make_drafter("lstm", target_model)}
+               ).generate([3, 4], max_new_tokens=4, speculate="lstm")
+    # the shipped heads are SmolLM2's: a clear error, with what to do, on any other target
+    with pytest.raises(ValueError, match="shipped peagle head is for SmolLM2"):
+        Engine(engine.target, engine.tokenizer).generate([3, 4], max_new_tokens=4, speculate="peagle")
+
+
+def test_engine_packs_its_own_copy_of_a_drafter(engine):
+    """On CPU the engine runs drafters on oneDNN-packed weights: a copy, the caller's module stays trainable."""
+    from hybridspec.target import PackedLinear
+
+    ours = engine.drafter_proposer("peagle").drafter
+    theirs = engine.drafters["peagle"]
+    assert ours is not theirs
+    assert isinstance(ours.lm_head, PackedLinear) and type(theirs.lm_head) is torch.nn.Linear
+    x = torch.randn(5, ours.lm_head.in_features)
+    torch.testing.assert_close(ours.lm_head(x), theirs.lm_head(x), atol=1e-4, rtol=1e-4)
