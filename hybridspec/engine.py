@@ -35,7 +35,8 @@ PromptLike = str | Sequence[int] | Sequence[Message]
 Router = Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]]  # (proposals, context lengths)
 
 DRAFTER_KINDS = ("peagle", "lstm", "eagle3")
-SPECULATE_CHOICES = ("suffix", "ngram", *DRAFTER_KINDS, "none")
+HYBRID_KINDS = tuple(f"suffix+{kind}" for kind in DRAFTER_KINDS)
+SPECULATE_CHOICES = ("suffix", "ngram", *DRAFTER_KINDS, *HYBRID_KINDS, "none")
 GENERATE_DEFAULTS: dict[str, Any] = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, speculate="suffix",
                                          num_speculative_tokens=None, tree=False, stop=None, seed=None)
 
@@ -159,6 +160,7 @@ class Engine:
         self.drafters: dict[str, Any] = dict(drafters or {})
         self.drafter_context = drafter_context
         self._drafter_proposers: dict[str, Any] = {}
+        self._hybrids: dict[str, Any] = {}
         self._request_ids = itertools.count()
         self.eos_token_ids = self._eos_ids()
         self.stats = GenerationStats()  # cumulative over every call
@@ -229,6 +231,14 @@ class Engine:
             return self.suffix_cache
         if speculate in DRAFTER_KINDS:
             return self.drafter_proposer(speculate)
+        if speculate in HYBRID_KINDS:
+            if speculate not in self._hybrids:
+                from hybridspec.router import HybridProposer
+
+                self._hybrids[speculate] = HybridProposer(
+                    self.suffix_cache, self.drafter_proposer(speculate.split("+")[1]),
+                    num_speculative_tokens=self.num_speculative_tokens, expected=getattr(self.router, "expected_tokens", None))
+            return self._hybrids[speculate]
         if speculate == "ngram":
             if self._ngram is None:
                 from hybridspec.suffix import NgramProposer
@@ -311,7 +321,8 @@ class Engine:
 
         temperature 0 is greedy; otherwise sampling with top_k / top_p. speculate: "suffix" (the engine's suffix
         cache: prompt and past responses), "ngram", a model drafter ("peagle", "lstm", "eagle3"; num_speculative_tokens
-        then defaults to the K it was trained for), "none", or a Proposer. tree=True drafts token trees (suffix).
+        then defaults to the K it was trained for), a hybrid ("suffix+peagle", ...: the suffix draft where the text
+        repeats, the drafter's elsewhere), "none", or a Proposer. tree=True drafts token trees (suffix).
         Stops at EOS, at any of `stop` (the text is cut before it), or after max_new_tokens.
         """
         batch = self._is_batch(prompt_or_messages)
@@ -401,15 +412,14 @@ class Engine:
 
     @staticmethod
     def _feature_proposer(proposer: Proposer | None, params: _Params):
-        """The proposer if it is a model drafter (it reads the target's hidden states), set up to draft from the
+        """The proposer if it reads the target's hidden states (a model drafter, a hybrid), set up to draft from the
         distribution the verifier will use; else None."""
         from hybridspec.verifier import process_logits
 
-        if not isinstance(proposer, DrafterProposer):
+        if not getattr(proposer, "wants_target_features", False):
             return None
-        proposer.probs_fn = None if params.temperature == 0 else functools.partial(
-            process_logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-        proposer.generator = params.generator
+        proposer.set_sampling(None if params.temperature == 0 else functools.partial(
+            process_logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p), params.generator)
         return proposer
 
     @staticmethod

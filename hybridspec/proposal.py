@@ -14,8 +14,9 @@ class Proposal:
 
     token_ids[i] is a draft token whose parent is parents[i] (-1: it follows the last verified token); a chain has
     parents [-1, 0, 1, ...]. Parents always precede their children.
-    probs[i] is the proposer's estimate that token i is accepted given its parent was (suffix: the path frequency),
-    used by the router; score is the expected number of accepted tokens (sum of probs).
+    probs[i] is the proposer's estimate that token i is accepted, i.e. its whole path from the root (suffix: the path
+    frequency; a drafter: the product of its token probabilities), used by the router; score is the expected number
+    of accepted tokens (sum of probs).
     draft_logits are the drafter's raw next-token logits per token ([n, vocab] tensor) for lossless rejection sampling:
     the verifier applies the same temperature/top-k/top-p to them as to the target, and a sampling drafter must draw its
     tokens from that processed distribution. None for deterministic proposers (suffix, n-gram): one-hot drafts.

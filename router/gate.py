@@ -94,13 +94,23 @@ class CostGate:
         seen, accepted = counts[min(int(p * 10), 9)]
         return (accepted + self.prior_weight * p) / (seen + self.prior_weight)
 
+    def calibrated_path_probs(self, proposal: Proposal) -> list[float]:
+        """Each node's calibrated chance of acceptance, never above its parent's."""
+        path: list[float] = []
+        for parent, p in zip(proposal.parents, _path_probs(proposal)):
+            path.append(min(self.accept_probability(proposal.source, p), path[parent] if parent >= 0 else 1.0))
+        return path
+
+    def expected_tokens(self, proposal: Proposal) -> float:
+        """Calibrated expected number of accepted draft tokens."""
+        return float(sum(self.calibrated_path_probs(proposal)))
+
     def trim(self, proposal: Proposal, context: int = 0) -> Proposal:
         n = len(proposal)
         if n == 0:
             return proposal
-        path = []  # calibrated, and never above the parent's: every prefix of `order` below is then a subtree
-        for parent, p in zip(proposal.parents, _path_probs(proposal)):
-            path.append(min(self.accept_probability(proposal.source, p), path[parent] if parent >= 0 else 1.0))
+        # calibrated and never above the parent's: every prefix of `order` below is then a subtree
+        path = self.calibrated_path_probs(proposal)
         order = sorted(range(n), key=lambda i: (-path[i], i))
         best_m, best_value, expected = 0, self.min_gain, 1.0
         for m, i in enumerate(order, start=1):

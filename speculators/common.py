@@ -465,6 +465,8 @@ class DrafterProposer:
     from the distribution the verifier assumes.
     """
 
+    wants_target_features = True  # the engine passes features= to start_request and append
+
     def __init__(self, drafter: Drafter, num_speculative_tokens: int | None = None, probs_fn: ProbsFn | None = None,
                  generator: torch.Generator | None = None, max_retained: int = 8) -> None:
         self.drafter, self.probs_fn, self.generator = drafter, probs_fn, generator
@@ -476,6 +478,9 @@ class DrafterProposer:
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
         return self.drafter.aux_layer_ids
+
+    def set_sampling(self, probs_fn: ProbsFn | None, generator: torch.Generator | None) -> None:
+        self.probs_fn, self.generator = probs_fn, generator
 
     @torch.inference_mode()
     def start_request(self, request_id: Hashable, tokens: Sequence[int], *, features: TargetFeatures,

@@ -210,3 +210,64 @@ def test_engine_packs_its_own_copy_of_a_drafter(engine):
     assert isinstance(ours.lm_head, PackedLinear) and type(theirs.lm_head) is torch.nn.Linear
     x = torch.randn(5, ours.lm_head.in_features)
     torch.testing.assert_close(ours.lm_head(x), theirs.lm_head(x), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the hybrid: suffix drafts where the text repeats, the drafter's elsewhere
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
+def test_hybrid_is_token_identical_and_uses_both(engine, batch):
+    rng = random.Random(5)
+    prompts = [(lambda unit: (unit * 6)[:30])([rng.randrange(3, VOCAB) for _ in range(4)]) for _ in range(3)]
+    prompts += random_prompts(3, seed=2)  # repetitive prompts for the suffix cache, random ones for the drafter
+    references = [engine.generate(p, max_new_tokens=32, speculate="none").token_ids for p in prompts]
+    hybrid = engine._proposer("suffix+peagle")
+    before = dict(hybrid.chosen)
+    if batch:
+        results = engine.generate(prompts, max_new_tokens=32, speculate="suffix+peagle")
+    else:
+        results = [engine.generate(p, max_new_tokens=32, speculate="suffix+peagle") for p in prompts]
+    assert [r.token_ids for r in results] == references
+    won = {k: v - before.get(k, 0) for k, v in hybrid.chosen.items()}
+    assert won.get("suffix", 0) > 0 and won.get("peagle", 0) > 0
+
+
+def test_hybrid_rule():
+    from hybridspec.proposal import Proposal
+    from hybridspec.router import HybridProposer
+
+    class Fixed:
+        def __init__(self, proposal, k=4):
+            self.proposal, self.num_speculative_tokens, self.calls, self.log = proposal, k, 0, []
+
+        def start_request(self, rid, prompt, **kw):
+            self.log.append(("start", kw))
+
+        def append(self, rid, tokens, **kw):
+            self.log.append(("append", kw))
+
+        def speculate(self, rid, max_spec_tokens=None):
+            self.calls += 1
+            return Proposal.chain(self.proposal.token_ids[:max_spec_tokens], self.proposal.probs[:max_spec_tokens],
+                                  source=self.proposal.source)
+
+        def finish_request(self, rid):
+            self.log.append(("finish", {}))
+
+    suffix = Fixed(Proposal.chain([1, 2, 3, 4, 5], [0.9, 0.9, 0.9, 0.9, 0.9], source="suffix"))
+    drafter = Fixed(Proposal.chain([7, 8, 9, 6], [0.8, 0.5, 0.2, 0.1], source="peagle"))
+    hybrid = HybridProposer(suffix, drafter, num_speculative_tokens=5)
+    hybrid.start_request("r", [1, 2], features="F")
+    hybrid.append("r", [3], features="G")
+    assert suffix.log == [("start", {}), ("append", {})]  # the suffix cache never sees features
+    assert drafter.log == [("start", {"features": "F"}), ("append", {"features": "G"})]
+    assert hybrid.speculate("r").source == "suffix" and drafter.calls == 0  # score 4.5 >= K = 4: drafter not run
+    assert hybrid.speculate("r", max_spec_tokens=3).source == "suffix" and drafter.calls == 1  # 2.7 > 1.5
+    suffix.proposal = Proposal.chain([1], [0.3], source="suffix")
+    assert hybrid.speculate("r").token_ids == [7, 8, 9, 6]  # 1.6 > 0.3
+    suffix.proposal = Proposal.empty("suffix")
+    assert hybrid.speculate("r", max_spec_tokens=2).token_ids == [7, 8]
+    assert hybrid.chosen == {"suffix": 2, "peagle": 2}
+    hybrid.finish_request("r")
+    assert suffix.log[-1][0] == drafter.log[-1][0] == "finish"

@@ -1,0 +1,71 @@
+"""Suffix drafts where the text repeats, a model drafter's where it does not: one proposer made of two.
+
+Each step the suffix cache drafts first (microseconds). If its draft is expected to be accepted for at least
+`suffix_threshold` tokens, it is used and the model drafter is not run (the rule of Arctic's hybrid, whose threshold
+is the drafter's K). Otherwise the drafter drafts too and the draft with the larger calibrated expectation wins.
+Knows Proposals, not models: the drafter's inputs (the target's features) pass through untouched.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Hashable, Sequence
+
+from hybridspec.proposal import Proposal, Proposer
+
+
+class HybridProposer:
+    """`Proposer` over a model-free proposer (`suffix`) and a model drafter (`drafter`, a `DrafterProposer`).
+
+    expected(proposal) -> expected accepted tokens; by default the proposal's own score. Pass a calibrated estimate
+    (e.g. `CostGate.expected_tokens`) so an overconfident drafter does not win on its own word.
+    """
+
+    wants_target_features = True
+
+    def __init__(self, suffix: Proposer, drafter: Any, num_speculative_tokens: int = 16,
+                 suffix_threshold: float | None = None, expected: Callable[[Proposal], float] | None = None) -> None:
+        self.suffix, self.drafter = suffix, drafter
+        k = drafter.num_speculative_tokens  # the drafter drafts at most its own K; the suffix cache up to the budget
+        self.suffix_threshold = float(k) if suffix_threshold is None else float(suffix_threshold)
+        self.num_speculative_tokens = max(k, num_speculative_tokens)
+        self.expected = expected or (lambda p: p.score)
+        self.chosen: Counter[str] = Counter()  # steps won, by proposal source ("" = nothing to draft)
+
+    def set_sampling(self, probs_fn: Any, generator: Any) -> None:
+        self.drafter.set_sampling(probs_fn, generator)
+
+    def start_request(self, request_id: Hashable, prompt: Sequence[int], *, features: Any,
+                      extends: Hashable | None = None) -> None:
+        kwargs = {"extends": extends} if extends is not None else {}
+        self.suffix.start_request(request_id, prompt, **kwargs)
+        try:
+            self.drafter.start_request(request_id, prompt, features=features, **kwargs)
+        except BaseException:
+            _abort(self.suffix, request_id)
+            raise
+
+    def append(self, request_id: Hashable, tokens: Sequence[int], *, features: Any) -> None:
+        self.suffix.append(request_id, tokens)
+        self.drafter.append(request_id, tokens, features=features)
+
+    def speculate(self, request_id: Hashable, max_spec_tokens: int | None = None) -> Proposal:
+        budget = self.num_speculative_tokens if max_spec_tokens is None else max_spec_tokens
+        best = self.suffix.speculate(request_id, max_spec_tokens=budget)
+        if not len(best) or self.expected(best) < self.suffix_threshold:
+            drafted = self.drafter.speculate(request_id, min(budget, self.drafter.num_speculative_tokens))
+            if len(drafted) and (not len(best) or self.expected(drafted) > self.expected(best)):
+                best = drafted
+        self.chosen[best.source if len(best) else ""] += 1
+        return best
+
+    def finish_request(self, request_id: Hashable) -> None:
+        self.suffix.finish_request(request_id)
+        self.drafter.finish_request(request_id)
+
+    def abort_request(self, request_id: Hashable) -> None:
+        _abort(self.suffix, request_id)
+        _abort(self.drafter, request_id)
+
+
+def _abort(proposer: Any, request_id: Hashable) -> None:
+    (getattr(proposer, "abort_request", None) or proposer.finish_request)(request_id)
