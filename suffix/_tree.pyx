@@ -3,9 +3,12 @@
 
 Layout: a node is one 32-byte struct (a visit touches one cache line); children are found through one open-addressing
 hash table keyed by (parent, first token) that stores only node indices, and enumerated through a doubly linked
-sibling list. All tokens of a tree live back to back in one arena, oldest sequence first. Every suffix of every
-sequence, truncated at `max_depth`, ends exactly at a node (as in ArcticInference), so a node's count is the exact
-number of occurrences of its string.
+sibling list whose head is the best-ranked child (highest count, then most recent), so a path draft never scans
+siblings: keeping it there costs O(1) per count increment, and eviction, which lowers counts, only marks the list for
+a rescan by the next draft that reaches it. A node also counts the occurrences of its string that end there, so the
+children's count total (the denominator of their probabilities) needs no scan either. All tokens of a tree live back
+to back in one arena, oldest sequence first. Every suffix of every sequence, truncated at `max_depth`, ends exactly at
+a node (as in ArcticInference), so a node's count is the exact number of occurrences of its string.
 
 The arena is a ring addressed by wrapping 32-bit positions (physical index = position & mask): eviction frees its front
 without moving anything, so no call ever pays for a compaction. A node refers to the *most recent* occurrence of its
@@ -25,17 +28,20 @@ DEF ROOT = 0
 DEF NONE = -1
 DEF FREED = -2
 DEF KIDS = 64              # children considered per node in tree mode (the top ones by count, then recency)
+DEF ENDS_MAX = 0x7FFF      # Node.ends saturates here: the number is then unknown and recounted from the children
+DEF STALE = 0x8000         # Node.ends flag: eviction lowered the first child's count, it may no longer rank first
 
 cdef struct Node:
     int32_t count          # occurrences of the node's string
     int32_t parent
     int32_t token          # first token of the edge into this node
     uint32_t rend          # arena position just after the most recent occurrence of the node's string
-    int32_t child          # first child; siblings form a doubly linked list
+    int32_t child          # best-ranked child (unless STALE); siblings form a doubly linked list
     int32_t sib
     int32_t psib
     uint16_t depth         # string depth at the node's end
-    uint16_t _pad
+    uint16_t ends          # occurrences of the node's string that end here (count - sum of the children's counts,
+                           # saturating at ENDS_MAX), | STALE
 
 cdef struct Seq:
     uint32_t base          # arena position of the first token
@@ -130,6 +136,7 @@ cdef int32_t node_alloc(Tree* T) except -1 nogil:
         T.n_nodes += 1
     cdef Node* x = &T.nodes[n]
     x.count = 0
+    x.ends = 0
     x.child = NONE
     x.sib = NONE
     x.psib = NONE
@@ -158,6 +165,31 @@ cdef inline void list_unlink(Node* N, int32_t c) noexcept nogil:
         N[N[c].parent].child = N[c].sib
     if N[c].sib != NONE:
         N[N[c].sib].psib = N[c].psib
+
+cdef inline void link_ranked(Node* N, int32_t v, int32_t c) noexcept nogil:
+    """Link c, whose occurrence is the most recent among its siblings: first if it ties the first child's count,
+    else second."""
+    cdef int32_t h = N[v].child
+    if h == NONE or N[c].count >= N[h].count:
+        list_link(N, v, c)
+        return
+    N[c].psib = h
+    N[c].sib = N[h].sib
+    if N[h].sib != NONE:
+        N[N[h].sib].psib = c
+    N[h].sib = c
+
+cdef inline void promote(Node* N, int32_t v, int32_t c) noexcept nogil:
+    """c's count grew by an occurrence that is the most recent among its siblings: it goes first if it ties the first
+    child's count (the first child stays the best-ranked: the others' counts did not change)."""
+    cdef int32_t h = N[v].child
+    if h != c and N[c].count >= N[h].count:
+        list_unlink(N, c)
+        list_link(N, v, c)
+
+cdef inline void ends_add(Node* x, int d) noexcept nogil:
+    if (x.ends & ENDS_MAX) != ENDS_MAX:
+        x.ends += d
 
 cdef inline void list_replace(Node* N, int32_t old, int32_t new) noexcept nogil:
     """`new` takes `old`'s place among its siblings (their parents must already agree)."""
@@ -349,6 +381,7 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
     S.length = L + 1
     T.act_node[L % D] = ROOT
     T.nodes[ROOT].count += 1
+    ends_add(&T.nodes[ROOT], 1)    # the new empty suffix, extended below like the others
     T.n_suffixes += 1
     for st in range(first, L + 1):
         i = st % D
@@ -367,9 +400,11 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
                 N[n].parent = v
                 N[n].token = t
                 N[n].count = 1
+                N[n].ends = 1
                 N[n].depth = N[v].depth + 1
                 N[n].rend = e
-                list_link(N, v, n)
+                ends_add(&N[v], -1)
+                link_ranked(N, v, n)
                 h_insert(T, n)
                 T.act_node[i] = n
         else:
@@ -383,8 +418,9 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
                     N[c].parent = N[v].parent
                     N[c].token = N[v].token
                     h_replace(T, v, c)
-                    list_replace(N, v, c)
+                    list_replace(N, v, c)     # same count and most recent occurrence as v: same rank
                     N[c].count += 1
+                    ends_add(&N[c], 1)
                     N[c].rend = e
                     node_free(T, v)
                     T.act_node[i] = c
@@ -397,7 +433,10 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
                     h_insert(T, c)
             elif N[c].depth == N[v].depth + 1:
                 N[c].count += 1
+                ends_add(&N[c], 1)
+                ends_add(&N[v], -1)
                 N[c].rend = e
+                promote(N, v, c)
                 T.act_node[i] = c
             else:
                 # split c's edge after its first token
@@ -406,10 +445,13 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
                 N[n].parent = v
                 N[n].token = t
                 N[n].count = N[c].count + 1
+                N[n].ends = 1
                 N[n].depth = N[v].depth + 1
                 N[n].rend = e
+                ends_add(&N[v], -1)
                 h_replace(T, c, n)
                 list_replace(N, c, n)
+                promote(N, v, n)
                 N[c].parent = n
                 N[c].token = edge_token(T, c, N[n].depth)
                 list_link(N, n, c)
@@ -434,11 +476,17 @@ cdef int remove_suffixes(Tree* T, Seq* S, int32_t upto) except -1 nogil:
         while d < lim:
             c = lookup(T, v, T.tok[(S.base + <uint32_t> (st + d)) & T.tok_mask])
             N[c].count -= 1
+            if N[v].child == c and N[c].sib != NONE:
+                # a sibling may now rank first: found again by the next draft that needs it, not here (at the root
+                # that would be a scan over the vocabulary per evicted suffix)
+                N[v].ends |= STALE
             if N[c].count == 0:
                 free_subtree(T, c)
                 break
             v = c
             d = N[c].depth
+        if d == lim:
+            ends_add(&N[v], -1)       # the suffix ended at v
         # only the last node's children or endings changed: it may now be a chain link to merge away
         if v != ROOT:
             ch = N[v].child
@@ -512,6 +560,35 @@ cdef inline bint ranks_before(Node* N, int32_t a, int32_t b) noexcept nogil:
         return N[a].count > N[b].count
     return <int32_t> ((N[a].rend - N[a].depth) - (N[b].rend - N[b].depth)) > 0
 
+cdef int32_t best_child(Node* N, int32_t u) noexcept nogil:
+    """u's best-ranked child (NONE for a leaf): its first child, found again and moved first if eviction made the
+    list stale."""
+    cdef int32_t b = N[u].child, c
+    if N[u].ends & STALE:
+        N[u].ends &= ENDS_MAX
+        if b != NONE:
+            c = N[b].sib
+            while c != NONE:
+                if ranks_before(N, c, b):
+                    b = c
+                c = N[c].sib
+            if b != N[u].child:
+                list_unlink(N, b)
+                list_link(N, u, b)
+    return b
+
+cdef int64_t child_total(Node* N, int32_t u) noexcept nogil:
+    """Occurrences of u's string that continue into a child (the denominator of the children's probabilities)."""
+    cdef int64_t total = 0
+    cdef int32_t c
+    if (N[u].ends & ENDS_MAX) != ENDS_MAX:
+        return N[u].count - (N[u].ends & ENDS_MAX)
+    c = N[u].child
+    while c != NONE:
+        total += N[c].count
+        c = N[c].sib
+    return total
+
 cdef int32_t path_token(Draft* out, int32_t node, int32_t k, int32_t node_depth) noexcept nogil:
     """Token at draft depth k on the path ending at draft node `node` (at draft depth node_depth)."""
     while node_depth > k:
@@ -536,7 +613,7 @@ cdef void draft_tree(Tree* T, int32_t start_node, int32_t start_d, bint start_co
     item at a time and the result is the greedy path. With start_copy it starts by copying from position copy_from.
     An open tree is a request's own context: copies from it may run on into the draft itself (LZ77-style overlap)."""
     cdef Node* N = T.nodes
-    cdef int32_t nh = 0, D = T.max_depth, u, c, k, j, m, nk, width
+    cdef int32_t nh = 0, D = T.max_depth, u, c, k, j, m, nk
     cdef int64_t order = 0, total
     cdef double pr
     cdef Item it, nx
@@ -556,21 +633,28 @@ cdef void draft_tree(Tree* T, int32_t start_node, int32_t start_d, bint start_co
         if not it.copy and it.d == N[it.node].depth and it.d < D:
             # at a node's end below max depth: branch on its best children
             u = it.node
-            total = 0
-            m = 0
-            width = KIDS if branch else 1
-            c = N[u].child
-            while c != NONE:
-                total += N[c].count
-                if m < width or ranks_before(N, c, kids[m - 1]):
-                    j = m - 1 if m == width else m
-                    while j > 0 and ranks_before(N, c, kids[j - 1]):
-                        kids[j] = kids[j - 1]
-                        j -= 1
-                    kids[j] = c
-                    if m < width:
-                        m += 1
-                c = N[c].sib
+            c = best_child(N, u)
+            if c == NONE:
+                continue
+            total = child_total(N, u)
+            if it.prob * (<double> N[c].count / <double> total) < min_prob:
+                continue                  # not even the best child is likely enough
+            kids[0] = c
+            m = 1
+            if branch and it.prob * (<double> (total - N[c].count) / <double> total) >= min_prob:
+                # the runners-up: a scan, in tree mode only, and only where what the best child leaves to the others
+                # could still pass min_prob
+                c = N[u].child
+                while c != NONE:
+                    if c != kids[0] and (m < KIDS or ranks_before(N, c, kids[m - 1])):
+                        j = m - 1 if m == KIDS else m
+                        while j > 1 and ranks_before(N, c, kids[j - 1]):
+                            kids[j] = kids[j - 1]
+                            j -= 1
+                        kids[j] = c
+                        if m < KIDS:
+                            m += 1
+                    c = N[c].sib
             for k in range(m):
                 pr = it.prob * (<double> N[kids[k]].count / <double> total)
                 if pr < min_prob:
@@ -647,18 +731,44 @@ cdef bint walk(Tree* G, const int32_t* toks, int32_t n, int32_t* u, int32_t* d) 
             return False
     return True
 
+cdef int32_t longest_match(Tree* G, const int32_t* ctx, int32_t end, int32_t n, bint long_first,
+                           int32_t* u, int32_t* d) noexcept nogil:
+    """Length of the longest suffix of ctx[:end], at most n tokens, that occurs in G; (u, d) is where it ends.
+
+    A suffix of an occurring string occurs too, so occurrence is monotone in the length: doubling from below (short
+    matches are the common case), then bisection, costs O(n log n) steps where trying every start costs O(n^2) on
+    long partial matches. With long_first the longest candidate is tried first (a match at max depth that goes on)."""
+    cdef int32_t lo = 0, hi = n, m = 1, bu = ROOT, bd = 0
+    if long_first and n > 0:
+        if walk(G, ctx + end - n, n, u, d):
+            return n
+        hi = n - 1
+    while m <= hi:
+        if not walk(G, ctx + end - m, m, u, d):
+            hi = m - 1
+            break
+        lo = m
+        bu = u[0]; bd = d[0]
+        m = 2 * m if 2 * m < hi else (hi if m < hi else hi + 1)
+    while lo < hi:
+        m = (lo + hi + 1) // 2
+        if walk(G, ctx + end - m, m, u, d):
+            lo = m
+            bu = u[0]; bd = d[0]
+        else:
+            hi = m - 1
+    u[0] = bu
+    d[0] = bd
+    return lo
+
 cdef void gmatch_update(Tree* G, GMatch* gm, const int32_t* ctx, int32_t L) noexcept nogil:
-    """Longest suffix of ctx[:L] (at most max_depth tokens) that occurs in G: amortised O(max_depth) per new token,
-    since the match start only moves forward. Any change to G invalidates the state (version) and it is rebuilt."""
-    cdef int32_t D = G.max_depth, i, s, u = ROOT, d = 0
+    """Longest suffix of ctx[:L] (at most max_depth tokens) that occurs in G. Per new token the match grows by one
+    step, or, where it cannot, loses tokens at its start only (the start never moves back). Any change to G
+    invalidates the state (version) and it is found afresh."""
+    cdef int32_t D = G.max_depth, i, m, u = ROOT, d = 0
     if gm.version != G.version or L - gm.upto > D or L < gm.upto:
-        s = L - D if L > D else 0
-        while s < L and not walk(G, ctx + s, L - s, &u, &d):
-            s += 1
-        if s == L:
-            u = ROOT
-            d = 0
-        gm.start = s; gm.node = u; gm.d = d
+        m = longest_match(G, ctx, L, D if L > D else L, False, &u, &d)
+        gm.start = L - m; gm.node = u; gm.d = d
     else:
         for i in range(gm.upto, L):
             u = gm.node
@@ -666,13 +776,8 @@ cdef void gmatch_update(Tree* G, GMatch* gm, const int32_t* ctx, int32_t L) noex
             if d < D and step(G, &u, &d, ctx[i]):
                 gm.node = u; gm.d = d
                 continue
-            s = gm.start + 1
-            while s <= i and not walk(G, ctx + s, i + 1 - s, &u, &d):
-                s += 1
-            if s > i:
-                u = ROOT
-                d = 0
-            gm.start = s; gm.node = u; gm.d = d
+            m = longest_match(G, ctx, i + 1, i - gm.start, d == D, &u, &d)
+            gm.start = i + 1 - m; gm.node = u; gm.d = d
     gm.version = G.version
     gm.upto = L
 
@@ -699,19 +804,24 @@ cdef void draft_copy(Draft* dst, Draft* src) noexcept nogil:
 
 cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, Draft* tmp, Item* heap) noexcept nogil:
     """Draft from the request's own tree and from the global tree; keep the higher score (ties: the request's)."""
-    cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, i = 0, v = ROOT, cap
+    cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, lo, hi, i, v, cap
     best.n = 0
     best.score = 0.0
     best.match_len = 0
-    # own context: the active suffix of length m ends at a node; count >= 2 means an earlier occurrence exists
-    m = D if L >= D else L
-    while m >= 1:
+    # own context: the active suffix of length m ends at a node; count >= 2 means an earlier occurrence exists, and
+    # then one exists for every shorter suffix too, so the longest such m is found by bisection
+    lo = 0
+    hi = D if L >= D else L
+    while lo < hi:
+        m = (lo + hi + 1) // 2
+        if R.nodes[R.act_node[(L - m) % D]].count >= 2:
+            lo = m
+        else:
+            hi = m - 1
+    m = lo
+    if m >= 1:
         i = (L - m) % D
         v = R.act_node[i]
-        if R.nodes[v].count >= 2:
-            break
-        m -= 1
-    if m >= 1:
         cap = draft_cap(a, m)
         # at max depth the node's ref is this very occurrence: copy from the one before it instead
         draft_tree(R, v, m, m == D, R.act_prev[i], cap, a.max_nodes if a.tree else cap, a.min_prob,
@@ -905,8 +1015,9 @@ cdef class SuffixTree:
         """Verify every invariant against a recount from the sequences (tests and debugging; O(n * depth))."""
         cdef Tree* T = &self.T
         cdef Node* N = T.nodes
-        cdef dict counts = {}
-        cdef int32_t k, st, d, lim, v, c, n, live = 0, hl = 0
+        cdef dict counts = {}, ends = {}, recent = {}
+        cdef int32_t k, st, d, lim, v, c, n, prev, kids, live = 0, hl = 0
+        cdef uint32_t base = T.seqs[T.head].base if T.head < T.n_seqs else T.tok_end
         cdef Seq* S
         for k in range(T.head, T.n_seqs):
             S = &T.seqs[k]
@@ -921,23 +1032,38 @@ cdef class SuffixTree:
                     for j in range(d, N[c].depth):
                         assert edge_token(T, c, j) == T.tok[(S.base + <uint32_t> (st + j)) & T.tok_mask], "edge label"
                     counts[c] = counts.get(c, 0) + 1
+                    recent[c] = max(recent.get(c, -1), <int32_t> (S.base + <uint32_t> (st + N[c].depth) - base))
                     v = c
                     d = N[c].depth
-        for n in range(1, T.n_nodes):
+                ends[v] = ends.get(v, 0) + 1
+        assert N[ROOT].count == T.n_suffixes, "root count"
+        for n in range(T.n_nodes):
             if N[n].parent == FREED:
                 continue
-            live += 1
-            assert counts.get(n, 0) == N[n].count, f"node {n}: count {N[n].count} != {counts.get(n, 0)} occurrences"
-            assert lookup(T, N[n].parent, N[n].token) == n, f"node {n} unreachable through the hash"
-            assert N[n].depth > N[N[n].parent].depth
-            assert 0 < <int32_t> (N[n].rend - T.seqs[T.head].base - T.seqs[T.head].start) <= \
-                <int32_t> (T.tok_end - T.seqs[T.head].base - T.seqs[T.head].start), f"node {n}: dangling ref"
+            if n != ROOT:
+                live += 1
+                assert counts.get(n, 0) == N[n].count, \
+                    f"node {n}: count {N[n].count} != {counts.get(n, 0)} occurrences"
+                assert lookup(T, N[n].parent, N[n].token) == n, f"node {n} unreachable through the hash"
+                assert N[n].depth > N[N[n].parent].depth
+                # the ref is the most recent occurrence: sibling ranks (and so drafts) rely on it
+                assert <int32_t> (N[n].rend - base) == recent.get(n), \
+                    f"node {n}: ref is not the most recent occurrence"
+            assert N[n].ends & ENDS_MAX in (ENDS_MAX, ends.get(n, 0)), \
+                f"node {n}: {N[n].ends & ENDS_MAX} occurrences end here, not {ends.get(n, 0)}"
             c = N[n].child
-            if c != NONE and N[c].sib == NONE:
+            if n != ROOT and c != NONE and N[c].sib == NONE:
                 assert N[c].count < N[n].count, f"node {n} should have been merged into its only child"
+            prev = NONE
+            kids = 0
             while c != NONE:
-                assert N[c].parent == n
+                assert N[c].parent == n and N[c].psib == prev, f"node {n}: broken sibling list"
+                assert N[n].ends & STALE or not ranks_before(N, c, N[n].child), \
+                    f"node {n}: child {c} ranks before the first child {N[n].child}"
+                kids += N[c].count
+                prev = c
                 c = N[c].sib
+            assert N[n].count == ends.get(n, 0) + kids, f"node {n}: count is not endings + children's counts"
         for k in range(<int32_t> (T.hmask + 1)):
             if T.slots[k] != NONE:
                 hl += 1

@@ -86,6 +86,7 @@ class SuffixCache:
         self.defaults = dict(max_spec_tokens=max_spec_tokens, max_spec_factor=max_spec_factor,
                              max_spec_offset=max_spec_offset, min_token_prob=min_token_prob)
         self._check_spec_args(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, None)
+        self._resolved: tuple = (None, None)   # the last speculate options and what they resolved to
         self.global_budget_tokens = global_budget_tokens
         self.index_prompts_globally = index_prompts_globally
         self.max_retained = max_retained
@@ -172,23 +173,21 @@ class SuffixCache:
         """Draft continuation for one request. `max_spec_tokens=None` takes the cache's default; 0 gives an empty
         proposal. In tree mode the draft is a tree of at most `max_tree_nodes` tokens (default: max_spec_tokens),
         expanded best-first by path probability, no deeper than the chain limit."""
-        return self.speculate_batch([request_id], max_spec_tokens, max_spec_factor, max_spec_offset,
-                                    min_token_prob, tree, max_tree_nodes)[0]
+        k, nodes, f, o, p = self._spec_args(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob,
+                                            max_tree_nodes)
+        with self._lock:
+            state = self._state(request_id)
+            if k == 0:
+                return Proposal.empty("suffix")
+            return _tree.speculate([state], self._global, k, nodes, f, o, p, bool(tree))[0]
 
     def speculate_batch(self, request_ids: Iterable[Hashable], max_spec_tokens: int | None = None,
                         max_spec_factor: float | None = None, max_spec_offset: float | None = None,
                         min_token_prob: float | None = None, tree: bool = False,
                         max_tree_nodes: int | None = None) -> list[Proposal]:
         """Proposals for many requests in one call, drafted with the GIL released."""
-        d = self.defaults
-        k = d["max_spec_tokens"] if max_spec_tokens is None else max_spec_tokens
-        f = d["max_spec_factor"] if max_spec_factor is None else max_spec_factor
-        o = d["max_spec_offset"] if max_spec_offset is None else max_spec_offset
-        p = d["min_token_prob"] if min_token_prob is None else min_token_prob
-        if not (max_spec_tokens is None and max_spec_factor is None and max_spec_offset is None
-                and min_token_prob is None and max_tree_nodes is None):   # the defaults were checked once
-            self._check_spec_args(k, f, o, p, max_tree_nodes)
-        nodes = k if max_tree_nodes is None else max_tree_nodes
+        k, nodes, f, o, p = self._spec_args(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob,
+                                            max_tree_nodes)
         with self._lock:
             states = [self._state(r) for r in request_ids]
             if not states:
@@ -281,6 +280,24 @@ class SuffixCache:
         over = self._global.n_tokens - self.global_budget_tokens
         if over > 0:
             self._counters["evicted_tokens"] += self._global.evict(min(over, quota))
+
+    def _spec_args(self, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, max_tree_nodes):
+        """(max tokens, max tree nodes, factor, offset, min prob) with the defaults filled in, validated. Checked once
+        per distinct set of options: their types are part of the key, so 1.0 or True never passes for a validated 1."""
+        args = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, max_tree_nodes)
+        key = (args, tuple(map(type, args)))
+        last_key, resolved = self._resolved
+        if key == last_key:
+            return resolved
+        d = self.defaults
+        k = d["max_spec_tokens"] if max_spec_tokens is None else max_spec_tokens
+        f = d["max_spec_factor"] if max_spec_factor is None else max_spec_factor
+        o = d["max_spec_offset"] if max_spec_offset is None else max_spec_offset
+        p = d["min_token_prob"] if min_token_prob is None else min_token_prob
+        self._check_spec_args(k, f, o, p, max_tree_nodes)
+        resolved = (k, k if max_tree_nodes is None else max_tree_nodes, f, o, p)
+        self._resolved = (key, resolved)     # one assignment: a concurrent reader sees a consistent pair
+        return resolved
 
     @staticmethod
     def _check_spec_args(k, factor, offset, min_prob, max_nodes) -> None:

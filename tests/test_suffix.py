@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hybridspec.suffix import SuffixCache, SuffixCacheFileError
 from hybridspec.suffix._tree import SuffixTree
-from suffix_reference import RefCache
+from suffix_reference import RefCache, RefCorpus, ref_speculate
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -120,6 +120,60 @@ def test_drafts_run_past_max_depth():
     p = cache.speculate(0, max_spec_tokens=32, max_spec_factor=4.0)
     assert p.token_ids == block[100:132].tolist()
     assert p.match_len == 8 and p.score == 32.0 and p.is_chain
+
+
+def test_wide_nodes_under_eviction_match_reference():
+    """A common token followed by many others makes a wide node whose counts eviction keeps lowering: the best child
+    kept first in its list must be found again, for the reference's drafts in path and tree mode."""
+    rng = np.random.default_rng(7)
+    depth, vocab, budget, per_call = 3, 40, 120, 8
+    cache = SuffixCache(max_depth=depth, global_budget_tokens=budget, evict_per_call=per_call, vocab_size=vocab,
+                        prompt_tail_tokens=0)
+    ref = RefCache(depth, budget, per_call, prompt_tail=0)
+    for i in range(30):
+        prompt = rng.integers(1, vocab, 3).tolist()
+        response = [t for _ in range(8) for t in (0, int(min(rng.zipf(1.3), vocab - 1)))]
+        for c in (cache, ref):
+            c.start_request(i, prompt)
+        for t in response:
+            for tree in (False, True):
+                got = cache.speculate(i, max_spec_tokens=4, max_spec_factor=4.0, min_token_prob=0.0, tree=tree,
+                                      max_tree_nodes=6)
+                assert (got.token_ids, got.parents, got.probs, got.score, got.match_len) == ref.speculate(
+                    i, 4, 4.0, 0.0, 0.0, tree, 6)
+            for c in (cache, ref):
+                c.append(i, [t])
+        for c in (cache, ref):
+            c.finish_request(i)
+    assert cache.stats()["evicted_tokens"] > 0
+    cache._global.check()
+
+
+def test_saturated_ending_counts_stay_exact():
+    """More sequences end in one token than a node's ending counter holds (15 bits): the probabilities of what follows
+    that token are then recounted from its children, and stay exact while eviction lowers the true number."""
+    n = 33_000
+    cache = SuffixCache(max_depth=4, prompt_tail_tokens=0, global_budget_tokens=2 * n - 2000)
+    for i in range(n):
+        cache.start_request(i, [])
+        cache.append(i, [1 + i % 5, 7])
+        cache.finish_request(i)
+    for i, response in enumerate([[7, 3], [7, 2], [7, 3]]):
+        cache.start_request(n + i, [])
+        cache.append(n + i, response)
+        cache.finish_request(n + i)
+    assert cache.stats()["evicted_tokens"] > 0
+    glob = RefCorpus(4)
+    for toks, start in cache._global.sequences():
+        glob.seqs.append(toks.tolist())
+        glob.starts.append(start)
+    cache.start_request("q", [9, 7])
+    for tree in (False, True):
+        got = cache.speculate("q", max_spec_tokens=4, max_spec_factor=4.0, tree=tree)
+        want = ref_speculate([9, 7], glob, 4, 4, 4, 4.0, 0.0, 0.1, tree)
+        assert (got.token_ids, got.parents, got.probs, got.score, got.match_len) == want
+        assert got.token_ids[0] == 3 and got.probs[0] == 2 / 3
+    cache._global.check()
 
 
 def test_tree_mode_branches_and_respects_limits():
@@ -268,6 +322,10 @@ def test_bad_input_raises_clear_errors():
         cache.speculate(0, tree=True, max_tree_nodes=0)
     assert len(cache.speculate(0, max_spec_tokens=0)) == 0
     assert cache.speculate(0, max_spec_tokens=None).token_ids == [1, 2]      # None: the cache default
+    assert cache.speculate(0, max_spec_tokens=1).token_ids == [1]
+    for not_an_int in (True, 1.0):          # equal to the 1 just validated, and still rejected
+        with pytest.raises(TypeError):
+            cache.speculate(0, max_spec_tokens=not_an_int)
     with pytest.raises(ValueError, match="has not finished"):
         cache.start_request(1, [1, 2, 1, 2, 3], extends=0)
     cache.finish_request(0)
