@@ -25,6 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"comma-separated, from {', '.join(PROPOSERS)} (default: suffix,ngram, and arctic when "
                         "arctic_inference is importable)")
     p.add_argument("--max-spec-tokens", type=int, default=16, help="draft tokens per step at most (default 16)")
+    p.add_argument("--tree", action="store_true",
+                   help="suffix and arctic draft token trees of at most --max-spec-tokens nodes (one pass verifies "
+                        "them all); a step accepts the longest path that matches the response")
     p.add_argument("--json", type=Path, help="write the metrics here")
     p.add_argument("--plot", type=Path, help="write a PNG comparing the proposers here")
     p.add_argument("--skip-bad", action="store_true", help="pass over malformed files and count them")
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             "ngram": {},
             "arctic": dict(max_depth=args.arctic_max_depth),
         }
-        specs = [proposer_spec(n, args.max_spec_tokens, **options[n]) for n in names]
+        specs = [proposer_spec(n, args.max_spec_tokens, tree=args.tree, **options[n]) for n in names]
         loaded = load_traces(args.paths, skip_bad=args.skip_bad)
         trajectories = loaded.trajectories
         if not any(t.calls for t in trajectories):

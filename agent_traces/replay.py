@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridspec.agent_traces.tokenization import TokenizedTrajectory
-from hybridspec.proposal import Proposer
+from hybridspec.proposal import Proposal, Proposer
 from hybridspec.router import VerifyCost
 
 @dataclass
@@ -85,11 +85,19 @@ class ProposerSpec:
 
     label: str
     make: Callable[[], Proposer]
+    speculate_options: dict = field(default_factory=dict)  # extra speculate() arguments (suffix tree mode)
 
 
-def proposer_spec(name: str, max_spec_tokens: int, label: str | None = None, **options) -> ProposerSpec:
+def proposer_spec(name: str, max_spec_tokens: int, label: str | None = None, tree: bool = False,
+                  **options) -> ProposerSpec:
     """`suffix` (hybridspec.suffix.SuffixCache), `ngram` (NgramProposer) or `arctic` (ArcticInference's suffix
-    decoding through hybridspec.peers.ArcticProposer; needs arctic-inference). `options` go to the constructor."""
+    decoding through hybridspec.peers.ArcticProposer; needs arctic-inference). `options` go to the constructor.
+    tree=True drafts token trees of at most max_spec_tokens nodes (suffix and arctic; n-gram drafts one chain)."""
+    speculate_options = {}
+    if tree and name == "suffix":
+        speculate_options = {"tree": True}
+    elif tree and name == "arctic":
+        options = {**options, "use_tree_spec": True}
     if name == "suffix":
         from hybridspec.suffix import SuffixCache as cls
     elif name == "ngram":
@@ -99,7 +107,7 @@ def proposer_spec(name: str, max_spec_tokens: int, label: str | None = None, **o
     else:
         raise ValueError(f"unknown proposer {name!r}; known: suffix, ngram, arctic")
     cls(max_spec_tokens=max_spec_tokens, **options)  # fail now, not mid-replay, on a bad option or a missing peer
-    return ProposerSpec(label or name, lambda: cls(max_spec_tokens=max_spec_tokens, **options))
+    return ProposerSpec(label or name, lambda: cls(max_spec_tokens=max_spec_tokens, **options), speculate_options)
 
 
 def arctic_available() -> bool:
@@ -141,8 +149,28 @@ class _Recorder:
         return s
 
 
+def accepted_length(draft: Proposal, target: Sequence[int]) -> int:
+    """Greedy oracle: the longest path of the draft (a chain or a tree) that equals a prefix of `target`."""
+    tokens, parents = draft.token_ids, draft.parents
+    limit = min(len(tokens), len(target))
+    if draft.is_chain:
+        accepted = 0
+        while accepted < limit and tokens[accepted] == target[accepted]:
+            accepted += 1
+        return accepted
+    node, accepted = -1, 0
+    while accepted < len(target):
+        # parents precede children: the node's children come after it, among them at most one right token
+        node = next((i for i in range(node + 1, len(tokens)) if parents[i] == node and tokens[i] == target[accepted]),
+                    None)
+        if node is None:
+            break
+        accepted += 1
+    return accepted
+
+
 def _replay_call(proposer: Proposer, rid: int, prompt: np.ndarray, response: np.ndarray, extends: int | None,
-                 max_spec_tokens: int, rec: _Recorder) -> None:
+                 max_spec_tokens: int, rec: _Recorder, speculate_options: dict) -> None:
     clock = time.perf_counter_ns
     start = clock()
     proposer.start_request(rid, prompt, extends=extends)
@@ -151,12 +179,9 @@ def _replay_call(proposer: Proposer, rid: int, prompt: np.ndarray, response: np.
     n, pos = len(target), 0
     while pos < n:
         t0 = clock()
-        draft = proposer.speculate(rid, max_spec_tokens).token_ids
+        draft = proposer.speculate(rid, max_spec_tokens, **speculate_options)
         t1 = clock()
-        limit = min(len(draft), n - pos)
-        accepted = 0
-        while accepted < limit and draft[accepted] == target[pos + accepted]:
-            accepted += 1
+        accepted = accepted_length(draft, target[pos:pos + max_spec_tokens])
         advance = min(accepted + 1, n - pos)
         t2 = clock()
         proposer.append(rid, response[pos:pos + advance])
@@ -203,8 +228,9 @@ def replay(trajectories: Sequence[TokenizedTrajectory], specs: Sequence[Proposer
                 for call, link in zip(traj.calls, session_links(traj)):
                     rids.append(next_rid)
                     extends = None if link is None else rids[link]
-                    for proposer, rec in zip(proposers, recorders):
-                        _replay_call(proposer, next_rid, call.prompt, call.response, extends, max_spec_tokens, rec)
+                    for spec, proposer, rec in zip(specs, proposers, recorders):
+                        _replay_call(proposer, next_rid, call.prompt, call.response, extends, max_spec_tokens, rec,
+                                     spec.speculate_options)
                     next_rid += 1
                     bar.update(1)
             for label, rec in zip(labels, recorders):

@@ -9,6 +9,7 @@ and mean, <= 0.5x Arctic's), and each proposer's wall time for the whole set (ta
 
     .venv-peers/bin/python benchmarks/bench_replay.py --json out/bench_replay.json   # all proposers
     .venv/bin/python benchmarks/bench_replay.py                                       # suffix and n-gram only
+    .venv-peers/bin/python benchmarks/bench_replay.py --tree --json out/bench_replay_tree.json   # token trees
 
 The peers' environment has no transformers: there the traces are tokenised (or found in the tokenisation cache) by
 the project's interpreter (.venv/bin/python, or --tokenize-python) in a subprocess, and read back from the cache.
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--traces", type=Path, nargs="+", default=[DEFAULT_TRACES])
     ap.add_argument("--max-spec-tokens", default="16,32", help="comma-separated budgets K")
+    ap.add_argument("--tree", action="store_true",
+                    help="suffix and arctic draft token trees of at most K nodes (n-gram: chains)")
     ap.add_argument("--proposers", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     ap.add_argument("--tokenizer", default="smollm2")
     ap.add_argument("--tokenize-python", default=str(REPO / ".venv" / "bin" / "python"),
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = VerifyCost()
     runs = {}
     for k in budgets:
-        specs = [proposer_spec(CONFIGS[p][0], k, label=p, **CONFIGS[p][1]) for p in labels]
+        specs = [proposer_spec(CONFIGS[p][0], k, label=p, tree=args.tree, **CONFIGS[p][1]) for p in labels]
         results = replay(tokenized, specs, k)
         report = ReplayReport(results, cost, k)
         data = report.to_json()
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
-            "traces": [str(p) for p in args.traces], "calls": n_calls, "tokenizer": args.tokenizer,
+            "traces": [str(p) for p in args.traces], "calls": n_calls, "tokenizer": args.tokenizer, "tree": args.tree,
             "proposers": {p: {"proposer": CONFIGS[p][0], **CONFIGS[p][1]} for p in labels},
             "verify_cost_ms": cost.table(), "load_s": load_s, "tokenize_s": tokenize_s,
             "machine": platform.machine(), "cpus": os.cpu_count(), "python": sys.executable,

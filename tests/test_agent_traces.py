@@ -505,3 +505,39 @@ def test_cli_writes_json_layout_and_plot(bpe_dir, session_jsonl, tmp_path, capsy
     rc = main(["replay", str(session_jsonl), "--proposer", "magic", "--tokenizer", str(bpe_dir)])
     assert rc == 2
     assert "magic" in capsys.readouterr().err
+
+
+def test_tree_oracle_takes_the_longest_matching_path():
+    """accepted_length on random trees equals brute force over every root-to-node path."""
+    from hybridspec.agent_traces.replay import accepted_length
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n = int(rng.integers(0, 12))
+        parents = [int(rng.integers(-1, i)) if i else -1 for i in range(n)]
+        tokens = [int(t) for t in rng.integers(0, 3, n)]
+        for i in range(n):  # siblings have distinct tokens, as every proposer's trees do
+            while any(parents[j] == parents[i] and tokens[j] == tokens[i] for j in range(i)):
+                tokens[i] += 3
+        target = [int(t) for t in rng.integers(0, 3, int(rng.integers(0, 8)))]
+
+        def path(i):
+            return path(parents[i]) + [tokens[i]] if i >= 0 else []
+
+        best = max([len(path(i)) for i in range(n) if path(i) == target[:len(path(i))]], default=0)
+        assert accepted_length(Proposal(tokens, parents, [1.0] * n, float(n)), target) == best
+    assert accepted_length(Proposal.chain([4, 5, 6]), [4, 5, 7]) == 2
+
+
+def test_cli_replays_token_trees(bpe_dir, session_jsonl, tmp_path):
+    from hybridspec.cli import main
+
+    out = {}
+    for tree in (False, True):
+        out[tree] = tmp_path / f"r{tree}.json"
+        assert main(["replay", str(session_jsonl), "--proposer", "suffix", "--max-spec-tokens", "8", "--tokenizer",
+                     str(bpe_dir), "--cache-dir", str(tmp_path / "cache"), "--json", str(out[tree])]
+                    + (["--tree"] if tree else [])) == 0
+    chain, tree = (json.loads(out[t].read_text())["overall"]["suffix"] for t in (False, True))
+    assert chain["response_tokens"] == tree["response_tokens"] > 0
+    assert tree["acceptance_rate"] != chain["acceptance_rate"]  # the trees were drafted and scored as trees
