@@ -90,6 +90,8 @@ def test_recipe_errors(tmp_path):
         recipe_from_dict({"drafter": "lstm", "data": {"heldout_fraction": 0}})
     with pytest.raises(ValueError, match="max_depth"):
         recipe_from_dict({"drafter": "lstm", "training": {"max_depth": 3, "eval_ks": [3, 5]}})
+    with pytest.raises(ValueError, match="max_prompt_slots"):
+        recipe_from_dict({"drafter": "peagle", "training": {"max_prompt_slots": -1}})
     with pytest.raises(FileNotFoundError):
         load_recipe(tmp_path / "missing.yaml")
     (tmp_path / "r.yaml").write_text("drafter: lstm\noutput: {dir: out}\n")
@@ -132,6 +134,26 @@ def test_heldout_split_is_disjoint_stable_and_capped(chat_file):
     capped = load_items(recipe)
     assert len(capped["train"]) + len(capped["heldout"]) == 10 and len(capped["heldout"]) == 2
     assert {i.key for i in capped["heldout"]} <= held  # capping never moves an item across the split
+
+
+def test_train_only_text_never_leaks_a_heldout_prompt(chat_file, tmp_path):
+    """Existing text with train_only goes to the training split whole, except answers to held-out prompts."""
+    questions = [json.loads(line)["text"] for line in chat_file.read_text().splitlines()]
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps({"prompt": q, "text": f"answer {i}"}) + "\n" for i, q in enumerate(questions)))
+    sources = [{"kind": "jsonl", "path": str(chat_file)}, {"kind": "jsonl", "path": str(answers), "mode": "text"}]
+    recipe = recipe_from_dict({"drafter": "peagle", "data": {"sources": sources, "heldout_fraction": 0.2}})
+    shared = load_items(recipe)
+    recipe.data.sources[1].train_only = True
+    items = load_items(recipe)
+    held = {i.prompt for i in items["heldout"]}
+    assert held and all(i.response is None for i in items["heldout"])  # only the generate source is held out
+    assert items["heldout"] == [i for i in shared["heldout"] if i.response is None]
+    texts = [i for i in items["train"] if i.response is not None]
+    assert {i.prompt for i in texts} == set(questions) - held
+    assert not any(i.prompt in held for i in items["train"])
+    recipe.data.sources[1].max_items = 5
+    assert len([i for i in load_items(recipe)["train"] if i.response is not None]) == 5
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -184,10 +206,30 @@ def test_batches_align_slots_with_their_targets(features):
     assert batch.valid_depth[n - 1] == 0 and batch.valid_depth[0] == 6
     cropped = make_batch(store, [0], max_slots=5, max_depth=7)
     assert torch.equal(cropped.positions, torch.arange(n - 5, n))
+    # prompt context cut to 3 slots before the first trained-on slot (rs - 2), the response kept whole
+    context = make_batch(store, [0], max_slots=10_000, max_depth=7, max_prompt_slots=3)
+    assert rs - 2 > 3 and torch.equal(context.positions, torch.arange(rs - 5, n))
+    assert torch.equal(context.loss_mask, batch.loss_mask[rs - 5: n])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # training
+
+
+@pytest.mark.parametrize("kind", ["peagle", "eagle3"])
+def test_chains_start_only_where_they_reach_a_trained_target(kind, features, chat_file):
+    """Depth 0 keeps every real slot (the EAGLE family's context); deeper chains only from origins whose deepest element
+    has a trained-on target, and every such origin is a candidate (nested, as the chain layout requires)."""
+    recipe = recipe_from_dict(tiny_recipe(kind, features, chat_file, sample_chains=False))
+    trainer = Trainer(recipe, features / "features", progress=False)
+    batch = trainer.next_batch()
+    layout = trainer.layout(batch, sample=False)
+    slots = torch.arange(len(batch))
+    assert torch.equal(layout.origins[0], slots)
+    trained = slots[batch.loss_mask[slots + batch.valid_depth]]
+    assert 0 < trained.numel() < len(batch)  # the prompt's slots are context only
+    for d, origins in enumerate(layout.origins[1:], start=1):
+        assert torch.equal(origins, trained[batch.valid_depth[trained] >= d])
 
 
 @pytest.mark.parametrize("kind", ["peagle", "eagle3", "lstm"])
@@ -231,7 +273,7 @@ def online_tokens_per_step(target, drafter, store, k: int) -> float:
         prompt = store.data["tokens"][start:start + rs].tolist()
         logits, features = forward(prompt)
         sequence = prompt + [int(logits[-1].argmax())]
-        proposer.start_request(request, prompt, features=features, next_token=sequence[-1])
+        proposer.start_request(request, sequence, features=features)  # features: positions before its last token
         while len(sequence) < end - start:
             proposal = proposer.speculate(request)
             logits, features = forward(sequence + proposal.token_ids)

@@ -106,9 +106,13 @@ def heldout(item: Item, fraction: float) -> bool:
 
 
 def load_items(recipe: Recipe) -> dict[str, list[Item]]:
-    """Deduplicated items per split, in a stable order (by content hash), each source capped at max_items."""
-    out: dict[str, list[Item]] = {s: [] for s in SPLITS}
+    """Deduplicated items per split, in a stable order (by content hash), each source capped at max_items.
+
+    A training item whose prompt is a held-out item's prompt (of any source) is left out: another answer to a held-out
+    question would leak it into training.
+    """
     frac = recipe.data.heldout_fraction
+    per_source = []
     for source in recipe.data.sources:
         path = recipe.path(source.path)
         if not path.exists():
@@ -116,12 +120,21 @@ def load_items(recipe: Recipe) -> dict[str, list[Item]]:
         unique = {i.key: i for i in _source_items(source, path)
                   if i.prompt.strip() and (i.response is None or i.response.strip())}
         items = [unique[k] for k in sorted(unique)]
-        split = {"heldout": [i for i in items if heldout(i, frac)], "train": [i for i in items if not heldout(i, frac)]}
-        if source.max_items is not None:
+        if source.train_only:
+            per_source.append(([], items, source.max_items))
+            continue
+        held = [i for i in items if heldout(i, frac)]
+        train = [i for i in items if not heldout(i, frac)]
+        if source.max_items is None:
+            per_source.append((held, train, None))
+        else:
             n_held = max(1, round(source.max_items * frac))
-            split = {"heldout": split["heldout"][:n_held], "train": split["train"][: source.max_items - n_held]}
-        for s in SPLITS:
-            out[s].extend(split[s])
+            per_source.append((held[:n_held], train, source.max_items - n_held))
+    heldout_prompts = {i.prompt for held, _, _ in per_source for i in held}
+    out: dict[str, list[Item]] = {s: [] for s in SPLITS}
+    for held, train, max_train in per_source:
+        out["heldout"].extend(held)
+        out["train"].extend([i for i in train if i.prompt not in heldout_prompts][:max_train])
     return out
 
 

@@ -38,13 +38,16 @@ class PromptSource:
     kind: "agent_traces" (user turns of the trace files under path), "mt_bench" (first turns), "humaneval" (function
     prompts), "jsonl" (field `text` of each line). mode: "generate" (the target answers the prompt; the response is
     trained on) or "text" (the source's own text is the training text, with the target's features: for agent traces,
-    the assistant turns). max_items caps how many are taken (after deduplication, in a stable order).
+    the assistant turns). max_items caps how many are taken (after deduplication, in a stable order). train_only: every
+    item goes to the training split (e.g. existing text, when acceptance is to be measured on the target's own
+    responses only).
     """
 
     kind: str
     path: str
     mode: str = "generate"
     max_items: int | None = None
+    train_only: bool = False
 
 
 @dataclass
@@ -77,6 +80,8 @@ class ArchitectureSpec:
 class TrainingSpec:
     steps: int = 500
     tokens_per_step: int = 768          # real slots packed into one step
+    max_prompt_slots: int | None = None  # prompt context kept before a sequence's first trained-on slot (None: all);
+                                        # the prompt's slots are trained on only as context the drafter attends to
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -177,6 +182,9 @@ def recipe_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
     if not 0.0 < data.heldout_fraction < 1.0:
         raise ValueError(f"data.heldout_fraction must be in (0, 1), got {data.heldout_fraction}")
     training = _build(TrainingSpec, raw.get("training"), "training")
+    if training.max_prompt_slots is not None and training.max_prompt_slots < 0:
+        raise ValueError(f"training.max_prompt_slots must be >= 0 (or null: the whole prompt), got "
+                         f"{training.max_prompt_slots}")
     if training.max_depth < max(training.eval_ks, default=1):
         raise ValueError(f"training.max_depth {training.max_depth} < the largest eval K {max(training.eval_ks)}")
     return Recipe(drafter=raw["drafter"], target=str(raw.get("target", "smollm2")), data=data,

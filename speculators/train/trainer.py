@@ -51,15 +51,24 @@ class Batch:
         return self.next_tokens.numel()
 
 
-def make_batch(store: FeatureStore, seq_indices: list[int], max_slots: int, max_depth: int) -> Batch:
-    """Pack sequences; a sequence longer than max_slots keeps its last max_slots slots (the response end)."""
+def first_slot(span: tuple[int, int, int], max_slots: int, max_prompt_slots: int | None = None) -> int:
+    """The first slot a batch keeps of a sequence (start, end, response start): at most its last max_slots slots (the
+    response end), and at most max_prompt_slots slots before the first trained-on one (prompt context)."""
+    start, end, rs = span
+    first = max(0, end - start - 2 - max_slots)
+    return first if max_prompt_slots is None else max(first, rs - 2 - max_prompt_slots)
+
+
+def make_batch(store: FeatureStore, seq_indices: list[int], max_slots: int, max_depth: int,
+               max_prompt_slots: int | None = None) -> Batch:
+    """Pack sequences, each cut to the slots `first_slot` keeps."""
     rows, seq_ids, positions, loss, origin, depth = [], [], [], [], [], []
     for b, index in enumerate(seq_indices):
         start, end, rs = store.spans[index]
         n = end - start - 2  # slots 0..T-3: each has a target token inside the sequence
-        if n <= 0:
+        first = first_slot(store.spans[index], max_slots, max_prompt_slots)
+        if n - first <= 0:
             continue
-        first = max(0, n - max_slots)
         j = torch.arange(first, n)
         rows.append(start + j)
         seq_ids.append(torch.full_like(j, b))
@@ -215,22 +224,24 @@ class Trainer:
                 self.order = torch.randperm(len(self.train), generator=self.generator)
             index = int(self.order[self.cursor])
             self.cursor += 1
-            start, end, _ = self.train.spans[index]
+            start, end, rs = self.train.spans[index]
             chosen.append(index)
-            slots += max(0, end - start - 2)
-        return make_batch(self.train, chosen, t.tokens_per_step, t.max_depth)
+            slots += max(0, end - start - 2 - first_slot((start, end, rs), t.tokens_per_step, t.max_prompt_slots))
+        return make_batch(self.train, chosen, t.tokens_per_step, t.max_depth, t.max_prompt_slots)
 
     def layout(self, batch: Batch, sample: bool) -> ChainLayout:
+        """Chains only from slots whose deepest element has a trained-on target: the others (inside the prompt) would
+        run and then be masked out of the loss. The EAGLE family still reads every real slot at depth 0, as context."""
         t = self.recipe.training
-        first = None
-        if not self.is_eagle:  # the LSTM reads no context: only chains with a trained-on target are worth running
-            slots = torch.arange(len(batch))
-            first = slots[batch.loss_mask[slots + batch.valid_depth]]
+        slots = torch.arange(len(batch))
+        trained = slots[batch.loss_mask[slots + batch.valid_depth]]
         if sample:
             origins = sample_chain_origins(batch.valid_depth, t.max_depth, t.keep_ratio, t.min_ratio, self.generator,
-                                           first)
+                                           trained)
         else:
-            origins = full_chain_origins(batch.valid_depth, t.max_depth, first)
+            origins = full_chain_origins(batch.valid_depth, t.max_depth, trained)
+        if self.is_eagle:
+            origins[0] = slots
         return ChainLayout(seq_id=batch.seq_id, positions=batch.positions, origins=origins)
 
     # -- loss ---------------------------------------------------------------------------------------------------------
