@@ -2,10 +2,14 @@
 LSTM), and acceptance length at K = 3, 5, 7 of the trained SmolLM2 heads on held-out chat and agent text.
 
     python benchmarks/bench_drafters.py [--json PATH] [--context 512] [--repeats 20] [--threads 1]
+    python benchmarks/bench_drafters.py --shape llama3-8b --device cuda --json PATH     # on a GPU machine
 
-Latency: SmolLM2-135M-shaped drafters (the trained checkpoints' shapes when they exist; timing does not depend on the
-weights), a drafter state holding `--context` real slots, then per step: accept 2 new rows (one accepted draft and the
-bonus token, as after a typical verification) and propose K. Median milliseconds per step.
+Latency: drafters shaped for SmolLM2-135M (the trained checkpoints' shapes when they exist; timing does not depend on
+the weights) or, with --shape llama3-8b, for Llama-3.1-8B (hidden 4096, vocabulary 128,256, draft vocabulary 32k,
+P-EAGLE with 4 layers as published, EAGLE-3 with 1, the LSTM with 4096 inner dim), random weights; a drafter state
+holding `--context` real slots, then per step: accept 2 new rows (one accepted draft and the bonus token, as after a
+typical verification) and propose K. Median milliseconds per step. On CPU the linears run on oneDNN-packed weights, as
+the engine runs them (hybridspec.target.pack_linears).
 Acceptance: each checkpoint in speculators/checkpoints/ on the held-out split of its recipe's feature cache (never
 trained on), greedy, offline (see hybridspec.speculators.train.trainer.evaluate_acceptance); chat = MT-Bench and
 HumanEval prompts, agent = user turns of the dev agent traces. Needs `hybridspec train RECIPE --data-only` to have run.
@@ -26,21 +30,33 @@ from hybridspec.speculators.formats import read_config
 from hybridspec.speculators.train import FeatureStore, load_recipe
 from hybridspec.speculators.train.data import load_target_head
 from hybridspec.speculators.train.trainer import evaluate_acceptance
+from hybridspec.target import pack_linears
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"peagle": "peagle-smollm2", "eagle3": "eagle3-smollm2", "lstm": "lstm-smollm2"}
-# SmolLM2-135M-Instruct
-TARGET = dict(hidden=576, vocab=49152, layers=30, heads=9, kv_heads=3, intermediate=1536, rope_theta=100000.0)
+SHAPES = {
+    "smollm2": dict(hidden=576, vocab=49152, layers=30, heads=9, kv_heads=3, intermediate=1536, rope_theta=100000.0),
+    "llama3-8b": dict(hidden=4096, vocab=128256, layers=32, heads=32, kv_heads=8, intermediate=14336,
+                      rope_theta=500000.0, draft_vocab=32000, peagle_layers=4, eagle3_layers=1, lstm_dim=4096,
+                      n_predict=3),
+}
+TARGET = SHAPES["smollm2"]  # the shape of the target the shipped heads serve
 
 
 def checkpoint_dir(kind: str) -> Path:
     return ROOT / "speculators" / "checkpoints" / RECIPES[kind]
 
 
-def shaped_drafter(kind: str) -> torch.nn.Module:
-    """A drafter with the trained checkpoint's shape (or the recipe's), random weights."""
+def shaped_drafter(kind: str, shape: str = "smollm2") -> torch.nn.Module:
+    """A drafter with the trained checkpoint's shape (or the recipe's), or the `shape`'s, random weights."""
+    target = SHAPES[shape]
     ckpt = checkpoint_dir(kind)
-    if (ckpt / "config.json").exists():
+    if shape != "smollm2":
+        if kind == "lstm":
+            return LSTMDrafter(LSTMConfig(target["hidden"], target["lstm_dim"], target["vocab"],
+                                          target["n_predict"])).eval()
+        layers, inter, vocab = target[f"{kind}_layers"], target["intermediate"], target["draft_vocab"]
+    elif (ckpt / "config.json").exists():
         config = read_config(ckpt)
         if kind == "lstm":
             return LSTMDrafter(LSTMConfig(TARGET["hidden"], int(config["inner_dim"]), TARGET["vocab"],
@@ -52,34 +68,47 @@ def shaped_drafter(kind: str) -> torch.nn.Module:
         if kind == "lstm":
             return LSTMDrafter(LSTMConfig(TARGET["hidden"], arch.dim, TARGET["vocab"], arch.n_predict)).eval()
         layers, inter, vocab = arch.num_layers, arch.intermediate_size, arch.draft_vocab_size
-    layer = LayerConfig(hidden_size=TARGET["hidden"], intermediate_size=inter, num_attention_heads=TARGET["heads"],
-                        num_key_value_heads=TARGET["kv_heads"], head_dim=TARGET["hidden"] // TARGET["heads"],
-                        rope_theta=TARGET["rope_theta"])
-    config = EagleConfig(layer=layer, num_layers=layers, target_hidden_size=TARGET["hidden"],
-                         target_vocab_size=TARGET["vocab"], draft_vocab_size=vocab,
-                         aux_layer_ids=(2, TARGET["layers"] // 2, TARGET["layers"] - 3), mask_token_id=0)
+    layer = LayerConfig(hidden_size=target["hidden"], intermediate_size=inter, num_attention_heads=target["heads"],
+                        num_key_value_heads=target["kv_heads"], head_dim=target["hidden"] // target["heads"],
+                        rope_theta=target["rope_theta"])
+    config = EagleConfig(layer=layer, num_layers=layers, target_hidden_size=target["hidden"],
+                         target_vocab_size=target["vocab"], draft_vocab_size=vocab,
+                         aux_layer_ids=(2, target["layers"] // 2, target["layers"] - 3), mask_token_id=0)
     cls = PEagleDrafter if kind == "peagle" else Eagle3Drafter
-    return cls(config, embed_tokens=torch.randn(TARGET["vocab"], TARGET["hidden"]) * 0.02).eval()
+    return cls(config, embed_tokens=torch.randn(target["vocab"], target["hidden"]) * 0.02).eval()
 
 
-def random_features(n: int) -> TargetFeatures:
-    return TargetFeatures(torch.randn(n, 3 * TARGET["hidden"]), torch.randn(n, TARGET["hidden"]))
+def random_features(n: int, shape: str = "smollm2", device: str = "cpu") -> TargetFeatures:
+    h = SHAPES[shape]["hidden"]
+    return TargetFeatures(torch.randn(n, 3 * h, device=device), torch.randn(n, h, device=device))
 
 
-def drafting_latency(kind: str, context: int, repeats: int) -> dict[int, float]:
+def drafting_latency(kind: str, context: int, repeats: int, shape: str = "smollm2", device: str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> dict[int, float]:
     """Median ms per drafting step for K = 1..8. The K values take turns within each repeat, so a burst of load from
     other processes on this shared CPU hits them all alike."""
-    drafter = shaped_drafter(kind)
+    drafter = shaped_drafter(kind, shape).to(device=device, dtype=dtype)
+    if device == "cpu":
+        pack_linears(drafter)
+    vocab = SHAPES[shape]["vocab"]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def features(n: int) -> TargetFeatures:
+        f = random_features(n, shape, device)
+        return TargetFeatures(f.aux.to(dtype), f.final.to(dtype))
+
     states = {}
     for k in range(1, 9):
-        states[k] = drafter.begin(random_features(context), torch.randint(0, TARGET["vocab"], (context,)))
+        states[k] = drafter.begin(features(context), torch.randint(0, vocab, (context,)))
         drafter.propose(states[k], k)  # the prompt's pass is a prefill cost, not a drafting step
     times: dict[int, list[float]] = {k: [] for k in states}
     for _ in range(repeats + 2):
         for k, state in states.items():
-            drafter.accept(state, random_features(2), torch.randint(0, TARGET["vocab"], (2,)))
+            drafter.accept(state, features(2), torch.randint(0, vocab, (2,)))
+            sync()
             start = time.perf_counter()
             drafter.propose(state, k)
+            sync()
             times[k].append(time.perf_counter() - start)
     return {k: 1000 * statistics.median(t[2:]) for k, t in times.items()}
 
@@ -114,13 +143,26 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="real slots already in the drafter's cache")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: robust on a shared CPU)")
+    parser.add_argument("--shape", choices=list(SHAPES), default="smollm2",
+                        help="drafter sizes for this target (acceptance is measured for smollm2 only)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="default: float32 on CPU, bfloat16 on CUDA")
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     torch.set_num_threads(args.threads)
-    results: dict = {"context": args.context, "threads": args.threads, "latency_ms": {}, "acceptance": {}}
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    results: dict = {"context": args.context, "threads": args.threads, "shape": args.shape, "device": args.device,
+                     "dtype": str(dtype), "latency_ms": {}, "acceptance": {}}
+    if args.device.startswith("cuda"):
+        results["gpu"] = torch.cuda.get_device_name()
     with torch.inference_mode():
         for kind in RECIPES:
-            results["latency_ms"][kind] = drafting_latency(kind, args.context, args.repeats)
-    print(f"drafting latency, ms per step (context {args.context}, {args.threads} thread(s), median of {args.repeats})")
+            results["latency_ms"][kind] = drafting_latency(kind, args.context, args.repeats, args.shape, args.device,
+                                                           dtype)
+    print(f"drafting latency, ms per step ({args.shape} shapes on {args.device}, {dtype}, context {args.context}, "
+          f"{args.threads} thread(s), median of {args.repeats})")
     print(f"{'K':>3} " + " ".join(f"{kind:>9}" for kind in RECIPES))
     for k in range(1, 9):
         print(f"{k:>3} " + " ".join(f"{results['latency_ms'][kind][k]:9.2f}" for kind in RECIPES))
@@ -128,6 +170,9 @@ def main() -> None:
         lat = results["latency_ms"][kind]
         results[f"{kind}_k7_over_k1"] = round(lat[7] / lat[1], 3)
         print(f"{kind}: K=7 costs {lat[7] / lat[1]:.2f}x its K=1")
+    if args.shape != "smollm2":
+        _write(args.json, results)
+        return
     for kind in RECIPES:
         results["acceptance"][kind] = acceptance(kind)
     print("\nacceptance length (tokens per step, greedy) on held-out text")
@@ -141,9 +186,13 @@ def main() -> None:
                 r = res[text]
                 print(f"{kind:>8} {text:>6} {r['acceptance@3']:6.2f} {r['acceptance@5']:6.2f} {r['acceptance@7']:6.2f} "
                       f"{r['steps'][7]:8d}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    _write(args.json, results)
+
+
+def _write(path: Path | None, results: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ Workloads:
   (`Engine.session`, which keeps the KV cache and feeds the suffix cache turn by turn; one suffix cache serves all
   sessions, as in an agent server). A session ends after --agent-turns turns or when the next prompt would not fit
   --max-context tokens.
-- chat: the first turn of MT-Bench questions (one per category first), single requests with nothing to copy.
+- chat: the first turn of MT-Bench questions (one per category first), single requests with nothing to copy. With
+  --chat-heldout RECIPE only the questions that recipe holds out of its training data (the shipped drafter heads were
+  trained on SmolLM2's answers to the others: measure drafters on text they have not seen).
 
 Methods (--speculate, comma-separated): suffix, ngram, or a shipped drafter head (peagle, lstm, eagle3), each at its
 default K unless --num-speculative-tokens is given. Baseline: the same Engine with speculate="none" (plain greedy
@@ -17,7 +19,8 @@ decoding; same model, dtype, KV cache and prefill handling). Baseline and specul
 the calls, prefill of the prompts included; decode_speedup leaves prefill out. "identical" checks every turn's tokens.
 
     python benchmarks/bench_e2e.py --json out/bench_e2e.json
-    python benchmarks/bench_e2e.py --workloads chat --speculate suffix,peagle,lstm,eagle3 --json out/bench_e2e_drafters.json
+    python benchmarks/bench_e2e.py --workloads chat --speculate suffix,peagle,suffix+peagle,lstm,eagle3 \
+        --chat-heldout speculators/recipes/peagle-smollm2.yaml --json out/bench_e2e_drafters.json
 """
 from __future__ import annotations
 
@@ -68,9 +71,16 @@ def agent_sessions(traces: Path, per_framework: int) -> list[AgentSession]:
     return sessions
 
 
-def chat_questions(path: Path, count: int) -> list[str]:
-    """MT-Bench first turns, round-robin over the categories so that a few questions cover all of them."""
+def chat_questions(path: Path, count: int, heldout_recipe: Path | None = None) -> list[str]:
+    """MT-Bench first turns, round-robin over the categories so that a few questions cover all of them; only those a
+    drafter recipe holds out of training when `heldout_recipe` is given."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if heldout_recipe is not None:
+        from hybridspec.speculators.train import load_recipe
+        from hybridspec.speculators.train.data import load_items
+
+        heldout = {item.prompt for item in load_items(load_recipe(heldout_recipe))["heldout"]}
+        rows = [row for row in rows if row["turns"][0] in heldout]
     by_category: dict[str, list[str]] = {}
     for row in rows:
         by_category.setdefault(row["category"], []).append(row["turns"][0])
@@ -180,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--chat-questions", type=int, default=8)
     parser.add_argument("--chat-max-new-tokens", type=int, default=128)
+    parser.add_argument("--chat-heldout", type=Path, metavar="RECIPE",
+                        help="only the MT-Bench questions this drafter recipe holds out of training")
     parser.add_argument("--speculate", default="suffix",
                         help="comma-separated methods: suffix, ngram, peagle, lstm, eagle3")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -210,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         return Engine(target, tokenizer, verify_cost=args.verify_cost)
 
     sessions = agent_sessions(args.traces, args.agent_sessions_per_framework) if "agent" in workload_names else []
-    questions = chat_questions(args.mt_bench, args.chat_questions) if "chat" in workload_names else []
+    questions = (chat_questions(args.mt_bench, args.chat_questions, args.chat_heldout) if "chat" in workload_names
+                 else [])
     total_calls = (1 + len(methods)) * (sum(min(len(s.turns), args.agent_turns) for s in sessions) + len(questions))
     started = time.perf_counter()
     workloads = {}
