@@ -127,11 +127,12 @@ def run_chat(engine_factory, questions: list[str], methods: list[str], args, pro
     modes = ["none", *methods]
     totals = {mode: GenerationStats() for mode in modes}
     identical = {m: True for m in methods}
-    engine = engine_factory()
+    # one engine per method: a method must not draft from the suffix cache another method filled with this answer
+    engines = {mode: engine_factory() for mode in modes}
     for question in questions:
         messages = [{"role": "user", "content": question}]
         outputs = {}
-        for mode in modes:
+        for mode, engine in engines.items():
             result = engine.generate(messages, max_new_tokens=args.chat_max_new_tokens, speculate=mode,
                                      num_speculative_tokens=args.num_speculative_tokens, tree=args.tree)
             outputs[mode] = result.token_ids

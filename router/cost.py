@@ -16,7 +16,7 @@ from typing import Mapping
 
 import numpy as np
 
-DEFAULT_VERIFY_MS: dict[int, float] = {0: 55.3, 1: 64.4, 2: 52.4, 4: 51.3, 8: 64.9, 16: 87.5, 32: 140.4}
+DEFAULT_VERIFY_MS: dict[int, float] = {0: 56.2, 1: 62.5, 2: 58.0, 4: 57.2, 8: 66.9, 16: 92.6, 32: 147.6}
 
 
 def read_cost_json(source):

@@ -15,8 +15,8 @@ from hybridspec.router.cost import DEFAULT_VERIFY_MS, VerifyCost, read_cost_json
 # 512 tokens and 2.3 at 4096. Pass a measured table as `Engine(verify_cost=...)` on other machines.
 DEFAULT_VERIFY_MS_BY_CONTEXT: dict[int, dict[int, float]] = {
     512: DEFAULT_VERIFY_MS,
-    2048: {0: 65.9, 1: 78.8, 2: 73.7, 4: 75.8, 8: 95.0, 16: 128.4, 32: 203.5},
-    4096: {0: 83.6, 1: 108.9, 2: 102.0, 4: 114.8, 8: 143.5, 16: 192.1, 32: 295.5},
+    2048: {0: 64.5, 1: 75.4, 2: 73.0, 4: 77.9, 8: 95.7, 16: 129.2, 32: 205.7},
+    4096: {0: 82.0, 1: 98.0, 2: 101.6, 4: 113.8, 8: 138.2, 16: 191.4, 32: 298.8},
 }
 
 
