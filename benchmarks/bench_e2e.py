@@ -12,10 +12,11 @@ Workloads:
   --chat-heldout RECIPE only the questions that recipe holds out of its training data (the shipped drafter heads were
   trained on SmolLM2's answers to the others: measure drafters on text they have not seen).
 
-Methods (--speculate, comma-separated): suffix, ngram, or a shipped drafter head (peagle, lstm, eagle3), each at its
-default K unless --num-speculative-tokens is given. Baseline: the same Engine with speculate="none" (plain greedy
-decoding; same model, dtype, KV cache and prefill handling). Baseline and speculative runs alternate turn by turn
-(question by question for chat), so that load from other processes on a shared machine falls on all alike. tokens/s counts generated tokens over the whole time of
+Methods (--speculate, comma-separated): suffix, ngram, a shipped drafter head (peagle, lstm, eagle3) or a hybrid
+(suffix+peagle, ...), each at its default K unless --num-speculative-tokens is given, each on its own Engine (its own
+suffix cache). Baseline: the same target with speculate="none" (plain greedy decoding; same model, dtype, KV cache and
+prefill handling). Baseline and speculative runs alternate turn by turn (question by question for chat), so that load
+from other processes on a shared machine falls on all alike. tokens/s counts generated tokens over the whole time of
 the calls, prefill of the prompts included; decode_speedup leaves prefill out. "identical" checks every turn's tokens.
 
     python benchmarks/bench_e2e.py --json out/bench_e2e.json
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m for m in args.speculate.split(",") if m]
     bad = [m for m in methods if m not in SPECULATE_CHOICES or m == "none"]
     if bad or not methods:
-        parser.error(f"--speculate: unknown method(s) {bad}; choose from {[c for c in SPECULATE_CHOICES if c != 'none']}")
+        known = [c for c in SPECULATE_CHOICES if c != "none"]
+        parser.error(f"--speculate: unknown method(s) {bad}; choose from {known}")
 
     from hybridspec.models import load_tokenizer
     from hybridspec.target import TargetModel
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         if "chat" in workload_names:
             workloads["chat"] = run_chat(engine_factory, questions, methods, args, progress)
     print_table(workloads)
-    result = {"workloads": workloads, "targets": {f"{w}/{m}": t for (w, m), t in TARGETS.items()}, "wall_s": round(time.perf_counter() - started, 1),
+    result = {"workloads": workloads, "targets": {f"{w}/{m}": t for (w, m), t in TARGETS.items()},
+              "wall_s": round(time.perf_counter() - started, 1),
               "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__}}

@@ -26,8 +26,8 @@ from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 import torch
 
 from hybridspec.proposal import Proposal, Proposer
-from hybridspec.router import CostGate
-from hybridspec.speculators import DrafterProposer, TargetFeatures
+from hybridspec.router import CostGate, HybridProposer
+from hybridspec.speculators import Drafter, DrafterProposer, TargetFeatures, load_drafter
 from hybridspec.target import KVCache, TargetModel, pack_linears
 
 Message = Mapping[str, str]
@@ -203,8 +203,6 @@ class Engine:
     def drafter_proposer(self, kind: str):
         """The engine's `DrafterProposer` for a drafter kind, loaded on first use and checked against the target."""
         if kind not in self._drafter_proposers:
-            from hybridspec.speculators import Drafter, load_drafter
-
             source = self.drafters.get(kind, Path(__file__).resolve().parents[1] / "speculators" / "checkpoints"
                                        / f"{kind}-smollm2")
             if isinstance(source, Drafter):
@@ -233,11 +231,10 @@ class Engine:
             return self.drafter_proposer(speculate)
         if speculate in HYBRID_KINDS:
             if speculate not in self._hybrids:
-                from hybridspec.router import HybridProposer
-
                 self._hybrids[speculate] = HybridProposer(
                     self.suffix_cache, self.drafter_proposer(speculate.split("+")[1]),
-                    num_speculative_tokens=self.num_speculative_tokens, expected=getattr(self.router, "expected_tokens", None))
+                    num_speculative_tokens=self.num_speculative_tokens,
+                    expected=getattr(self.router, "expected_tokens", None))  # calibrated, when the router is a gate
             return self._hybrids[speculate]
         if speculate == "ngram":
             if self._ngram is None:
@@ -383,7 +380,8 @@ class Engine:
             if drafter:
                 features = [TargetFeatures(aux, final) for aux, final in out.hidden_tail]
         elif drafter:  # a session turn whose prompt's KV is all cached: the drafter's state continues as it was
-            features = [TargetFeatures(self._no_hidden(len(self.target.aux_layer_ids)), self._no_hidden(1))] * len(seqs)
+            none = TargetFeatures(self._no_hidden(len(self.target.aux_layer_ids)), self._no_hidden(1))
+            features = [none] * len(seqs)
         stats.prompt_tokens += sum(seq.prompt_len for seq in seqs)
         stats.prefill_tokens += sum(len(t) for t in todo)
         stats.prefill_s += time.perf_counter() - start
