@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench_e2e import write_json
 from hybridspec.speculators import (Eagle3Drafter, EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter, PEagleDrafter,
                                     TargetFeatures, TargetInfo, load_drafter)
 from hybridspec.speculators.formats import read_config
@@ -171,7 +172,7 @@ def main() -> None:
         results[f"{kind}_k7_over_k1"] = round(lat[7] / lat[1], 3)
         print(f"{kind}: K=7 costs {lat[7] / lat[1]:.2f}x its K=1")
     if args.shape != "smollm2":
-        _write(args.json, results)
+        write_json(args.json, results)
         return
     for kind in RECIPES:
         results["acceptance"][kind] = acceptance(kind)
@@ -186,13 +187,7 @@ def main() -> None:
                 r = res[text]
                 print(f"{kind:>8} {text:>6} {r['acceptance@3']:6.2f} {r['acceptance@5']:6.2f} {r['acceptance@7']:6.2f} "
                       f"{r['steps'][7]:8d}")
-    _write(args.json, results)
-
-
-def _write(path: Path | None, results: dict) -> None:
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=1) + "\n")
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

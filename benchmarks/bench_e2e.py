@@ -164,6 +164,17 @@ def summarize(base, spec, identical: bool, **extra) -> dict:
     }
 
 
+def machine_info() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def write_json(path: Path | None, result: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def print_table(workloads: dict) -> None:
     print(f"\n{'workload':<9}{'method':<8}{'baseline tok/s':>15}{'spec tok/s':>11}{'speedup':>9}{'target':>9}"
           f"{'tokens/step':>12}{'accept':>8}{'decode speedup':>16}{'identical':>11}")
@@ -239,11 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"workloads": workloads, "targets": {f"{w}/{m}": t for (w, m), t in TARGETS.items()},
               "wall_s": round(time.perf_counter() - started, 1),
               "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                          "threads": torch.get_num_threads(), "torch": torch.__version__}}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+              "machine": machine_info()}
+    write_json(args.json, result)
     return 0
 
 

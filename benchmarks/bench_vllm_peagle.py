@@ -28,7 +28,6 @@ import collections
 import inspect
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -46,7 +45,7 @@ MATCH_TOLERANCE = 0.02
 import torch
 from tqdm import tqdm
 
-from bench_e2e import chat_questions
+from bench_e2e import chat_questions, machine_info, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -426,12 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": {name: list(value) for name, value in comparison["rows"].items()},
         "per_prompt": comparison["per_prompt"], "wall_s": round(time.perf_counter() - started, 1),
         "config": {name: str(v) if isinstance(v, Path) else v for name, v in vars(args).items()},
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": machine_info(),
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return 0
 
 
