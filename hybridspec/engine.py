@@ -462,8 +462,12 @@ class Engine:
                     raise ValueError(f"{type(proposer).__name__} proposed {len(proposal)} tokens; at most {budget} "
                                      f"were asked for")
                 proposals.append(proposal)
-            # route: which drafts are worth a verification pass, and how much of them
+            # route: which drafts are worth a verification pass, and how much of them. A sampled draft is verified as
+            # drawn: cutting it by its own tokens' probabilities would make the kept tokens no longer follow the draft
+            # distribution the rejection rule assumes, and bias the output.
             routed = self.router(proposals, [len(seqs[i].tokens) for i in live])
+            if params.temperature > 0:
+                routed = [p if p.draft_logits is not None else r for p, r in zip(proposals, routed)]
             stats.proposals += sum(1 for p in proposals if len(p))
             stats.skipped_proposals += sum(1 for p, r in zip(proposals, routed) if len(p) and not len(r))
             t1 = time.perf_counter()

@@ -2,7 +2,9 @@
 
 Each step the suffix cache drafts first (microseconds). If its draft is expected to be accepted for at least
 `suffix_threshold` tokens, it is used and the model drafter is not run (the rule of Arctic's hybrid, whose threshold
-is the drafter's K). Otherwise the drafter drafts too and the draft with the larger calibrated expectation wins.
+is the drafter's K). Otherwise the drafter drafts too; greedy, the draft with the larger calibrated expectation wins.
+When the drafter samples, its draft is taken as drawn: picking by the sampled tokens' probabilities would bias the
+rejection rule (the tokens it verifies would no longer follow the drafter's distribution).
 Knows Proposals, not models: the drafter's inputs (the target's features) pass through untouched.
 """
 from __future__ import annotations
@@ -30,9 +32,11 @@ class HybridProposer:
         self.num_speculative_tokens = max(k, num_speculative_tokens)
         self.expected = expected or (lambda p: p.score)
         self.chosen: Counter[str] = Counter()  # steps won, by proposal source ("" = nothing to draft)
+        self.sampling = False  # set_sampling: the drafter samples its drafts
 
     def set_sampling(self, probs_fn: Any, generator: Any) -> None:
         self.drafter.set_sampling(probs_fn, generator)
+        self.sampling = probs_fn is not None
 
     def start_request(self, request_id: Hashable, prompt: Sequence[int], *, features: Any,
                       extends: Hashable | None = None) -> None:
@@ -53,7 +57,7 @@ class HybridProposer:
         best = self.suffix.speculate(request_id, max_spec_tokens=budget)
         if not len(best) or self.expected(best) < self.suffix_threshold:
             drafted = self.drafter.speculate(request_id, min(budget, self.drafter.num_speculative_tokens))
-            if len(drafted) and (not len(best) or self.expected(drafted) > self.expected(best)):
+            if len(drafted) and (self.sampling or not len(best) or self.expected(drafted) > self.expected(best)):
                 best = drafted
         self.chosen[best.source if len(best) else ""] += 1
         return best

@@ -160,23 +160,34 @@ def test_drafter_proposer_rebuilds_when_the_prompt_does_not_continue(target_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["peagle", "lstm"])
+@pytest.mark.parametrize("kind", ["peagle", "lstm", "suffix+peagle", "suffix+peagle@0.5"])
 def test_sampling_with_a_drafter_keeps_the_target_distribution(kind):
+    """Drafts sampled from the drafter (with its logits), and for the hybrid a mix of those and one-hot suffix drafts
+    (the repeated prompt puts earlier answers in its cache; a low threshold lets them win often, the default one makes
+    the hybrid weigh the drafter's draft against them every step), through the default router (the cost gate): the
+    outputs keep the target's distribution."""
+    from hybridspec.router import HybridProposer
+
     vocab = 8
     model = tiny_llama(vocab_size=vocab, seed=3, init_std=0.2)
-    engine = Engine(TargetModel(model), tiny_tokenizer(vocab), drafters={kind: make_drafter(kind, model, seed=1)},
-                    router=lambda ps, cs: list(ps))
+    kind, _, threshold = kind.partition("@")
+    drafter = kind.split("+")[-1]
+    engine = Engine(TargetModel(model), tiny_tokenizer(vocab), drafters={drafter: make_drafter(drafter, model, seed=1)})
+    speculate = kind if "+" not in kind else HybridProposer(engine.suffix_cache, engine.drafter_proposer(drafter),
+                                                             suffix_threshold=float(threshold) if threshold else None)
     prompt = [3, 5, 4, 6]
     eos = engine.tokenizer.eos_token_id
     expected = exact_two_token_distribution(model, prompt, eos, vocab)
     counts, n = Counter(), 0
     for call in range(6):
-        results = engine.generate([prompt] * 500, max_new_tokens=3, temperature=1.0, speculate=kind,
+        results = engine.generate([prompt] * 500, max_new_tokens=3, temperature=1.0, speculate=speculate,
                                   num_speculative_tokens=2, seed=100 + call)
         for r in results:
             counts[tuple(r.token_ids[:1]) if r.token_ids[0] == eos else tuple(r.token_ids[:2])] += 1
         n += len(results)
         assert results[0].stats.accepted_tokens > 0
+    if threshold:
+        assert speculate.chosen["suffix"] > 100 and speculate.chosen[drafter] > 100
     assert chi_square_p_value(counts, expected, n) > 1e-3
 
 
