@@ -143,6 +143,27 @@ def test_hidden_states_are_layer_inputs_and_final_norm(target, tiny_model):
     assert target.step(cache, [1]).aux_hidden is None  # not computed unless asked for
 
 
+def test_prefill_returns_the_hidden_tail_of_each_row(target, tiny_model):
+    """hidden_tail=n: per row, the hidden states of its last n new tokens, across chunk boundaries and for rows of
+    different lengths (one row getting no tokens at all), equal to transformers' at those positions."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (37, 9, 0)]
+    cache = target.new_cache(3)
+    out = target.prefill(cache, prompts, chunk_size=8, hidden_tail=12)
+    layers = aux_layer_ids(tiny_model.config.num_hidden_layers)
+    for (aux, final), tokens in zip(out.hidden_tail, prompts):
+        assert aux.shape[0] == final.shape[0] == min(12, len(tokens))
+        if not tokens:
+            continue
+        with torch.no_grad():
+            ref = tiny_model(torch.tensor([tokens]), output_hidden_states=True)
+        tail = slice(len(tokens) - aux.shape[0], len(tokens))
+        torch.testing.assert_close(aux, torch.cat([ref.hidden_states[i][0, tail] for i in layers], -1), atol=ATOL,
+                                   rtol=0)
+        torch.testing.assert_close(final, ref.hidden_states[-1][0, tail], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.logits[0, -1], reference_logits(tiny_model, prompts[0])[-1], atol=ATOL, rtol=0)
+
+
 def test_bad_input_raises(target):
     cache = target.new_cache(1)
     with pytest.raises(ValueError, match="at least one token"):
