@@ -394,7 +394,7 @@ class Engine:
                         kwargs["features"] = feats
                     proposer.start_request(seq.request_id, list(seq.tokens), **kwargs)
                     started.append(seq.request_id)
-            yield from self._decode(seqs, cache, proposer, params, stats)
+            yield from self._decode(seqs, cache, proposer, params, stats, drafter)
         finally:
             for rid in started:
                 if all(s.finish_reason is not None for s in seqs):
@@ -434,17 +434,16 @@ class Engine:
         return reuse
 
     def _decode(self, seqs: list[_Sequence], cache: KVCache, proposer: Proposer | None, params: _Params,
-                stats: GenerationStats) -> Iterator[None]:
+                stats: GenerationStats, drafter: Any = None) -> Iterator[None]:
         """The decode loop: propose -> route -> verify -> update, one target pass per step for all live sequences.
 
         Cache row r belongs to seqs[live[r]]; when a sequence finishes, its row leaves the cache (unless it is the
-        last one, whose cache a session keeps).
+        last one, whose cache a session keeps). `drafter` is the proposer when it reads the target's hidden states.
         """
         from hybridspec.verifier import verify_batch
 
         max_seq_len = self.target.max_seq_len
         tree_kwargs = self._tree_kwargs(proposer, params.tree)
-        drafter = self._feature_proposer(proposer, params)
         live = list(range(len(seqs)))
         while live:
             # propose: drafts no longer than the context, and no longer than the tokens still wanted

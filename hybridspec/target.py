@@ -179,8 +179,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            n = x.numel() // x.shape[-1]
-            if self.pad_pairs and n < 3:
+            if self.pad_pairs and (n := x.numel() // x.shape[-1]) < 3:
                 rows = x.reshape(n, -1)
                 padded = torch.cat([rows, rows[-1:].expand(3 - n, -1)])
                 out = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
