@@ -802,8 +802,50 @@ cdef void draft_copy(Draft* dst, Draft* src) noexcept nogil:
     dst.score = src.score
     dst.match_len = src.match_len
 
-cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, Draft* tmp, Item* heap) noexcept nogil:
-    """Draft from the request's own tree and from the global tree; keep the higher score (ties: the request's)."""
+cdef void merge_trees(Draft* first, Draft* second, int32_t max_nodes, Draft* mix, int32_t* idx) noexcept nogil:
+    """Union of two draft trees into `first`: a token path both drafted is one node with the higher of its two path
+    probabilities; then the max_nodes most probable nodes (ties: first's, then the earlier). A child is never more
+    probable than its parent in either draft, hence in the union, and comes after it, so the kept nodes form a tree.
+    mix and idx hold first.n + second.n entries."""
+    cdef int32_t i, j, pm, n, keep
+    draft_copy(mix, first)
+    for j in range(second.n):
+        pm = idx[second.par[j]] if second.par[j] >= 0 else -1
+        i = 0
+        while i < mix.n and not (mix.par[i] == pm and mix.tok[i] == second.tok[j]):
+            i += 1
+        if i == mix.n:
+            mix.tok[i] = second.tok[j]
+            mix.par[i] = pm
+            mix.prob[i] = second.prob[j]
+            mix.n += 1
+        elif second.prob[j] > mix.prob[i]:
+            mix.prob[i] = second.prob[j]
+        idx[j] = i
+    # stable insertion sort of the node indices by probability, most probable first
+    n = mix.n
+    for i in range(n):
+        j = i
+        while j > 0 and mix.prob[idx[n + j - 1]] < mix.prob[i]:
+            idx[n + j] = idx[n + j - 1]
+            j -= 1
+        idx[n + j] = i
+    keep = n if n < max_nodes else max_nodes
+    for i in range(keep):          # idx[k] (k < n) becomes node k's new index
+        idx[idx[n + i]] = i
+    first.n = keep
+    first.score = 0.0
+    for i in range(keep):
+        j = idx[n + i]
+        first.tok[i] = mix.tok[j]
+        first.par[i] = idx[mix.par[j]] if mix.par[j] >= 0 else -1
+        first.prob[i] = mix.prob[j]
+        first.score += mix.prob[j]
+
+cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, Draft* tmp, Draft* mix,
+                        int32_t* idx, Item* heap) noexcept nogil:
+    """Draft from the request's own tree and from the global tree. Chains: keep the higher score (ties: the
+    request's). Trees: their union, cut to max_nodes by path probability."""
     cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, lo, hi, i, v, cap
     best.n = 0
     best.score = 0.0
@@ -835,7 +877,11 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
             draft_tree(G, gm.node, m, False, 0, cap, a.max_nodes if a.tree else cap, a.min_prob, a.tree, tmp, heap)
             tmp.match_len = m
             if tmp.score > best.score:
+                draft_copy(mix, best)
                 draft_copy(best, tmp)
+                draft_copy(tmp, mix)
+            if a.tree and tmp.n > 0:
+                merge_trees(best, tmp, a.max_nodes, mix, idx)
 
 # ---------------------------------------------------------------- Python-facing objects
 
@@ -885,12 +931,19 @@ def as_tokens(tokens, int64_t limit=INT32_MAX):
 
 cdef class _Scratch:
     """Draft buffers for one cache (not shared between caches, so two caches may speculate in two threads)."""
-    cdef Draft a, b
+    cdef Draft a, b, mix
+    cdef int32_t* idx
     cdef Item* heap
     cdef int32_t cap
 
     def __cinit__(self, int cap):
         self.cap = cap
+        self.mix.tok = <int32_t*> PyMem_Malloc(2 * cap * sizeof(int32_t))
+        self.mix.par = <int32_t*> PyMem_Malloc(2 * cap * sizeof(int32_t))
+        self.mix.prob = <double*> PyMem_Malloc(2 * cap * sizeof(double))
+        self.idx = <int32_t*> PyMem_Malloc(4 * cap * sizeof(int32_t))
+        if self.mix.tok == NULL or self.mix.par == NULL or self.mix.prob == NULL or self.idx == NULL:
+            raise MemoryError()
         self.a.tok = <int32_t*> PyMem_Malloc(cap * sizeof(int32_t))
         self.a.par = <int32_t*> PyMem_Malloc(cap * sizeof(int32_t))
         self.a.prob = <double*> PyMem_Malloc(cap * sizeof(double))
@@ -907,6 +960,7 @@ cdef class _Scratch:
         PyMem_Free(self.a.tok); PyMem_Free(self.a.par); PyMem_Free(self.a.prob)
         PyMem_Free(self.b.tok); PyMem_Free(self.b.par); PyMem_Free(self.b.prob)
         PyMem_Free(self.heap)
+        PyMem_Free(self.mix.tok); PyMem_Free(self.mix.par); PyMem_Free(self.mix.prob); PyMem_Free(self.idx)
 
 
 cdef class SuffixTree:
@@ -1136,7 +1190,7 @@ def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, dou
     if nreq == 1:
         r = requests[0]
         with nogil:
-            speculate_one(&r.tree.T, &r.gm, G, &a, &sc.a, &sc.b, sc.heap)
+            speculate_one(&r.tree.T, &r.gm, G, &a, &sc.a, &sc.b, &sc.mix, sc.idx, sc.heap)
         return [to_proposal(&sc.a)]
     cdef Draft* drafts = <Draft*> PyMem_Malloc(nreq * sizeof(Draft))
     cdef Tree** trees = <Tree**> PyMem_Malloc(nreq * sizeof(Tree*))
@@ -1157,7 +1211,7 @@ def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, dou
             drafts[k].prob = buf_q + k * need
         with nogil:
             for k in range(nreq):
-                speculate_one(trees[k], gms[k], G, &a, &drafts[k], &sc.b, sc.heap)
+                speculate_one(trees[k], gms[k], G, &a, &drafts[k], &sc.b, &sc.mix, sc.idx, sc.heap)
         for k in range(nreq):
             out.append(to_proposal(&drafts[k]))
     finally:

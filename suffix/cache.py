@@ -2,8 +2,8 @@
 
 Two levels, as in SuffixDecoding: every request has its own tree over its prompt and output so far, and one global tree
 holds finished responses, each after the last `prompt_tail_tokens` tokens of its prompt (all of the prompt with
-`index_prompts_globally`). `speculate` drafts from both and keeps the
-higher-scoring draft.
+`index_prompts_globally`). `speculate` drafts from both: a chain keeps the higher-scoring draft; a tree is the union of
+the two trees (a path both drafted at the higher of its two probabilities), cut to the node budget by probability.
 
 Semantics (the brute-force reference in tests/suffix_reference.py implements exactly these):
 - counts are exact occurrence counts of strings up to `max_depth` tokens; a token's probability is its share among the

@@ -159,11 +159,37 @@ def ref_speculate(ctx: list[int], glob: RefCorpus, D: int, max_tokens: int, max_
             if glob.occurrences(q):
                 cap = _cap(m, max_tokens, factor, offset)
                 t, p, pr, s = ref_draft(glob, q, None, None, cap, max_nodes if tree else cap, min_prob, tree)
-                if s > best[3]:
-                    best = (t, p, pr, s, m)
+                other = (t, p, pr, s, m)
+                first, second = (other, best) if s > best[3] else (best, other)
+                best = _merge(first, second, max_nodes) if tree and second[0] else first
                 break
     t, p, pr, s, m = best
     return t, p, pr, s, (m if t else 0)
+
+
+def _merge(first, second, max_nodes: int):
+    """Union of two draft trees keyed by token path, each path at its higher probability, cut to the max_nodes most
+    probable (ties: first's, then the earlier)."""
+    def paths(draft):
+        toks, pars = draft[0], draft[1]
+        out = []
+        for i in range(len(toks)):
+            out.append((out[pars[i]] if pars[i] >= 0 else ()) + (toks[i],))
+        return out
+
+    prob: dict[tuple, float] = {}
+    for draft in (first, second):
+        for path, pr in zip(paths(draft), draft[2]):
+            prob[path] = max(prob.get(path, pr), pr)
+    order = sorted(prob, key=lambda path: -prob[path])[:max_nodes]  # stable: dicts keep insertion order
+    index = {path: i for i, path in enumerate(order)}
+    toks = [path[-1] for path in order]
+    pars = [index[path[:-1]] if len(path) > 1 else -1 for path in order]
+    probs = [prob[path] for path in order]
+    score = 0.0
+    for pr in probs:
+        score += pr
+    return toks, pars, probs, score, first[4]
 
 
 class RefCache:

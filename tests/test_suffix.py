@@ -188,6 +188,36 @@ def test_tree_mode_branches_and_respects_limits():
     assert chain.token_ids[0] == 3 and chain.is_chain
 
 
+def test_tree_mode_joins_the_request_and_global_drafts():
+    """The request's own history continues "1 2 3" with 7 8, the global history with 4 5, both surely (score 2): a
+    chain takes the request's (ties go to it), a tree holds both, and a path both sources drafted is one node."""
+    cache = SuffixCache(max_depth=8)
+    for i in range(3):
+        cache.start_request(f"g{i}", [])
+        cache.append(f"g{i}", [1, 2, 3, 4, 5, 9])
+        cache.finish_request(f"g{i}")
+    cache.start_request("q", [1, 2, 3, 7, 8, 0, 1, 2, 3])
+    chain = cache.speculate("q", max_spec_tokens=2)
+    assert chain.token_ids == [7, 8] and chain.is_chain
+    tree = cache.speculate("q", max_spec_tokens=2, tree=True, max_tree_nodes=8)
+    paths = {tuple(tree.token_ids[j] for j in _path(tree, i)) for i in range(len(tree))}
+    assert paths == {(4,), (4, 5), (7,), (7, 8)} and tree.score == sum(tree.probs)
+    assert tree.token_ids[:2] == [7, 8] and tree.probs == [1.0] * 4  # the request's draft ranks first
+    small = cache.speculate("q", max_spec_tokens=2, tree=True, max_tree_nodes=3)
+    assert len(small) == 3 and all(p < i for i, p in enumerate(small.parents))  # cut by probability, still a tree
+    cache.start_request("r", [1, 2, 3, 4, 5, 0, 1, 2, 3])  # both sources say 4 5: one path
+    both = cache.speculate("r", max_spec_tokens=2, tree=True, max_tree_nodes=8)
+    assert both.token_ids == [4, 5] and both.parents == [-1, 0]
+
+
+def _path(proposal, i: int) -> list[int]:
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = proposal.parents[i]
+    return out[::-1]
+
+
 def test_session_indexes_only_new_tokens():
     cache = SuffixCache(max_depth=16)
     prompt = list(range(100))
