@@ -9,7 +9,8 @@ the weights) or, with --shape llama3-8b, for Llama-3.1-8B (hidden 4096, vocabula
 P-EAGLE with 4 layers as published, EAGLE-3 with 1, the LSTM with 4096 inner dim), random weights; a drafter state
 holding `--context` real slots, then per step: accept 2 new rows (one accepted draft and the bonus token, as after a
 typical verification) and propose K. Median milliseconds per step. On CPU the linears run on oneDNN-packed weights, as
-the engine runs them (hybridspec.target.pack_linears).
+the engine runs them (hybridspec.target.pack_linears), multiplying in bfloat16 where the CPU does so natively
+(--cpu-matmul float32 to compare).
 Acceptance: each checkpoint in speculators/checkpoints/ on the held-out split of its recipe's feature cache (never
 trained on), greedy, offline (see hybridspec.speculators.train.trainer.evaluate_acceptance); chat = MT-Bench and
 HumanEval prompts, agent = user turns of the dev agent traces. Needs `hybridspec train RECIPE --data-only` to have run.
@@ -31,7 +32,7 @@ from hybridspec.speculators.formats import read_config
 from hybridspec.speculators.train import FeatureStore, load_recipe
 from hybridspec.speculators.train.data import load_target_head
 from hybridspec.speculators.train.trainer import evaluate_acceptance
-from hybridspec.target import pack_linears
+from hybridspec.target import fast_bf16, pack_linears
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"peagle": "peagle-smollm2", "eagle3": "eagle3-smollm2", "lstm": "lstm-smollm2"}
@@ -85,12 +86,12 @@ def random_features(n: int, shape: str = "smollm2", device: str = "cpu") -> Targ
 
 
 def drafting_latency(kind: str, context: int, repeats: int, shape: str = "smollm2", device: str = "cpu",
-                     dtype: torch.dtype = torch.float32) -> dict[int, float]:
+                     dtype: torch.dtype = torch.float32, cpu_matmul: torch.dtype | None = None) -> dict[int, float]:
     """Median ms per drafting step for K = 1..8. The K values take turns within each repeat, so a burst of load from
     other processes on this shared CPU hits them all alike."""
     drafter = shaped_drafter(kind, shape).to(device=device, dtype=dtype)
     if device == "cpu":
-        pack_linears(drafter)
+        pack_linears(drafter, cpu_matmul)
     vocab = SHAPES[shape]["vocab"]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
@@ -149,20 +150,25 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--cpu-matmul", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="dtype of the packed matrix products on CPU (auto: as the engine, bfloat16 where native)")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    matmul = {"auto": torch.bfloat16 if fast_bf16() else None, "float32": None,
+              "bfloat16": torch.bfloat16}[args.cpu_matmul] if args.device == "cpu" else None
     results: dict = {"context": args.context, "threads": args.threads, "shape": args.shape, "device": args.device,
-                     "dtype": str(dtype), "latency_ms": {}, "acceptance": {}}
+                     "dtype": str(dtype), "cpu_matmul": str(matmul or dtype), "latency_ms": {}, "acceptance": {}}
     if args.device.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name()
     with torch.inference_mode():
         for kind in RECIPES:
             results["latency_ms"][kind] = drafting_latency(kind, args.context, args.repeats, args.shape, args.device,
-                                                           dtype)
-    print(f"drafting latency, ms per step ({args.shape} shapes on {args.device}, {dtype}, context {args.context}, "
+                                                           dtype, matmul)
+    print(f"drafting latency, ms per step ({args.shape} shapes on {args.device}, {dtype}"
+          f"{f' (matmuls in {matmul})' if matmul else ''}, context {args.context}, "
           f"{args.threads} thread(s), median of {args.repeats})")
     print(f"{'K':>3} " + " ".join(f"{kind:>9}" for kind in RECIPES))
     for k in range(1, 9):

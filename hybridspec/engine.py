@@ -28,7 +28,7 @@ import torch
 from hybridspec.proposal import Proposal, Proposer
 from hybridspec.router import CostGate, HybridProposer
 from hybridspec.speculators import Drafter, DrafterProposer, TargetFeatures, load_drafter
-from hybridspec.target import KVCache, TargetModel, pack_linears
+from hybridspec.target import KVCache, TargetModel, fast_bf16, pack_linears
 
 Message = Mapping[str, str]
 PromptLike = str | Sequence[int] | Sequence[Message]
@@ -142,12 +142,14 @@ class Engine:
 
     drafters: checkpoint directories (or `Drafter` modules) for speculate="peagle" | "lstm" | "eagle3"; by default the
     heads shipped for SmolLM2-135M-Instruct. A drafter reads the target's hidden states at the last
-    `drafter_context` positions of a prompt, then at every committed token.
+    `drafter_context` positions of a prompt, then at every committed token. drafter_bf16: run drafters' matrix
+    products in bfloat16 on the CPU (default: where the CPU does bfloat16 natively; about twice as fast).
     """
 
     def __init__(self, target: TargetModel, tokenizer, *, verify_cost: Any = None,
                  router: Router | None = None, suffix_cache=None, num_speculative_tokens: int = 16,
-                 drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_context: int = 1024):
+                 drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_context: int = 1024,
+                 drafter_bf16: bool | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.router: Router = router if router is not None else CostGate(verify_cost)
@@ -159,6 +161,7 @@ class Engine:
             raise ValueError(f"drafters: unknown kind(s) {sorted(unknown)}; the kinds are {DRAFTER_KINDS}")
         self.drafters: dict[str, Any] = dict(drafters or {})
         self.drafter_context = drafter_context
+        self.drafter_bf16 = fast_bf16() if drafter_bf16 is None else drafter_bf16
         self._drafter_proposers: dict[str, Any] = {}
         self._hybrids: dict[str, Any] = {}
         self._request_ids = itertools.count()
@@ -218,7 +221,8 @@ class Engine:
                         f"`hybridspec train` and pass Engine(..., drafters={{{kind!r}: PATH}}))")
                     raise ValueError(f"{e}{hint}") from e
             if self.target.device.type == "cpu":
-                pack_linears(drafter)
+                # A drafter's numbers only choose what to verify, never what is output: bfloat16 is lossless here.
+                pack_linears(drafter, torch.bfloat16 if self.drafter_bf16 else None)
             self._drafter_proposers[kind] = DrafterProposer(drafter)
         return self._drafter_proposers[kind]
 

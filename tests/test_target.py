@@ -197,3 +197,20 @@ def test_measure_verify_cost_reports_every_size(target):
     cost = measure_verify_cost(target, (0, 2, 5), context=16, repeats=1)
     assert cost["draft_tokens"] == [0, 2, 5] and len(cost["ms"]) == 3
     assert cost["relative"][0] == 1.0 and all(t > 0 for t in cost["ms"])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_linear_products_in_a_compute_dtype(rows):
+    """Linear(compute_dtype=bfloat16) multiplies in bfloat16 and returns the input's dtype; the wide-matrix row padding
+    does not change the result."""
+    from hybridspec.target import Linear
+
+    torch.manual_seed(rows)
+    for out_features in (48, 8192):
+        w, b, x = torch.randn(out_features, 64), torch.randn(out_features), torch.randn(rows, 64)
+        y = Linear(w, b, compute_dtype=torch.bfloat16)(x)
+        want = torch.nn.functional.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float()
+        assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+        torch.testing.assert_close(y, want, atol=0.1, rtol=2e-2)
+        assert not torch.allclose(y, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=0)  # really bfloat16
+        torch.testing.assert_close(Linear(w, b)(x), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
