@@ -80,7 +80,7 @@ def chat_questions(path: Path, count: int, heldout_recipe: Path | None = None) -
         from hybridspec.speculators.train import load_recipe
         from hybridspec.speculators.train.data import load_items
 
-        heldout = {item.prompt for item in load_items(load_recipe(heldout_recipe))["heldout"]}
+        heldout = {item.prompt for item in load_items(load_recipe(heldout_recipe), skip_ungenerated=True)["heldout"]}
         rows = [row for row in rows if row["turns"][0] in heldout]
     by_category: dict[str, list[str]] = {}
     for row in rows:

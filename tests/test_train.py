@@ -86,6 +86,10 @@ def test_recipe_errors(tmp_path):
         recipe_from_dict({"drafter": "peagle", "optimizer": {}})
     with pytest.raises(ValueError, match="bad data source"):
         recipe_from_dict({"drafter": "lstm", "data": {"sources": [{"kind": "web", "path": "x"}]}})
+    with pytest.raises(ValueError, match="needs a path"):
+        recipe_from_dict({"drafter": "lstm", "data": {"sources": [{"kind": "jsonl"}]}})
+    with pytest.raises(ValueError, match="self_instruct needs"):
+        recipe_from_dict({"drafter": "lstm", "data": {"sources": [{"kind": "self_instruct"}]}})
     with pytest.raises(ValueError, match="heldout_fraction"):
         recipe_from_dict({"drafter": "lstm", "data": {"heldout_fraction": 0}})
     with pytest.raises(ValueError, match="max_depth"):
@@ -156,6 +160,53 @@ def test_train_only_text_never_leaks_a_heldout_prompt(chat_file, tmp_path):
     assert len([i for i in load_items(recipe)["train"] if i.response is not None]) == 5
 
 
+def test_self_instruct_requests_are_the_targets_own_and_resumable(tmp_path, target, tiny_tokenizer, chat_file,
+                                                                    monkeypatch):
+    """The target writes its own requests from the user-turn header; the source's items are those requests, written
+    once (a rerun generates nothing) and the same for the same seed; the other sources' split does not wait on them."""
+    from hybridspec.engine import Engine
+    from hybridspec.target import TargetModel
+
+    raw = tiny_recipe("peagle", tmp_path, chat_file)
+    raw["data"]["sources"].append({"kind": "self_instruct", "max_items": 6, "seed": 3})
+    recipe = recipe_from_dict(raw)
+    source = recipe.data.sources[1]
+    with pytest.raises(data_module.NotGeneratedError, match="--data-only"):
+        load_items(recipe)
+    assert not features_complete(recipe)
+    others = load_items(recipe, skip_ungenerated=True)
+    raw["data"]["sources"].pop()
+    assert others == load_items(recipe_from_dict(raw))
+
+    engine = Engine(TargetModel(target), tiny_tokenizer)
+    batches = []
+    real = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda p, **k: batches.append(len(p)) or real(p, **k))
+    fingerprint = data_module.target_fingerprint(target)
+    path = data_module.write_self_instruct(recipe, source, engine, fingerprint, progress=False)
+    header = data_module.request_header(tiny_tokenizer)
+    assert tiny_tokenizer.decode(header).endswith("<|im_start|>user\n")
+    requests = [json.loads(line)["prompt"] for line in path.read_text().splitlines()[1:]]
+    assert len(requests) == len(set(requests)) == 6 and all(len(r) >= 16 for r in requests)
+    # each request is a finished sample of the target from the header: the target ends it with EOS
+    first = tiny_tokenizer(requests[0], add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = target(torch.tensor([header + first])).logits[0, -1]
+    assert torch.softmax(logits.float(), -1)[tiny_tokenizer.eos_token_id] > 1e-4
+    n = len(batches)
+    assert data_module.write_self_instruct(recipe, source, engine, fingerprint, progress=False) == path
+    assert len(batches) == n  # written once
+    items = load_items(recipe)
+    mine = {i.prompt for split in items.values() for i in split if i.source.startswith("self_instruct")}
+    assert len(mine) >= 4 and mine <= set(requests)  # max_items caps the split source as it caps any other
+    again = tmp_path / "again"
+    raw["data"]["cache_dir"] = str(again / "features")
+    raw["data"]["sources"].append({"kind": "self_instruct", "max_items": 6, "seed": 3})
+    recipe2 = recipe_from_dict(raw)
+    path2 = data_module.write_self_instruct(recipe2, recipe2.data.sources[1], engine, fingerprint, progress=False)
+    assert path2 != path and path2.read_text() == path.read_text()  # the seed fixes the requests
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the feature cache
 
@@ -185,7 +236,12 @@ def test_feature_cache_resumes_at_the_first_missing_shard(features, target, tiny
     assert not features_complete(recipe)
     calls = []
     real = data_module.generate_responses
-    monkeypatch.setattr(data_module, "generate_responses", lambda m, p, *a: calls.append(len(p)) or real(m, p, *a))
+    monkeypatch.setattr(data_module, "generate_responses", lambda e, p, *a: calls.append(len(p)) or real(e, p, *a))
+    build_features(recipe, target, tiny_tokenizer, progress=False)
+    assert calls == [] and shard.read_bytes() == before  # the responses were cached: only features recomputed
+    shard.unlink()
+    for cache in recipe.generated_dir().glob("responses-*.jsonl"):
+        cache.unlink()
     build_features(recipe, target, tiny_tokenizer, progress=False)
     assert calls == [6]  # only the missing shard's six prompts were generated again
     assert shard.read_bytes() == before and features_complete(recipe)

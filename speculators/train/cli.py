@@ -16,6 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data-only", action="store_true", help="build the feature cache and stop")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this many more steps (the run resumes from there next time)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for generation and training (default: the recipe's training.threads)")
     parser.add_argument("--no-resume", action="store_true", help="start training from scratch")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
@@ -31,6 +33,10 @@ def run(args: argparse.Namespace) -> int:
     if args.no_resume:
         recipe.output.resume = False
     progress = not args.no_progress and sys.stderr.isatty()
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        recipe.training.threads = args.threads
     torch.set_num_threads(recipe.training.threads)
     if not features_complete(recipe):
         # The face may use the runtime's model resolution; the training library itself takes a model object.

@@ -30,6 +30,7 @@ from hybridspec.speculators.common import default_aux_layer_ids
 from hybridspec.speculators.train.recipe import PromptSource, Recipe
 
 SPLITS = ("heldout", "train")  # held-out first: a partial cache can already be evaluated on
+SELF_INSTRUCT_TOKENS = 96  # a self-instruct request still unfinished after this many tokens is dropped
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,20 @@ def _conversations(path: Path) -> Iterator[list[dict]]:
         yield [m for m in messages if isinstance(m, dict) and "role" in m]
 
 
+def self_instruct_file(recipe: Recipe, source: PromptSource) -> Path:
+    key = hashlib.sha1(json.dumps([recipe.target, source.max_items, source.seed]).encode()).hexdigest()[:12]
+    return recipe.generated_dir() / f"self_instruct-{key}.jsonl"
+
+
+class NotGeneratedError(FileNotFoundError):
+    """A source's prompts are written by the target and have not been written yet."""
+
+
 def _source_items(source: PromptSource, path: Path) -> list[Item]:
     name = f"{source.kind}:{path.name}"
+    if source.kind == "self_instruct":
+        rows = [json.loads(line) for line in path.read_text().splitlines()[1:] if line.strip()]
+        return [Item(f"self_instruct:{source.seed}", r["prompt"]) for r in rows]
     if source.kind == "agent_traces":
         items = []
         for messages in _conversations(path):
@@ -105,16 +118,25 @@ def heldout(item: Item, fraction: float) -> bool:
     return int(item.key[:8], 16) / 0x100000000 < fraction
 
 
-def load_items(recipe: Recipe) -> dict[str, list[Item]]:
+def load_items(recipe: Recipe, skip_ungenerated: bool = False) -> dict[str, list[Item]]:
     """Deduplicated items per split, in a stable order (by content hash), each source capped at max_items.
 
     A training item whose prompt is a held-out item's prompt (of any source) is left out: another answer to a held-out
-    question would leak it into training.
+    question would leak it into training. skip_ungenerated: leave out self_instruct sources whose requests are not
+    written yet (the other sources' splits do not depend on them) instead of raising NotGeneratedError.
     """
     frac = recipe.data.heldout_fraction
     per_source = []
     for source in recipe.data.sources:
-        path = recipe.path(source.path)
+        if source.kind == "self_instruct":
+            path = self_instruct_file(recipe, source)
+            if not path.exists():
+                if skip_ungenerated:
+                    continue
+                raise NotGeneratedError(f"the target has not written this recipe's self_instruct requests yet "
+                                        f"({path}): run `hybridspec train RECIPE --data-only`")
+        else:
+            path = recipe.path(source.path)
         if not path.exists():
             raise FileNotFoundError(f"data source {source.kind} not found at {path}")
         unique = {i.key: i for i in _source_items(source, path)
@@ -159,24 +181,101 @@ def _response_ids(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
     return ids
 
 
-@torch.inference_mode()
-def generate_responses(model: Any, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-                       pad_id: int) -> list[list[int]]:
-    """Greedy responses of the target (cut after the first EOS), one left-padded batch."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad_id, eos_token_id=eos_id)
-    responses = []
-    for row in out[:, width:].tolist():
-        if eos_id is not None and eos_id in row:
-            row = row[: row.index(eos_id) + 1]
-        responses.append(row)
-    return responses
+def generate_responses(engine: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy responses of the target (ending with its EOS token when it stopped on one), one batch on the engine."""
+    return [r.token_ids for r in engine.generate(prompts, max_new_tokens=max_new_tokens, speculate="none")]
+
+
+def target_fingerprint(model: Any) -> str:
+    """Identifies a target's weights (its config, embedding and lm_head) for the caches of text it generated."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    h = hashlib.sha1(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
+    for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        h.update(weight.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def request_header(tokenizer: Any) -> list[int]:
+    """The chat template up to where a user's request starts: the target continues it with a request of its own."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("self_instruct needs a tokenizer with a chat template")
+    marker = "{request}"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+
+
+def write_self_instruct(recipe: Recipe, source: PromptSource, engine: Any, fingerprint: str,
+                        progress: bool = True) -> Path:
+    """Have the target write `source.max_items` distinct user requests (sampled at temperature 1, top-p 0.95, from
+    its chat template's user-turn header; kept only when it ended the turn itself). Resumable per batch."""
+    path = self_instruct_file(recipe, source)
+    if path.exists() and json.loads(path.read_text().split("\n", 1)[0]).get("fingerprint") == fingerprint:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    batches: dict[int, list[str]] = {}
+    if partial.exists():
+        lines = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+        if lines and lines[0].get("fingerprint") == fingerprint:
+            batches = {row["batch"]: row["requests"] for row in lines[1:]}
+    if not batches:
+        partial.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+    wanted, size = source.max_items, recipe.data.generation_batch_size
+    requests = list(dict.fromkeys(r for b in sorted(batches) for r in batches[b]))
+    header = request_header(engine.tokenizer)
+    bar = tqdm(total=wanted, initial=min(len(requests), wanted), desc="self-instruct requests", unit="req",
+               disable=not progress)
+    batch = max(batches, default=-1) + 1
+    while len(requests) < wanted:
+        if batch >= 4 * math.ceil(wanted / size) + 4:
+            raise RuntimeError(f"the target wrote only {len(requests)} distinct finished requests of {wanted} in "
+                               f"{batch} batches; lower max_items")
+        results = engine.generate([header] * size, max_new_tokens=SELF_INSTRUCT_TOKENS, temperature=1.0, top_p=0.95,
+                                  speculate="none", seed=source.seed * 1_000_003 + batch)
+        new = [r.text.strip() for r in results if r.finish_reason == "eos" and len(r.text.strip()) >= 16]
+        with partial.open("a") as f:
+            f.write(json.dumps({"batch": batch, "requests": new}) + "\n")
+        before = len(requests)
+        requests = list(dict.fromkeys(requests + new))
+        bar.update(min(len(requests), wanted) - min(before, wanted))
+        batch += 1
+    bar.close()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in
+                           [{"fingerprint": fingerprint}] + [{"prompt": r} for r in requests[:wanted]]))
+    os.replace(tmp, path)
+    partial.unlink()
+    return path
+
+
+class ResponseCache:
+    """The target's greedy responses by prompt, on disk (JSONL, appended per batch): adding a data source or
+    rebuilding the features does not generate again what was generated once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.responses: dict[str, list[int]] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by an interruption
+                    continue
+                self.responses[row["prompt"]] = row["response"]
+
+    @staticmethod
+    def key(prompt: list[int]) -> str:
+        return hashlib.sha1(json.dumps(prompt).encode()).hexdigest()[:20]
+
+    def get(self, prompt: list[int]) -> list[int] | None:
+        return self.responses.get(self.key(prompt))
+
+    def add(self, prompts: list[list[int]], responses: list[list[int]]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            for prompt, response in zip(prompts, responses):
+                self.responses[self.key(prompt)] = response
+                f.write(json.dumps({"prompt": self.key(prompt), "response": response}) + "\n")
 
 
 @torch.inference_mode()
@@ -230,9 +329,18 @@ def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = 
                                                                                       "lm_head": head}
         _save_atomic(tensors, head_file)
 
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     spec = recipe.data
+    engine = None
+    if any(s.mode == "generate" for s in spec.sources):
+        from hybridspec.engine import Engine
+        from hybridspec.target import TargetModel
+
+        engine = Engine(TargetModel(model), tokenizer)  # packed weights, KV cache: several times HF generate's speed
+        fingerprint = target_fingerprint(model)
+        responses_cache = ResponseCache(recipe.generated_dir() / f"responses-{fingerprint}-{spec.max_new_tokens}.jsonl")
+        for source in spec.sources:
+            if source.kind == "self_instruct":
+                write_self_instruct(recipe, source, engine, fingerprint, progress)
     items = load_items(recipe)
     for split in SPLITS:
         chunks = [items[split][i: i + spec.shard_size] for i in range(0, len(items[split]), spec.shard_size)]
@@ -243,11 +351,15 @@ def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = 
             responses: list[list[int] | None] = [
                 _response_ids(tokenizer, item.response, spec.max_text_tokens) if item.response is not None else None
                 for item in chunk]
+            for j, r in enumerate(responses):
+                if r is None:
+                    responses[j] = responses_cache.get(prompts[j])
             to_generate = [j for j, r in enumerate(responses) if r is None]
             for start in range(0, len(to_generate), spec.generation_batch_size):
                 batch = to_generate[start: start + spec.generation_batch_size]
-                for j, r in zip(batch, generate_responses(model, [prompts[j] for j in batch], spec.max_new_tokens,
-                                                          eos, pad)):
+                generated = generate_responses(engine, [prompts[j] for j in batch], spec.max_new_tokens)
+                responses_cache.add([prompts[j] for j in batch], generated)
+                for j, r in zip(batch, generated):
                     responses[j] = r
             parts, starts, sources = [], [], []
             for item, prompt, response in zip(chunk, prompts, responses):
@@ -328,7 +440,10 @@ def features_complete(recipe: Recipe) -> bool:
     root = recipe.feature_dir()
     if not ((root / "meta.json").exists() and (root / "target_head.safetensors").exists()):
         return False
-    items = load_items(recipe)
+    try:
+        items = load_items(recipe)
+    except NotGeneratedError:
+        return False
     size = recipe.data.shard_size
     return all((root / f"{split}-{i:05d}.safetensors").exists()
                for split in SPLITS for i in range(math.ceil(len(items[split]) / size)))

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 DRAFTERS = ("peagle", "eagle3", "lstm")
+SOURCE_KINDS = ("agent_traces", "mt_bench", "humaneval", "jsonl", "self_instruct")
 
 
 def cache_root() -> Path:
@@ -36,18 +37,20 @@ class PromptSource:
     """Where prompts (or texts) come from.
 
     kind: "agent_traces" (user turns of the trace files under path), "mt_bench" (first turns), "humaneval" (function
-    prompts), "jsonl" (field `text` of each line). mode: "generate" (the target answers the prompt; the response is
-    trained on) or "text" (the source's own text is the training text, with the target's features: for agent traces,
-    the assistant turns). max_items caps how many are taken (after deduplication, in a stable order). train_only: every
-    item goes to the training split (e.g. existing text, when acceptance is to be measured on the target's own
-    responses only).
+    prompts), "jsonl" (field `text` of each line), "self_instruct" (no path: the target writes max_items user
+    requests itself, sampled from the user-turn header of its chat template, as Magpie does; seed picks them).
+    mode: "generate" (the target answers the prompt; the response is trained on) or "text" (the source's own text is
+    the training text, with the target's features: for agent traces, the assistant turns). max_items caps how many are
+    taken (after deduplication, in a stable order). train_only: every item goes to the training split (e.g. existing
+    text, when acceptance is to be measured on the target's own responses only).
     """
 
     kind: str
-    path: str
+    path: str = ""
     mode: str = "generate"
     max_items: int | None = None
     train_only: bool = False
+    seed: int = 0
 
 
 @dataclass
@@ -128,7 +131,7 @@ class Recipe:
         spec.pop("cache_dir")
         spec.pop("generation_batch_size")
         for source in spec["sources"]:
-            source["path"] = str(self.path(source["path"]).resolve())
+            source["path"] = str(self.path(source["path"]).resolve()) if source["path"] else ""
         blob = json.dumps({"target": self.target, "data": spec, "aux_layer_ids": self.architecture.aux_layer_ids},
                           sort_keys=True)
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
@@ -138,12 +141,19 @@ class Recipe:
             return self.path(self.data.cache_dir)
         return cache_root() / "features" / self.data_key()
 
+    def generated_dir(self) -> Path:
+        """Text the target generated (self-instruct requests, responses), kept beside the feature caches so that a
+        change of the data section reuses it instead of generating it again."""
+        base = self.path(self.data.cache_dir).parent if self.data.cache_dir else cache_root()
+        return base / "generated"
+
     def state_dir(self) -> Path:
         if self.output.state_dir:
             return self.path(self.output.state_dir)
         # Everything that shapes the training run, not where or how its result is written.
-        blob = json.dumps({k: v for k, v in dataclasses.asdict(self).items() if k not in ("base_dir", "output")},
-                          sort_keys=True)
+        shape = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("base_dir", "output")}
+        del shape["training"]["threads"]  # how fast, not what
+        blob = json.dumps(shape, sort_keys=True)
         return cache_root() / "train" / hashlib.sha1(blob.encode()).hexdigest()[:12]
 
     def output_dir(self) -> Path:
@@ -174,9 +184,13 @@ def recipe_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
     data_raw = dict(raw.get("data") or {})
     sources = [_build(PromptSource, s, "data.sources[]") for s in data_raw.pop("sources", [])]
     for s in sources:
-        if s.kind not in ("agent_traces", "mt_bench", "humaneval", "jsonl") or s.mode not in ("generate", "text"):
-            raise ValueError(f"bad data source {s}: kind must be agent_traces|mt_bench|humaneval|jsonl, "
-                             "mode generate|text")
+        if s.kind not in SOURCE_KINDS or s.mode not in ("generate", "text"):
+            raise ValueError(f"bad data source {s}: kind must be {'|'.join(SOURCE_KINDS)}, mode generate|text")
+        if s.kind == "self_instruct" and (s.mode != "generate" or not s.max_items):
+            raise ValueError(f"bad data source {s}: self_instruct needs mode generate and max_items (how many "
+                             "requests the target writes)")
+        if s.kind != "self_instruct" and not s.path:
+            raise ValueError(f"bad data source {s}: {s.kind} needs a path")
     data = _build(DataSpec, data_raw, "data")
     data.sources = sources
     if not 0.0 < data.heldout_fraction < 1.0:
