@@ -13,7 +13,8 @@ the engine runs them (hybridspec.target.pack_linears), multiplying in bfloat16 w
 (--cpu-matmul float32 to compare).
 Acceptance: each checkpoint in speculators/checkpoints/ on the held-out split of its recipe's feature cache (never
 trained on), greedy, offline (see hybridspec.speculators.train.trainer.evaluate_acceptance); chat = MT-Bench and
-HumanEval prompts, agent = user turns of the dev agent traces. Needs `hybridspec train RECIPE --data-only` to have run.
+HumanEval prompts, agent = user turns of the dev agent traces, self-instruct = requests the target wrote itself.
+Needs `hybridspec train RECIPE --data-only` to have run.
 """
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def acceptance(kind: str) -> dict[str, dict] | None:
     meta = store.meta
     drafter = load_drafter(ckpt, target=TargetInfo(meta["num_layers"], meta["hidden_size"], meta["vocab_size"]),
                            embed_tokens=embed, aux_layer_ids=meta["aux_layer_ids"])
-    kinds = {"chat": ("mt_bench", "humaneval"), "agent": ("agent_traces",)}
+    kinds = {"chat": ("mt_bench", "humaneval"), "agent": ("agent_traces",), "self-instruct": ("self_instruct",)}
     result = {}
     for name, prefixes in kinds.items():
         indices = [i for i, s in enumerate(store.sources) if s.split(":")[0] in prefixes]
@@ -183,15 +184,15 @@ def main() -> None:
     for kind in RECIPES:
         results["acceptance"][kind] = acceptance(kind)
     print("\nacceptance length (tokens per step, greedy) on held-out text")
-    print(f"{'drafter':>8} {'text':>6} {'K=3':>6} {'K=5':>6} {'K=7':>6} {'steps@7':>8}")
+    print(f"{'drafter':>8} {'text':>13} {'K=3':>6} {'K=5':>6} {'K=7':>6} {'steps@7':>8}")
     for kind, res in results["acceptance"].items():
         if res is None:
             print(f"{kind:>8}  (no checkpoint in {checkpoint_dir(kind).relative_to(ROOT)})")
             continue
-        for text in ("chat", "agent"):
+        for text in ("chat", "agent", "self-instruct"):
             if text in res:
                 r = res[text]
-                print(f"{kind:>8} {text:>6} {r['acceptance@3']:6.2f} {r['acceptance@5']:6.2f} {r['acceptance@7']:6.2f} "
+                print(f"{kind:>8} {text:>13} {r['acceptance@3']:6.2f} {r['acceptance@5']:6.2f} {r['acceptance@7']:6.2f} "
                       f"{r['steps'][7]:8d}")
     write_json(args.json, results)
 

@@ -73,8 +73,10 @@ def test_shipped_recipes_load():
     for recipe in names.values():
         assert recipe.target == "smollm2" and recipe.data.sources
         assert recipe.output_dir().is_relative_to(RECIPES.parent)
-    # the three drafters share one feature cache, so they are trained on the same data
+    # the three drafters share one feature cache, so they are trained on the same data; P-EAGLE and EAGLE-3 on the
+    # same budget too, so they can be compared
     assert len({r.feature_dir() for r in names.values()}) == 1
+    assert names["peagle-smollm2"].training.steps == names["eagle3-smollm2"].training.steps
 
 
 def test_recipe_errors(tmp_path):
