@@ -15,7 +15,7 @@ from hybridspec.testing import tiny_llama
 from hybridspec.speculators.train import (FeatureStore, Trainer, build_features, features_complete, load_items,
                                           load_recipe, recipe_from_dict)
 from hybridspec.speculators.train import data as data_module
-from hybridspec.speculators.train.trainer import make_batch, walk_acceptance
+from hybridspec.speculators.train.trainer import make_batch, spread, walk_acceptance
 
 WORKLOADS = Path("/work/shared/workloads")
 RECIPES = Path(__file__).resolve().parents[1] / "speculators" / "recipes"
@@ -344,6 +344,13 @@ def online_tokens_per_step(target, drafter, store, k: int) -> float:
             tokens, steps = tokens + len(new_tokens), steps + 1
         proposer.finish_request(request)
     return tokens / steps
+
+
+def test_evaluation_cap_samples_every_part_of_the_store():
+    assert spread(5, None) == spread(5, 9) == [0, 1, 2, 3, 4]
+    picked = spread(139, 10)
+    assert len(set(picked)) == 10 and picked[0] == 0 and picked[-1] >= 125  # reaches the last sources too
+    assert all(0 <= i < 139 for i in picked)
 
 
 def test_walk_acceptance_steps_like_decoding():

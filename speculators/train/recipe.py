@@ -97,7 +97,7 @@ class TrainingSpec:
     eval_every: int = 100
     save_every: int = 50
     eval_ks: list[int] = field(default_factory=lambda: [3, 5, 7])
-    eval_max_sequences: int | None = None
+    eval_max_sequences: int | None = None  # held-out sequences evaluated, evenly spaced (None: all)
     seed: int = 0
     threads: int = 1                    # more OpenMP threads than free cores is many times slower, not faster
 

@@ -90,6 +90,14 @@ def chain_logits(drafter: Any, batch: Batch, layout: ChainLayout) -> list[Tensor
     return drafter.chain_logits(inputs, batch.next_tokens, layout)
 
 
+def spread(n: int, cap: int | None) -> list[int]:
+    """Indices of at most `cap` of n sequences, evenly spaced: a store is ordered by source, so its first ones are not
+    a sample."""
+    if cap is None or cap >= n:
+        return list(range(n))
+    return [i * n // cap for i in range(cap)]
+
+
 def predicted_ids(drafter: Any, logits: Tensor) -> Tensor:
     """Greedy draft tokens as target ids."""
     ids = logits.argmax(-1)
@@ -288,7 +296,7 @@ class Trainer:
     def evaluate(self, store: FeatureStore | None = None, ks: list[int] | None = None) -> dict[str, Any]:
         """Acceptance on the held-out split (or `store`); see evaluate_acceptance."""
         store = store or self.heldout
-        indices = list(range(len(store)))[: self.recipe.training.eval_max_sequences]
+        indices = spread(len(store), self.recipe.training.eval_max_sequences)
         slots = max(64, self.recipe.training.tokens_per_step // (1 if self.is_eagle else 4))
         return evaluate_acceptance(self.drafter, store, ks or self.recipe.training.eval_ks, indices, slots)
 
