@@ -802,11 +802,12 @@ cdef void draft_copy(Draft* dst, Draft* src) noexcept nogil:
     dst.score = src.score
     dst.match_len = src.match_len
 
-cdef void merge_trees(Draft* first, Draft* second, int32_t max_nodes, Draft* mix, int32_t* idx) noexcept nogil:
-    """Union of two draft trees into `first`: a token path both drafted is one node with the higher of its two path
-    probabilities; then the max_nodes most probable nodes (ties: first's, then the earlier). A child is never more
-    probable than its parent in either draft, hence in the union, and comes after it, so the kept nodes form a tree.
-    mix and idx hold first.n + second.n entries."""
+cdef void merge_trees(Draft* first, Draft* second, int32_t max_nodes, Draft* mix, int32_t* idx,
+                      Draft* out) noexcept nogil:
+    """Union of two draft trees into `out` (which may be either of them): a token path both drafted is one node with
+    the higher of its two path probabilities; then the max_nodes most probable nodes (ties: first's, then the earlier).
+    A child is never more probable than its parent in either draft, hence in the union, and comes after it, so the
+    kept nodes form a tree. out takes first's match length; mix and idx hold first.n + second.n entries."""
     cdef int32_t i, j, pm, n, keep
     draft_copy(mix, first)
     for j in range(second.n):
@@ -833,14 +834,15 @@ cdef void merge_trees(Draft* first, Draft* second, int32_t max_nodes, Draft* mix
     keep = n if n < max_nodes else max_nodes
     for i in range(keep):          # idx[k] (k < n) becomes node k's new index
         idx[idx[n + i]] = i
-    first.n = keep
-    first.score = 0.0
+    out.match_len = first.match_len
+    out.n = keep
+    out.score = 0.0
     for i in range(keep):
         j = idx[n + i]
-        first.tok[i] = mix.tok[j]
-        first.par[i] = idx[mix.par[j]] if mix.par[j] >= 0 else -1
-        first.prob[i] = mix.prob[j]
-        first.score += mix.prob[j]
+        out.tok[i] = mix.tok[j]
+        out.par[i] = idx[mix.par[j]] if mix.par[j] >= 0 else -1
+        out.prob[i] = mix.prob[j]
+        out.score += mix.prob[j]
 
 cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, Draft* tmp, Draft* mix,
                         int32_t* idx, Item* heap) noexcept nogil:
@@ -876,12 +878,13 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
             cap = draft_cap(a, m)
             draft_tree(G, gm.node, m, False, 0, cap, a.max_nodes if a.tree else cap, a.min_prob, a.tree, tmp, heap)
             tmp.match_len = m
-            if tmp.score > best.score:
-                draft_copy(mix, best)
+            if a.tree and tmp.n > 0 and best.n > 0:
+                if tmp.score > best.score:
+                    merge_trees(tmp, best, a.max_nodes, mix, idx, best)
+                else:
+                    merge_trees(best, tmp, a.max_nodes, mix, idx, best)
+            elif tmp.score > best.score:
                 draft_copy(best, tmp)
-                draft_copy(tmp, mix)
-            if a.tree and tmp.n > 0:
-                merge_trees(best, tmp, a.max_nodes, mix, idx)
 
 # ---------------------------------------------------------------- Python-facing objects
 

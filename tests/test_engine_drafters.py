@@ -47,19 +47,22 @@ def target_model():
     return tiny_llama(vocab_size=VOCAB, seed=7, init_std=0.3)
 
 
+def drafter_engine(target_model, bf16: bool) -> Engine:
+    drafters = {kind: make_drafter(kind, target_model) for kind in DRAFTER_KINDS}
+    return Engine(TargetModel(target_model), tiny_tokenizer(VOCAB), drafters=drafters, drafter_bf16=bf16,
+                  router=lambda proposals, contexts: list(proposals))  # verify every draft
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["fp32", "bf16"])
 def engine(target_model, request):
-    """Drafters with float32 products (their state is checked to 2e-3), or bfloat16 ones (outputs checked only)."""
-    drafters = {kind: make_drafter(kind, target_model) for kind in DRAFTER_KINDS}
-    return Engine(TargetModel(target_model), tiny_tokenizer(VOCAB), drafters=drafters, drafter_bf16=request.param,
-                  router=lambda proposals, contexts: list(proposals))  # verify every draft
+    """Drafters with float32 products, or bfloat16 ones (outputs checked only)."""
+    return drafter_engine(target_model, request.param)
 
 
 @pytest.fixture(scope="module")
 def fp32_engine(target_model):
-    drafters = {kind: make_drafter(kind, target_model) for kind in DRAFTER_KINDS}
-    return Engine(TargetModel(target_model), tiny_tokenizer(VOCAB), drafters=drafters, drafter_bf16=False,
-                  router=lambda proposals, contexts: list(proposals))
+    """Float32 drafters: their state is checked against a fresh drafter's to 2e-3."""
+    return drafter_engine(target_model, False)
 
 
 def random_prompts(n: int, seed: int) -> list[list[int]]:

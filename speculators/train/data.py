@@ -330,7 +330,7 @@ def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = 
         _save_atomic(tensors, head_file)
 
     spec = recipe.data
-    engine = None
+    responses_cache = None  # only generate-mode items (response None) look into it
     if any(s.mode == "generate" for s in spec.sources):
         from hybridspec.engine import Engine
         from hybridspec.target import TargetModel
