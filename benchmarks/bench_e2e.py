@@ -14,7 +14,8 @@ Workloads:
 
 Methods (--speculate, comma-separated): suffix, ngram, a shipped drafter head (peagle, lstm, eagle3) or a hybrid
 (suffix+peagle, ...), each at its default K unless --num-speculative-tokens is given, each on its own Engine (its own
-suffix cache). Baseline: the same target with speculate="none" (plain greedy decoding; same model, dtype, KV cache and
+suffix cache), each drafting its default shape (drafters and hybrids trees, the suffix cache chains; --tree or
+--no-tree for all). Baseline: the same target with speculate="none" (plain greedy decoding; same model, dtype, KV cache and
 prefill handling). Baseline and speculative runs alternate turn by turn (question by question for chat), so that load
 from other processes on a shared machine falls on all alike. tokens/s counts generated tokens over the whole time of
 the calls, prefill of the prompts included; decode_speedup leaves prefill out. "identical" checks every turn's tokens.
@@ -209,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated methods: suffix, ngram, peagle, lstm, eagle3")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="K for every method (default: 16 for suffix/ngram, a drafter's trained K)")
-    parser.add_argument("--tree", action="store_true", help="draft token trees instead of chains")
+    parser.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
+                        help="draft token trees (--no-tree: chains); default: each proposer's own choice (drafters and "
+                             "hybrids trees, the suffix cache chains)")
     parser.add_argument("--verify-cost", type=Path, help="JSON from `python -m hybridspec.target "
                                                          "--measure-verify-cost` for the cost gate")
     args = parser.parse_args(argv)

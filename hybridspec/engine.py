@@ -38,7 +38,7 @@ DRAFTER_KINDS = ("peagle", "lstm", "eagle3")
 HYBRID_KINDS = tuple(f"suffix+{kind}" for kind in DRAFTER_KINDS)
 SPECULATE_CHOICES = ("suffix", "ngram", *DRAFTER_KINDS, *HYBRID_KINDS, "none")
 GENERATE_DEFAULTS: dict[str, Any] = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, speculate="suffix",
-                                         num_speculative_tokens=None, tree=False, stop=None, seed=None)
+                                         num_speculative_tokens=None, tree=None, stop=None, seed=None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -307,8 +307,11 @@ class Engine:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop strings must be non-empty strings")
         generator = torch.Generator().manual_seed(o["seed"]) if o["seed"] is not None else None
-        params = _Params(max_new_tokens, float(o["temperature"]), int(o["top_k"]), float(o["top_p"]), k,
-                         bool(o["tree"]), stops, generator)
+        tree = o["tree"]
+        if tree is None:  # the proposer's own preference, where it can draft trees at all
+            tree = getattr(proposer, "prefers_trees", False) and self._drafts_trees(proposer)
+        params = _Params(max_new_tokens, float(o["temperature"]), int(o["top_k"]), float(o["top_p"]), k, bool(tree),
+                         stops, generator)
         return params, proposer
 
     # ------------------------------------------------------------------------------------------------ public API
@@ -316,14 +319,17 @@ class Engine:
     def generate(self, prompt_or_messages: PromptLike | Sequence[PromptLike], max_new_tokens: int = 256,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  speculate: str | Proposer | None = "suffix", num_speculative_tokens: int | None = None,
-                 tree: bool = False, stop: str | Sequence[str] | None = None,
+                 tree: bool | None = None, stop: str | Sequence[str] | None = None,
                  seed: int | None = None) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (text, chat messages or token ids), or a list of prompts as one batch.
 
         temperature 0 is greedy; otherwise sampling with top_k / top_p. speculate: "suffix" (the engine's suffix
         cache: prompt and past responses), "ngram", a model drafter ("peagle", "lstm", "eagle3"; num_speculative_tokens
         then defaults to the K it was trained for), a hybrid ("suffix+peagle", ...: the suffix draft where the text
-        repeats, the drafter's elsewhere), "none", or a Proposer. tree=True drafts token trees (suffix).
+        repeats, the drafter's elsewhere), "none", or a Proposer. tree=True drafts token trees: the suffix cache's, or a
+        drafter's greedy chain with its runner-up tokens as siblings; num_speculative_tokens then counts tree nodes.
+        tree=None (default) lets the proposer choose: trees for drafters and hybrids, chains for the suffix cache
+        (the faster on a CPU, where verifying more than ~5 tokens costs a step's fifth more).
         Stops at EOS, at any of `stop` (the text is cut before it), or after max_new_tokens.
         """
         batch = self._is_batch(prompt_or_messages)
@@ -515,10 +521,14 @@ class Engine:
             yield
 
     @staticmethod
-    def _tree_kwargs(proposer: Proposer | None, tree: bool) -> dict:
-        if not tree:
+    def _drafts_trees(proposer: Proposer) -> bool:
+        return "tree" in inspect.signature(proposer.speculate).parameters
+
+    @classmethod
+    def _tree_kwargs(cls, proposer: Proposer | None, tree: bool) -> dict:
+        if not tree or proposer is None:
             return {}
-        if proposer is None or "tree" not in inspect.signature(proposer.speculate).parameters:
+        if not cls._drafts_trees(proposer):
             raise ValueError(f"tree=True needs a proposer that drafts trees (speculate(..., tree=True)), "
                              f"not {type(proposer).__name__}")
         return {"tree": True}

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 4, 8, 16, 32)
+DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 
 
 def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -166,7 +166,8 @@ class Linear:
     17/19/19/32/49/92 ms). Elsewhere it is F.linear.
     """
 
-    __slots__ = ("weight", "bias", "packed", "pad_pairs", "compute_dtype")
+    __slots__ = ("weight", "bias", "packed", "pad_rows", "compute_dtype")
+    MIN_ROWS = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  compute_dtype: torch.dtype | None = None):
@@ -179,17 +180,18 @@ class Linear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack and _onednn_available(weight) \
             else None
         self.weight = weight if self.packed is None else None  # the packed copy replaces it
-        # oneDNN is slower for one or two rows of a wide matrix than for three: SmolLM2's lm_head took 8.8 / 11.2 /
-        # 8.3 ms for 1 / 2 / 3 rows (1 thread), which made a one-token draft the dearest to verify. Pad to three.
-        self.pad_pairs = self.packed is not None and weight.shape[0] >= 8192
+        # oneDNN picks a slower kernel for one or two rows than for three to six once the weights stream from memory
+        # (a model's worth of them): SmolLM2's 120 layer products took 31 / 35 / 28 / 25 ms for 1 / 2 / 3 / 4 rows
+        # (1 thread). Padding to MIN_ROWS makes a plain decoding step ~12% faster and a 1-3 token draft free to verify.
+        self.pad_rows = self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is not None and x.dtype != self.compute_dtype:
             return self(x.to(self.compute_dtype)).to(x.dtype)
         if self.packed is not None:
-            if self.pad_pairs and (n := x.numel() // x.shape[-1]) < 3:
+            if self.pad_rows and (n := x.numel() // x.shape[-1]) < self.MIN_ROWS:
                 rows = x.reshape(n, -1)
-                padded = torch.cat([rows, rows[-1:].expand(3 - n, -1)])
+                padded = torch.cat([rows, rows[-1:].expand(self.MIN_ROWS - n, -1)])
                 out = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
                 return out[:n].reshape(*x.shape[:-1], -1)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

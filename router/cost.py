@@ -16,7 +16,7 @@ from typing import Mapping
 
 import numpy as np
 
-DEFAULT_VERIFY_MS: dict[int, float] = {0: 56.2, 1: 62.5, 2: 58.0, 4: 57.2, 8: 66.9, 16: 92.6, 32: 147.6}
+DEFAULT_VERIFY_MS: dict[int, float] = {0: 44.3, 1: 45.9, 2: 46.9, 3: 45.8, 4: 47.5, 5: 47.5, 6: 56.2, 8: 59.9, 12: 71.9, 16: 80.6, 32: 130.2}
 
 
 def read_cost_json(source):

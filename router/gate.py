@@ -11,12 +11,13 @@ from hybridspec.router.cost import DEFAULT_VERIFY_MS, VerifyCost, read_cost_json
 
 # Verify cost t(k) in ms of SmolLM2-135M fp32, 1 thread, on this project's CPU, at three context lengths
 # (`python -m hybridspec.target --measure-verify-cost --context 512,2048,4096`; the 512 row is the router's default).
-# Attention over the context makes extra draft tokens dearer as the context grows: 16 drafts cost 1.6 plain steps at
-# 512 tokens and 2.3 at 4096. Pass a measured table as `Engine(verify_cost=...)` on other machines.
+# Up to 5 drafts are nearly free at 512 tokens (oneDNN's kernels for 1-6 rows), the 6th costs a step's fifth; attention
+# over the context makes drafts dearer as it grows: 16 drafts cost 1.8 plain steps at 512 tokens and 2.7 at 4096.
+# Pass a measured table as `Engine(verify_cost=...)` on other machines.
 DEFAULT_VERIFY_MS_BY_CONTEXT: dict[int, dict[int, float]] = {
     512: DEFAULT_VERIFY_MS,
-    2048: {0: 64.5, 1: 75.4, 2: 73.0, 4: 77.9, 8: 95.7, 16: 129.2, 32: 205.7},
-    4096: {0: 82.0, 1: 98.0, 2: 101.6, 4: 113.8, 8: 138.2, 16: 191.4, 32: 298.8},
+    2048: {0: 52.3, 1: 58.7, 2: 64.4, 3: 63.9, 4: 69.1, 5: 69.9, 6: 82.0, 8: 86.1, 12: 104.6, 16: 119.2, 32: 191.7},
+    4096: {0: 65.0, 1: 77.2, 2: 89.1, 3: 91.8, 4: 102.1, 5: 103.1, 6: 120.4, 8: 125.6, 12: 151.9, 16: 175.1, 32: 277.1},
 }
 
 

@@ -23,6 +23,7 @@ class HybridProposer:
     """
 
     wants_target_features = True
+    prefers_trees = True  # the engine's default, as for the drafter alone
 
     def __init__(self, suffix: Proposer, drafter: Any, num_speculative_tokens: int = 16,
                  suffix_threshold: float | None = None, expected: Callable[[Proposal], float] | None = None) -> None:
@@ -52,11 +53,14 @@ class HybridProposer:
         self.suffix.append(request_id, tokens)
         self.drafter.append(request_id, tokens, features=features)
 
-    def speculate(self, request_id: Hashable, max_spec_tokens: int | None = None) -> Proposal:
+    def speculate(self, request_id: Hashable, max_spec_tokens: int | None = None, tree: bool = False) -> Proposal:
+        """tree=True: both draft trees of at most max_spec_tokens nodes (the drafter's no deeper than its K)."""
         budget = self.num_speculative_tokens if max_spec_tokens is None else max_spec_tokens
-        best = self.suffix.speculate(request_id, max_spec_tokens=budget)
+        tree_kwargs = {"tree": True} if tree else {}
+        best = self.suffix.speculate(request_id, max_spec_tokens=budget, **tree_kwargs)
         if not len(best) or self.expected(best) < self.suffix_threshold:
-            drafted = self.drafter.speculate(request_id, min(budget, self.drafter.num_speculative_tokens))
+            drafted = self.drafter.speculate(
+                request_id, budget if tree else min(budget, self.drafter.num_speculative_tokens), **tree_kwargs)
             if len(drafted) and (self.sampling or not len(best) or self.expected(drafted) > self.expected(best)):
                 best = drafted
         self.chosen[best.source if len(best) else ""] += 1

@@ -72,18 +72,47 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
 @pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
-def test_greedy_with_a_drafter_is_token_identical(engine, kind, batch):
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_greedy_with_a_drafter_is_token_identical(engine, kind, batch, tree):
     prompts = random_prompts(6, seed=len(kind))
     references = [engine.generate(p, max_new_tokens=32, speculate="none").token_ids for p in prompts]
     if batch:
-        results = engine.generate(prompts, max_new_tokens=32, speculate=kind)
+        results = engine.generate(prompts, max_new_tokens=32, speculate=kind, tree=tree)
         accepted = results[0].stats.accepted_tokens
     else:
-        results = [engine.generate(p, max_new_tokens=32, speculate=kind) for p in prompts]
+        results = [engine.generate(p, max_new_tokens=32, speculate=kind, tree=tree) for p in prompts]
         accepted = sum(r.stats.accepted_tokens for r in results)
     assert [r.token_ids for r in results] == references
     assert accepted > 0  # the accepted-path bookkeeping ran
-    assert all(r.stats.draft_tokens <= 4 * r.stats.steps for r in results)  # K defaults to the drafter's own
+    assert all(r.stats.draft_tokens <= 4 * r.stats.steps for r in results)  # K (chain) or nodes (tree): the drafter's
+
+
+def test_drafters_draft_trees_by_default(target_model):
+    """tree=None: drafters and hybrids draft trees, the suffix cache chains; tree=False forces chains."""
+    seen = []
+
+    def router(proposals, contexts):
+        seen.extend(p for p in proposals if len(p))
+        return list(proposals)
+
+    engine = Engine(TargetModel(target_model), tiny_tokenizer(VOCAB), router=router,
+                    drafters={"peagle": make_drafter("peagle", target_model)})
+    prompt = random_prompts(1, seed=3)[0]
+    for speculate, tree, want_trees in [("peagle", None, True), ("suffix+peagle", None, True),
+                                        ("peagle", False, False), ("suffix", None, False)]:
+        seen.clear()
+        engine.generate(prompt * 3, max_new_tokens=16, speculate=speculate, tree=tree, num_speculative_tokens=4)
+        assert seen and any(not p.is_chain for p in seen) == want_trees, (speculate, tree)
+
+
+def test_tree_drafts_accept_runner_up_tokens(engine):
+    """With trees, some steps accept a sibling (a runner-up of the drafter), which a chain cannot: more tokens per
+    step than the chain on the same prompts."""
+    prompts = random_prompts(8, seed=11)
+    chain = engine.generate(prompts, max_new_tokens=32, speculate="peagle", num_speculative_tokens=2, tree=False)
+    tree = engine.generate(prompts, max_new_tokens=32, speculate="peagle", num_speculative_tokens=2, tree=True)
+    assert [r.token_ids for r in tree] == [r.token_ids for r in chain]
+    assert tree[0].stats.tokens_per_step > chain[0].stats.tokens_per_step
 
 
 class CheckedProposer(DrafterProposer):
@@ -173,16 +202,18 @@ def test_drafter_proposer_rebuilds_when_the_prompt_does_not_continue(target_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["peagle", "lstm", "suffix+peagle", "suffix+peagle@0.5"])
+@pytest.mark.parametrize("kind", ["peagle", "lstm", "suffix+peagle", "suffix+peagle@0.5", "peagle/tree",
+                                  "suffix+peagle/tree"])
 def test_sampling_with_a_drafter_keeps_the_target_distribution(kind):
     """Drafts sampled from the drafter (with its logits), and for the hybrid a mix of those and one-hot suffix drafts
     (the repeated prompt puts earlier answers in its cache; a low threshold lets them win often, the default one makes
     the hybrid weigh the drafter's draft against them every step), through the default router (the cost gate): the
-    outputs keep the target's distribution."""
+    outputs keep the target's distribution. /tree: deterministic trees of the drafter's top tokens instead."""
     from hybridspec.router import HybridProposer
 
     vocab = 8
     model = tiny_llama(vocab_size=vocab, seed=3, init_std=0.2)
+    kind, _, tree = kind.partition("/")
     kind, _, threshold = kind.partition("@")
     drafter = kind.split("+")[-1]
     engine = Engine(TargetModel(model), tiny_tokenizer(vocab), drafters={drafter: make_drafter(drafter, model, seed=1)})
@@ -194,7 +225,7 @@ def test_sampling_with_a_drafter_keeps_the_target_distribution(kind):
     counts, n = Counter(), 0
     for call in range(6):
         results = engine.generate([prompt] * 500, max_new_tokens=3, temperature=1.0, speculate=speculate,
-                                  num_speculative_tokens=2, seed=100 + call)
+                                  num_speculative_tokens=2, seed=100 + call, tree=bool(tree))
         for r in results:
             counts[tuple(r.token_ids[:1]) if r.token_ids[0] == eos else tuple(r.token_ids[:2])] += 1
         n += len(results)
@@ -213,8 +244,6 @@ def test_drafter_errors(engine, target_model):
         Engine(engine.target, engine.tokenizer, drafters={"medusa": "x"})
     with pytest.raises(ValueError, match="speculate must be one of"):
         engine.generate([3, 4], max_new_tokens=4, speculate="eagle")
-    with pytest.raises(ValueError, match="drafts trees"):
-        engine.generate([3, 4], max_new_tokens=4, speculate="peagle", tree=True)
     other = tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=1)
     with pytest.raises(ValueError, match="hidden size"):
         Engine(TargetModel(other), engine.tokenizer, drafters={"lstm": make_drafter("lstm", target_model)}

@@ -12,7 +12,8 @@ from hybridspec.proposal import Proposal
 from hybridspec.speculators import (DrafterProposer, Eagle3Drafter, EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter,
                                     PEagleDrafter, TargetFeatures, TargetInfo, build_draft_vocab,
                                     default_aux_layer_ids, load_drafter, save_drafter)
-from hybridspec.speculators.common import ChainLayout, full_chain_origins, sample_chain_origins
+from hybridspec.speculators.common import (ChainLayout, chain_proposal, full_chain_origins, sample_chain_origins,
+                                           widen_chain)
 
 K = 5
 DRAFT_VOCAB = 96
@@ -424,3 +425,49 @@ def test_chains_can_start_from_a_subset_of_slots(target, sequence):
         b = drafter.chain_logits(features.final, tokens[1:], part)
     for d in range(K):
         torch.testing.assert_close(b[d], a[d][full.rank_in_depth[d][part.origins[d]]])
+
+
+def test_widen_chain_adds_runner_ups_as_siblings_by_path_probability():
+    # depth 0: 5 (0.6) then 2 (0.3); depth 1: 7 (0.5) then 1 (0.4); depth 2: 4 (0.9)
+    probs = torch.tensor([[0.0, 0.05, 0.3, 0.0, 0.0, 0.6, 0.05, 0.0],
+                          [0.0, 0.4, 0.05, 0.0, 0.0, 0.0, 0.05, 0.5],
+                          [0.0, 0.02, 0.0, 0.0, 0.9, 0.0, 0.08, 0.0]])
+    chain = chain_proposal([5, 7, 4], [0.6, 0.5, 0.9], probs.log(), "peagle")
+    tree = widen_chain(chain, width=2, max_nodes=10)
+    # chain 5 (.6) -> 7 (.3) -> 4 (.27); siblings 2 (.3) at depth 0, 1 (.6 * .4 = .24) under 5, 6 (.3 * .08) under 7
+    nodes = {(t, tree.token_ids[p] if p >= 0 else None): pr for t, p, pr in zip(tree.token_ids, tree.parents,
+                                                                                    tree.probs)}
+    assert nodes.keys() == {(5, None), (2, None), (7, 5), (1, 5), (4, 7), (6, 7)}
+    for key, want in {(5, None): .6, (2, None): .3, (7, 5): .3, (1, 5): .24, (4, 7): .27, (6, 7): .024}.items():
+        assert nodes[key] == pytest.approx(want, rel=1e-5)
+    assert all(p < i for i, p in enumerate(tree.parents)) and tree.draft_logits is None
+    assert tree.score == pytest.approx(sum(tree.probs))
+    # a budget keeps the most probable nodes, parents included
+    small = widen_chain(chain, width=2, max_nodes=4)  # .6, .3, .3, .27: the chain and the root's sibling
+    assert sorted(small.token_ids) == [2, 4, 5, 7]
+    assert [small.token_ids[p] if p >= 0 else None for p in small.parents] == [None, None, 5, 7]
+    assert widen_chain(chain, width=1, max_nodes=10).token_ids == [5, 7, 4]  # width 1: the chain itself
+    assert len(widen_chain(Proposal.empty("peagle"), 3, 5)) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafter_proposer_drafts_trees_around_its_greedy_chain(kind, target, sequence):
+    tokens, feats = sequence
+    proposer = DrafterProposer(make_drafter(kind, target), tree_width=3)
+    proposer.start_request("r", tokens.tolist(), features=feats)
+    chain = proposer.speculate("r", max_spec_tokens=3)
+    tree = proposer.speculate("r", max_spec_tokens=6, tree=True)
+    assert len(tree) == 6 and not tree.is_chain and tree.source == kind
+    # the tree holds the greedy chain's first token at the root and the chain's prefix under it
+    path, parent = [], -1
+    for token in chain.token_ids:
+        match = [i for i, (t, p) in enumerate(zip(tree.token_ids, tree.parents)) if t == token and p == parent]
+        if not match:
+            break
+        parent = match[0]
+        path.append(token)
+    assert path and path == chain.token_ids[:len(path)]
+    roots = [t for t, p in zip(tree.token_ids, tree.parents) if p == -1]
+    assert len(roots) <= 3 and len(set(roots)) == len(roots)  # at most tree_width distinct first tokens
+    with pytest.raises(ValueError, match="tree_width"):
+        DrafterProposer(make_drafter(kind, target), tree_width=0)
