@@ -12,7 +12,8 @@ typical verification) and propose K. Median milliseconds per step. On CPU the li
 the engine runs them (hybridspec.target.pack_linears), multiplying in bfloat16 where the CPU does so natively
 (--cpu-matmul float32 to compare).
 Acceptance: each checkpoint in speculators/checkpoints/ on the held-out split of its recipe's feature cache (never
-trained on), greedy, offline (see hybridspec.speculators.train.trainer.evaluate_acceptance); chat = MT-Bench and
+trained on), greedy, offline (see hybridspec.speculators.train.trainer.evaluate_acceptance), for chains and for the
+engine's default trees (every node verified); chat = MT-Bench and
 HumanEval prompts, agent = user turns of the dev agent traces, self-instruct = requests the target wrote itself.
 Needs `hybridspec train RECIPE --data-only` to have run.
 """
@@ -44,6 +45,7 @@ SHAPES = {
                       n_predict=3),
 }
 TARGET = SHAPES["smollm2"]  # the shape of the target the shipped heads serve
+TREE_WIDTH = 3  # the engine's default trees: the greedy chain and two runner-ups per depth (DrafterProposer)
 
 
 def checkpoint_dir(kind: str) -> Path:
@@ -132,7 +134,8 @@ def acceptance(kind: str) -> dict[str, dict] | None:
     for name, prefixes in kinds.items():
         indices = [i for i, s in enumerate(store.sources) if s.split(":")[0] in prefixes]
         if indices:
-            result[name] = evaluate_acceptance(drafter, store, [3, 5, 7], indices, slots_per_batch=256)
+            result[name] = evaluate_acceptance(drafter, store, [3, 5, 7], indices, slots_per_batch=256,
+                                               tree_width=TREE_WIDTH)
     log = ckpt / "train_log.json"
     if log.exists():
         result["train_seconds"] = json.loads(log.read_text()).get("train_seconds")
@@ -184,7 +187,8 @@ def main() -> None:
     for kind in RECIPES:
         results["acceptance"][kind] = acceptance(kind)
     print("\nacceptance length (tokens per step, greedy) on held-out text")
-    print(f"{'drafter':>8} {'text':>13} {'K=3':>6} {'K=5':>6} {'K=7':>6} {'steps@7':>8}")
+    print(f"{'drafter':>8} {'text':>13} {'K=3':>6} {'K=5':>6} {'K=7':>6} {'steps@7':>8}   "
+          f"tree (width {TREE_WIDTH}) K=3 K=5 K=7")
     for kind, res in results["acceptance"].items():
         if res is None:
             print(f"{kind:>8}  (no checkpoint in {checkpoint_dir(kind).relative_to(ROOT)})")
@@ -193,7 +197,7 @@ def main() -> None:
             if text in res:
                 r = res[text]
                 print(f"{kind:>8} {text:>13} {r['acceptance@3']:6.2f} {r['acceptance@5']:6.2f} {r['acceptance@7']:6.2f} "
-                      f"{r['steps'][7]:8d}")
+                      f"{r['steps'][7]:8d}   " + " ".join(f"{r[f'tree_acceptance@{k}']:6.2f}" for k in (3, 5, 7)))
     write_json(args.json, results)
 
 

@@ -10,8 +10,9 @@ K tokens per step (the checkpoint's K unless --k).
   points it at the local SmolLM2 directory), prompts one at a time. Per request, vLLM's
   `per_request_spec_decode_metrics="detailed"` gives drafted/accepted counts per verification step; the aggregate
   `vllm:spec_decode_*` counters of `LLM.get_metrics()` must agree with their sums.
-- ours: `Engine(speculate="peagle")` with a router that verifies every draft in full, as vLLM does (the default cost
-  gate trims drafts, which changes acceptance), and records drafted/accepted per step through the router's `observe`.
+- ours: `Engine(speculate="peagle", tree=False)` (chains) with a router that verifies every draft in full, as vLLM
+  does (the default cost gate trims drafts, which changes acceptance), and records drafted/accepted per step through
+  the router's `observe`.
 
 Acceptance length = 1 + accepted draft tokens / verification steps that had a draft (vLLM's definition, both sides);
 ours also as generated tokens / steps. The two can differ slightly at the end of a request: our engine drafts no more
@@ -287,7 +288,8 @@ def run_ours(engine, prompts: list[list[int]], max_new_tokens: int, k: int) -> d
     for prompt in prompts:
         plain.append(plain_engine.generate(prompt, max_new_tokens=max_new_tokens, speculate="none").token_ids)
         router.acceptance = Acceptance(k)
-        result = engine.generate(prompt, max_new_tokens=max_new_tokens, speculate="peagle", num_speculative_tokens=k)
+        result = engine.generate(prompt, max_new_tokens=max_new_tokens, speculate="peagle", num_speculative_tokens=k,
+                                 tree=False)  # chains, as vLLM drafts
         spec.append(result.token_ids)
         stats.add(result.stats)
         per_request.append(router.acceptance)

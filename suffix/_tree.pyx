@@ -3,9 +3,10 @@
 
 Layout: a node is one 32-byte struct (a visit touches one cache line); children are found through one open-addressing
 hash table keyed by (parent, first token) that stores only node indices, and enumerated through a doubly linked
-sibling list whose head is the best-ranked child (highest count, then most recent), so a path draft never scans
-siblings: keeping it there costs O(1) per count increment, and eviction, which lowers counts, only marks the list for
-a rescan by the next draft that reaches it. A node also counts the occurrences of its string that end there, so the
+sibling list whose first two are the best-ranked children (highest count, then most recent), so a path draft never
+scans siblings and a tree draft scans them only where the runner-up is likely enough: keeping them there costs O(1)
+per count increment, and eviction, which lowers counts, only marks the list for a rescan by the next draft that
+reaches it. A node also counts the occurrences of its string that end there, so the
 children's count total (the denominator of their probabilities) needs no scan either. All tokens of a tree live back
 to back in one arena, oldest sequence first. Every suffix of every sequence, truncated at `max_depth`, ends exactly at
 a node (as in ArcticInference), so a node's count is the exact number of occurrences of its string.
@@ -29,14 +30,14 @@ DEF NONE = -1
 DEF FREED = -2
 DEF KIDS = 64              # children considered per node in tree mode (the top ones by count, then recency)
 DEF ENDS_MAX = 0x7FFF      # Node.ends saturates here: the number is then unknown and recounted from the children
-DEF STALE = 0x8000         # Node.ends flag: eviction lowered the first child's count, it may no longer rank first
+DEF STALE = 0x8000         # Node.ends flag: eviction lowered the first or second child's count: they may be out of rank
 
 cdef struct Node:
     int32_t count          # occurrences of the node's string
     int32_t parent
     int32_t token          # first token of the edge into this node
     uint32_t rend          # arena position just after the most recent occurrence of the node's string
-    int32_t child          # best-ranked child (unless STALE); siblings form a doubly linked list
+    int32_t child          # best-ranked child, the second-ranked next (unless STALE); a doubly linked sibling list
     int32_t sib
     int32_t psib
     uint16_t depth         # string depth at the node's end
@@ -166,26 +167,39 @@ cdef inline void list_unlink(Node* N, int32_t c) noexcept nogil:
     if N[c].sib != NONE:
         N[N[c].sib].psib = N[c].psib
 
+cdef inline void link_after(Node* N, int32_t a, int32_t c) noexcept nogil:
+    N[c].psib = a
+    N[c].sib = N[a].sib
+    if N[a].sib != NONE:
+        N[N[a].sib].psib = c
+    N[a].sib = c
+
 cdef inline void link_ranked(Node* N, int32_t v, int32_t c) noexcept nogil:
-    """Link c, whose occurrence is the most recent among its siblings: first if it ties the first child's count,
-    else second."""
+    """Link c, whose occurrence is the most recent among its siblings, keeping the two best-ranked children first:
+    first if it ties the first child's count, else second if it ties the second's, else third."""
     cdef int32_t h = N[v].child
     if h == NONE or N[c].count >= N[h].count:
         list_link(N, v, c)
-        return
-    N[c].psib = h
-    N[c].sib = N[h].sib
-    if N[h].sib != NONE:
-        N[N[h].sib].psib = c
-    N[h].sib = c
+    elif N[h].sib == NONE or N[c].count >= N[N[h].sib].count:
+        link_after(N, h, c)
+    else:
+        link_after(N, N[h].sib, c)
 
 cdef inline void promote(Node* N, int32_t v, int32_t c) noexcept nogil:
     """c's count grew by an occurrence that is the most recent among its siblings: it goes first if it ties the first
-    child's count (the first child stays the best-ranked: the others' counts did not change)."""
-    cdef int32_t h = N[v].child
-    if h != c and N[c].count >= N[h].count:
+    child's count, else second if it ties the second's (the others' counts did not change, so the two best-ranked
+    children stay first)."""
+    cdef int32_t h = N[v].child, s
+    if h == c:
+        return
+    if N[c].count >= N[h].count:
         list_unlink(N, c)
         list_link(N, v, c)
+        return
+    s = N[h].sib
+    if s != c and N[c].count >= N[s].count:
+        list_unlink(N, c)
+        link_after(N, h, c)
 
 cdef inline void ends_add(Node* x, int d) noexcept nogil:
     if (x.ends & ENDS_MAX) != ENDS_MAX:
@@ -476,9 +490,9 @@ cdef int remove_suffixes(Tree* T, Seq* S, int32_t upto) except -1 nogil:
         while d < lim:
             c = lookup(T, v, T.tok[(S.base + <uint32_t> (st + d)) & T.tok_mask])
             N[c].count -= 1
-            if N[v].child == c and N[c].sib != NONE:
-                # a sibling may now rank first: found again by the next draft that needs it, not here (at the root
-                # that would be a scan over the vocabulary per evicted suffix)
+            if (N[v].child == c or N[N[v].child].sib == c) and N[c].sib != NONE:
+                # a sibling may now rank first or second: found again by the next draft that needs it, not here (at
+                # the root that would be a scan over the vocabulary per evicted suffix)
                 N[v].ends |= STALE
             if N[c].count == 0:
                 free_subtree(T, c)
@@ -561,20 +575,26 @@ cdef inline bint ranks_before(Node* N, int32_t a, int32_t b) noexcept nogil:
     return <int32_t> ((N[a].rend - N[a].depth) - (N[b].rend - N[b].depth)) > 0
 
 cdef int32_t best_child(Node* N, int32_t u) noexcept nogil:
-    """u's best-ranked child (NONE for a leaf): its first child, found again and moved first if eviction made the
-    list stale."""
-    cdef int32_t b = N[u].child, c
+    """u's best-ranked child (NONE for a leaf): its first child, the second-ranked next to it; both found again and
+    moved first if eviction made the list stale."""
+    cdef int32_t b = N[u].child, b2 = NONE, c
     if N[u].ends & STALE:
         N[u].ends &= ENDS_MAX
         if b != NONE:
             c = N[b].sib
             while c != NONE:
                 if ranks_before(N, c, b):
+                    b2 = b
                     b = c
+                elif b2 == NONE or ranks_before(N, c, b2):
+                    b2 = c
                 c = N[c].sib
             if b != N[u].child:
                 list_unlink(N, b)
                 list_link(N, u, b)
+            if b2 != NONE and N[b].sib != b2:
+                list_unlink(N, b2)
+                link_after(N, b, b2)
     return b
 
 cdef int64_t child_total(Node* N, int32_t u) noexcept nogil:
@@ -641,12 +661,14 @@ cdef void draft_tree(Tree* T, int32_t start_node, int32_t start_d, bint start_co
                 continue                  # not even the best child is likely enough
             kids[0] = c
             m = 1
-            if branch and it.prob * (<double> (total - N[c].count) / <double> total) >= min_prob:
-                # the runners-up: a scan, in tree mode only, and only where what the best child leaves to the others
-                # could still pass min_prob
+            if branch and N[c].sib != NONE and it.prob * (<double> N[N[c].sib].count / <double> total) >= min_prob:
+                # the runners-up: a scan, in tree mode only, and only where the second-ranked child (kept next to the
+                # first) passes min_prob
                 c = N[u].child
                 while c != NONE:
-                    if c != kids[0] and (m < KIDS or ranks_before(N, c, kids[m - 1])):
+                    # a child below min_prob is never drafted: skip it here rather than rank it (wide nodes)
+                    if c != kids[0] and it.prob * (<double> N[c].count / <double> total) >= min_prob and (
+                            m < KIDS or ranks_before(N, c, kids[m - 1])):
                         j = m - 1 if m == KIDS else m
                         while j > 1 and ranks_before(N, c, kids[j - 1]):
                             kids[j] = kids[j - 1]
@@ -845,10 +867,12 @@ cdef void merge_trees(Draft* first, Draft* second, int32_t max_nodes, Draft* mix
         out.score += mix.prob[j]
 
 cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, Draft* tmp, Draft* mix,
-                        int32_t* idx, Item* heap) noexcept nogil:
+                        int32_t* idx, Item* heap, Draft* extra) noexcept nogil:
     """Draft from the request's own tree and from the global tree. Chains: keep the higher score (ties: the
-    request's). Trees: their union, cut to max_nodes by path probability."""
-    cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, lo, hi, i, v, cap
+    request's). Trees: their union, each tree's draft joined with the one from its longest shorter match that occurs
+    more often, cut to max_nodes by path probability. `extra` is scratch for those."""
+    cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, m2, lo, hi, i, v, cap, u, d
+    cdef int64_t c
     best.n = 0
     best.score = 0.0
     best.match_len = 0
@@ -871,6 +895,23 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
         draft_tree(R, v, m, m == D, R.act_prev[i], cap, a.max_nodes if a.tree else cap, a.min_prob,
                    a.tree, best, heap)
         best.match_len = m
+        if a.tree and m >= 2:
+            # joined with the draft of the longest shorter suffix that occurs more often: the continuations of the
+            # occurrences the long match does not reach (a backoff, as n-gram models blend shorter contexts)
+            c = R.nodes[v].count
+            lo = 0
+            hi = m - 1
+            while lo < hi:
+                m2 = (lo + hi + 1) // 2
+                if R.nodes[R.act_node[(L - m2) % D]].count > c:
+                    lo = m2
+                else:
+                    hi = m2 - 1
+            if lo >= 1:
+                draft_tree(R, R.act_node[(L - lo) % D], lo, False, 0, draft_cap(a, lo), a.max_nodes, a.min_prob,
+                           True, extra, heap)
+                if extra.n > 0:
+                    merge_trees(best, extra, a.max_nodes, mix, idx, best)
     if G.n_suffixes > 0:
         gmatch_update(G, gm, R.tok, L)
         m = gm.d
@@ -878,6 +919,20 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
             cap = draft_cap(a, m)
             draft_tree(G, gm.node, m, False, 0, cap, a.max_nodes if a.tree else cap, a.min_prob, a.tree, tmp, heap)
             tmp.match_len = m
+            if a.tree and m >= 2:  # the same backoff
+                c = G.nodes[gm.node].count
+                lo = 0
+                hi = m - 1
+                while lo < hi:
+                    m2 = (lo + hi + 1) // 2
+                    if walk(G, R.tok + L - m2, m2, &u, &d) and G.nodes[u].count > c:
+                        lo = m2
+                    else:
+                        hi = m2 - 1
+                if lo >= 1 and walk(G, R.tok + L - lo, lo, &u, &d):
+                    draft_tree(G, u, lo, False, 0, draft_cap(a, lo), a.max_nodes, a.min_prob, True, extra, heap)
+                    if extra.n > 0:
+                        merge_trees(tmp, extra, a.max_nodes, mix, idx, tmp)
             if a.tree and tmp.n > 0 and best.n > 0:
                 if tmp.score > best.score:
                     merge_trees(tmp, best, a.max_nodes, mix, idx, best)
@@ -934,7 +989,7 @@ def as_tokens(tokens, int64_t limit=INT32_MAX):
 
 cdef class _Scratch:
     """Draft buffers for one cache (not shared between caches, so two caches may speculate in two threads)."""
-    cdef Draft a, b, mix
+    cdef Draft a, b, extra, mix
     cdef int32_t* idx
     cdef Item* heap
     cdef int32_t cap
@@ -953,15 +1008,20 @@ cdef class _Scratch:
         self.b.tok = <int32_t*> PyMem_Malloc(cap * sizeof(int32_t))
         self.b.par = <int32_t*> PyMem_Malloc(cap * sizeof(int32_t))
         self.b.prob = <double*> PyMem_Malloc(cap * sizeof(double))
+        self.extra.tok = <int32_t*> PyMem_Malloc(cap * sizeof(int32_t))
+        self.extra.par = <int32_t*> PyMem_Malloc(cap * sizeof(int32_t))
+        self.extra.prob = <double*> PyMem_Malloc(cap * sizeof(double))
         # each pop emits at most one token and pushes one item, or branches and pushes up to KIDS
         self.heap = <Item*> PyMem_Malloc(((KIDS + 2) * cap + 4) * sizeof(Item))
         if (self.a.tok == NULL or self.a.par == NULL or self.a.prob == NULL or self.b.tok == NULL or
-                self.b.par == NULL or self.b.prob == NULL or self.heap == NULL):
+                self.b.par == NULL or self.b.prob == NULL or self.extra.tok == NULL or self.extra.par == NULL or
+                self.extra.prob == NULL or self.heap == NULL):
             raise MemoryError()
 
     def __dealloc__(self):
         PyMem_Free(self.a.tok); PyMem_Free(self.a.par); PyMem_Free(self.a.prob)
         PyMem_Free(self.b.tok); PyMem_Free(self.b.par); PyMem_Free(self.b.prob)
+        PyMem_Free(self.extra.tok); PyMem_Free(self.extra.par); PyMem_Free(self.extra.prob)
         PyMem_Free(self.heap)
         PyMem_Free(self.mix.tok); PyMem_Free(self.mix.par); PyMem_Free(self.mix.prob); PyMem_Free(self.idx)
 
@@ -1117,6 +1177,8 @@ cdef class SuffixTree:
                 assert N[c].parent == n and N[c].psib == prev, f"node {n}: broken sibling list"
                 assert N[n].ends & STALE or not ranks_before(N, c, N[n].child), \
                     f"node {n}: child {c} ranks before the first child {N[n].child}"
+                assert N[n].ends & STALE or prev == NONE or prev == N[n].child or \
+                    not ranks_before(N, c, N[N[n].child].sib), f"node {n}: child {c} ranks before the second child"
                 kids += N[c].count
                 prev = c
                 c = N[c].sib
@@ -1193,7 +1255,7 @@ def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, dou
     if nreq == 1:
         r = requests[0]
         with nogil:
-            speculate_one(&r.tree.T, &r.gm, G, &a, &sc.a, &sc.b, &sc.mix, sc.idx, sc.heap)
+            speculate_one(&r.tree.T, &r.gm, G, &a, &sc.a, &sc.b, &sc.mix, sc.idx, sc.heap, &sc.extra)
         return [to_proposal(&sc.a)]
     cdef Draft* drafts = <Draft*> PyMem_Malloc(nreq * sizeof(Draft))
     cdef Tree** trees = <Tree**> PyMem_Malloc(nreq * sizeof(Tree*))
@@ -1214,7 +1276,7 @@ def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, dou
             drafts[k].prob = buf_q + k * need
         with nogil:
             for k in range(nreq):
-                speculate_one(trees[k], gms[k], G, &a, &drafts[k], &sc.b, &sc.mix, sc.idx, sc.heap)
+                speculate_one(trees[k], gms[k], G, &a, &drafts[k], &sc.b, &sc.mix, sc.idx, sc.heap, &sc.extra)
         for k in range(nreq):
             out.append(to_proposal(&drafts[k]))
     finally:

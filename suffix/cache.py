@@ -3,7 +3,9 @@
 Two levels, as in SuffixDecoding: every request has its own tree over its prompt and output so far, and one global tree
 holds finished responses, each after the last `prompt_tail_tokens` tokens of its prompt (all of the prompt with
 `index_prompts_globally`). `speculate` drafts from both: a chain keeps the higher-scoring draft; a tree is the union of
-the two trees (a path both drafted at the higher of its two probabilities), cut to the node budget by probability.
+the two trees' drafts (a path drafted twice at the higher of its probabilities), where each tree also drafts from its
+longest shorter match that occurs more often than the longest (a backoff: continuations the long match does not
+reach), cut to the node budget by probability.
 
 Semantics (the brute-force reference in tests/suffix_reference.py implements exactly these):
 - counts are exact occurrence counts of strings up to `max_depth` tokens; a token's probability is its share among the

@@ -144,6 +144,17 @@ def ref_speculate(ctx: list[int], glob: RefCorpus, D: int, max_tokens: int, max_
     own = RefCorpus(D)
     own.seqs, own.starts = [list(ctx)], [0]
     L = len(ctx)
+    def with_shorter_match(corpus, self_seq, m, draft):
+        """Tree mode: the draft joined with the one from the longest shorter suffix that occurs more often."""
+        count = len(corpus.occurrences(tuple(ctx[L - m:])))
+        for m2 in range(m - 1, 0, -1):
+            q = tuple(ctx[L - m2:])
+            if len(corpus.occurrences(q)) > count:
+                t, p, pr, s = ref_draft(corpus, q, None, self_seq, _cap(m2, max_tokens, factor, offset), max_nodes,
+                                        min_prob, True)
+                return _merge(draft, (t, p, pr, s, m2), max_nodes) if t else draft
+        return draft
+
     best = ([], [], [], 0.0, 0)
     for m in range(min(D, L), 0, -1):
         q = tuple(ctx[L - m:])
@@ -152,6 +163,8 @@ def ref_speculate(ctx: list[int], glob: RefCorpus, D: int, max_tokens: int, max_
             start = (0, _most_recent(own, q, before_end=L)[1]) if m == D else None
             t, p, pr, s = ref_draft(own, q, start, 0, cap, max_nodes if tree else cap, min_prob, tree)
             best = (t, p, pr, s, m)
+            if tree:
+                best = with_shorter_match(own, 0, m, best)
             break
     if glob.n_tokens() > 0:
         for m in range(min(D, L), 0, -1):
@@ -160,7 +173,9 @@ def ref_speculate(ctx: list[int], glob: RefCorpus, D: int, max_tokens: int, max_
                 cap = _cap(m, max_tokens, factor, offset)
                 t, p, pr, s = ref_draft(glob, q, None, None, cap, max_nodes if tree else cap, min_prob, tree)
                 other = (t, p, pr, s, m)
-                first, second = (other, best) if s > best[3] else (best, other)
+                if tree:
+                    other = with_shorter_match(glob, None, m, other)
+                first, second = (other, best) if other[3] > best[3] else (best, other)
                 best = _merge(first, second, max_nodes) if tree and second[0] else first
                 break
     t, p, pr, s, m = best

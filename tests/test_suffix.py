@@ -210,6 +210,18 @@ def test_tree_mode_joins_the_request_and_global_drafts():
     assert both.token_ids == [4, 5] and both.parents == [-1, 0]
 
 
+def test_tree_mode_backs_off_to_a_shorter_match_that_occurs_more_often():
+    """[1 2 3] was followed once by 4, but [2 3] three more times by 6: a tree drafts both, a chain only 4."""
+    cache = SuffixCache(max_depth=8, max_spec_tokens=4)
+    cache.start_request("q", [1, 2, 3, 4, 5, 2, 3, 6, 7, 2, 3, 6, 8, 2, 3, 6, 1, 2, 3])
+    chain = cache.speculate("q", tree=False)
+    assert chain.token_ids[0] == 4 and chain.is_chain and 6 not in chain.token_ids
+    tree = cache.speculate("q", tree=True, max_tree_nodes=8)
+    roots = {t: p for t, p, parent in zip(tree.token_ids, tree.probs, tree.parents) if parent == -1}
+    assert roots == {4: 1.0, 6: 0.75}  # 4: the long match's (1/1), 6: the shorter one's (3 of its 4 continuations)
+    assert tree.match_len == 3
+
+
 def _path(proposal, i: int) -> list[int]:
     out = []
     while i >= 0:

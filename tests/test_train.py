@@ -362,6 +362,11 @@ def test_walk_acceptance_steps_like_decoding():
     # with 2 drafts: slot 1: 1 -> slot 2: 3 -> slot 5: 1 + min(2, valid 1 + 1) = 3 -> end
     assert walk_acceptance(correct, valid, origin, 2) == (7, 3)
     assert walk_acceptance(correct, valid, torch.zeros(7, dtype=torch.bool), 3) == (0, 0)
+    # a tree: where the chain is first wrong, a runner-up that is right adds one token
+    runner_up = torch.zeros(7, 3, dtype=torch.bool)
+    runner_up[1, 0] = runner_up[3, 1] = runner_up[4, 2] = True  # slot 4 is never a step's start: no effect
+    # slot 1: 1 + 1 -> slot 3: 1 + (1 + 1) -> slot 6: 1
+    assert walk_acceptance(correct, valid, origin, 3, runner_up) == (6, 3)
 
 
 def test_interrupted_training_resumes_to_the_same_weights(features, chat_file, tmp_path):

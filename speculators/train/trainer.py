@@ -104,19 +104,31 @@ def predicted_ids(drafter: Any, logits: Tensor) -> Tensor:
     return drafter.draft_to_target()[ids] if isinstance(drafter, EagleBase) else ids
 
 
-def walk_acceptance(correct: Tensor, valid_depth: Tensor, is_origin: Tensor, k: int) -> tuple[int, int]:
+def _top_ids(drafter: Any, logits: Tensor, width: int) -> Tensor:
+    """The drafter's `width` most probable tokens per row, as target ids [n, width] (first: its greedy token)."""
+    ids = logits.topk(width, dim=-1).indices
+    return drafter.draft_to_target()[ids] if isinstance(drafter, EagleBase) else ids
+
+
+def walk_acceptance(correct: Tensor, valid_depth: Tensor, is_origin: Tensor, k: int,
+                    runner_up: Tensor | None = None) -> tuple[int, int]:
     """(tokens, steps) of greedy speculative decoding over one sequence's slots with chains of k drafts.
 
     correct [n, max_k]: draft d of the chain from slot i equals the target's greedy token. Decoding starts at the first
     origin; a step from slot i commits 1 + (leading correct drafts, within the text) tokens and the next step starts
     that many slots later, exactly as online decoding with a drafter whose state is rebuilt from target features.
+    runner_up [n, max_k]: the target's token is among the drafter's runner-ups at that depth, leaves hung beside the
+    chain's token (a tree, `widen_chain`): where the chain is first wrong, one more token is accepted.
     """
     origins = torch.nonzero(is_origin).flatten()
     if origins.numel() == 0:
         return 0, 0
     limit = torch.clamp(valid_depth + 1, max=k)
-    run = torch.cumprod(correct[:, :k].int(), dim=1)
-    accepted = [min(int(r), int(m)) for r, m in zip(run.sum(1), limit)]
+    run = torch.cumprod(correct[:, :k].int(), dim=1).sum(1)
+    if runner_up is not None:
+        first_wrong = torch.clamp(run, max=k - 1)
+        run = run + ((run < k) & runner_up[torch.arange(run.numel()), first_wrong]).int()
+    accepted = [min(int(r), int(m)) for r, m in zip(run, limit)]
     tokens = steps = 0
     pos, end = int(origins[0]), correct.shape[0]
     while pos < end:
@@ -127,9 +139,10 @@ def walk_acceptance(correct: Tensor, valid_depth: Tensor, is_origin: Tensor, k: 
 
 @torch.no_grad()
 def evaluate_acceptance(drafter: Any, store: FeatureStore, ks: list[int], indices: list[int] | None = None,
-                        slots_per_batch: int = 512) -> dict[str, Any]:
+                        slots_per_batch: int = 512, tree_width: int = 1) -> dict[str, Any]:
     """Acceptance length at each K: tokens per decoding step (1 + accepted drafts) of greedy speculative decoding
-    through the responses of the given sequences, simulated offline.
+    through the responses of the given sequences, simulated offline. tree_width > 1 adds "tree_acceptance@K": the
+    chain with tree_width - 1 runner-up tokens beside it at each depth (all of them verified).
 
     Exact for greedy decoding: the drafter sees the target features it would see online, and teacher-forcing the real
     tokens equals feeding its own drafts for as long as they are accepted. (Averaging the acceptance of every position
@@ -139,6 +152,7 @@ def evaluate_acceptance(drafter: Any, store: FeatureStore, ks: list[int], indice
     max_k = max(ks)
     indices = list(range(len(store))) if indices is None else indices
     totals = {k: [0, 0] for k in ks}
+    tree_totals = {k: [0, 0] for k in ks}
     depth_correct, depth_count = torch.zeros(max_k), torch.zeros(max_k)
     groups, group, size = [], [], 0
     for index in indices:
@@ -154,9 +168,13 @@ def evaluate_acceptance(drafter: Any, store: FeatureStore, ks: list[int], indice
         batch = make_batch(store, group, 1 << 30, max_k)
         layout = ChainLayout(batch.seq_id, batch.positions, full_chain_origins(batch.valid_depth, max_k))
         correct = torch.zeros(len(batch), max_k, dtype=torch.bool)
+        runner_up = torch.zeros(len(batch), max_k, dtype=torch.bool)
         for d, (lg, origins) in enumerate(zip(chain_logits(drafter, batch, layout), layout.origins)):
             hit = predicted_ids(drafter, lg) == batch.target_top1[origins + d]
             correct[origins, d] = hit
+            if tree_width > 1:
+                top = _top_ids(drafter, lg, tree_width)
+                runner_up[origins, d] = (top[:, 1:] == batch.target_top1[origins + d][:, None]).any(1)
             counted = batch.loss_mask[origins + d]
             depth_correct[d] += (hit & counted).sum()
             depth_count[d] += counted.sum()
@@ -166,8 +184,16 @@ def evaluate_acceptance(drafter: Any, store: FeatureStore, ks: list[int], indice
                 tokens, steps = walk_acceptance(correct[rows], batch.valid_depth[rows], batch.is_origin[rows], k)
                 totals[k][0] += tokens
                 totals[k][1] += steps
+                if tree_width > 1:
+                    tokens, steps = walk_acceptance(correct[rows], batch.valid_depth[rows], batch.is_origin[rows], k,
+                                                    runner_up[rows])
+                    tree_totals[k][0] += tokens
+                    tree_totals[k][1] += steps
     result: dict[str, Any] = {f"acceptance@{k}": totals[k][0] / totals[k][1] if totals[k][1] else float("nan")
                               for k in ks}
+    if tree_width > 1:
+        result.update({f"tree_acceptance@{k}": tree_totals[k][0] / tree_totals[k][1] if tree_totals[k][1]
+                       else float("nan") for k in ks})
     result["steps"] = {k: totals[k][1] for k in ks}
     result["accuracy_by_depth"] = [round(float(c / max(n, 1)), 4) for c, n in zip(depth_correct, depth_count)]
     return result
