@@ -426,7 +426,8 @@ def widen_chain(chain: Proposal, width: int, max_nodes: int) -> Proposal:
     top_logits, top_ids = logits.topk(min(width, logits.shape[-1]), dim=-1)
     # p(sibling) / p(chain token) at each depth, from logits alone (the softmax's normaliser cancels); a sibling's path
     # probability is then the chain node's times that ratio
-    ratio = (top_logits - logits.gather(1, torch.tensor(chain.token_ids)[:, None])).exp()
+    chain_ids = torch.tensor(chain.token_ids, device=logits.device)
+    ratio = (top_logits - logits.gather(1, chain_ids[:, None])).exp()
     # (path prob, depth, is sibling, token, parent's chain index) of every candidate node
     nodes = [(p, d, 0, t, d - 1) for d, (t, p) in enumerate(zip(chain.token_ids, chain.probs))]
     for d, (rs, ts) in enumerate(zip(ratio.tolist(), top_ids.tolist())):
@@ -557,13 +558,14 @@ class DrafterProposer:
 
     @torch.inference_mode()
     def speculate(self, request_id: Hashable, max_spec_tokens: int | None = None, tree: bool = False) -> Proposal:
-        """A chain of max_spec_tokens drafts; tree=True: a tree of at most max_spec_tokens nodes, the greedy chain
-        (at most the drafter's K deep) with `tree_width - 1` siblings per depth (`widen_chain`)."""
+        """A chain of max_spec_tokens drafts; tree=True: a tree of at most max_spec_tokens nodes, the greedy chain with
+        `tree_width - 1` siblings per depth (`widen_chain`), the chain no deeper than the drafter's K nor than
+        max_spec_tokens / tree_width (the depths a budget of that many nodes fills)."""
         k = self.num_speculative_tokens if max_spec_tokens is None else max_spec_tokens
         state = self.live[request_id].state
         if k <= 0 or state is None:  # nothing to draft from yet: a one-token prompt before its first step
             return Proposal.empty(self.drafter.name)
-        if tree:  # no deeper than k nodes fill with tree_width tokens a depth: the deep tail is never kept
+        if tree:
             chain = self.drafter.propose(state, min(-(-k // self.tree_width), self.num_speculative_tokens))
             return widen_chain(chain, self.tree_width, k)
         return self.drafter.propose(state, k, self.probs_fn, self.generator)
