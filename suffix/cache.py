@@ -285,9 +285,10 @@ class SuffixCache:
 
     def _spec_args(self, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, max_tree_nodes):
         """(max tokens, max tree nodes, factor, offset, min prob) with the defaults filled in, validated. Checked once
-        per distinct set of options: their types are part of the key, so 1.0 or True never passes for a validated 1."""
-        args = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, max_tree_nodes)
-        key = (args, tuple(map(type, args)))
+        per distinct set of options: the integer options' types are part of the key, so 1.0 or True never passes for a
+        validated 1 (the float options compare by value, as they are used)."""
+        key = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, max_tree_nodes,
+               type(max_spec_tokens), type(max_tree_nodes))
         last_key, resolved = self._resolved
         if key == last_key:
             return resolved
