@@ -13,9 +13,9 @@ the engine runs them (hybridspec.target.pack_linears), multiplying in bfloat16 w
 (--cpu-matmul float32 to compare).
 Acceptance: each checkpoint in speculators/checkpoints/ on the held-out split of its recipe's feature cache (never
 trained on), greedy, offline (see hybridspec.speculators.train.trainer.evaluate_acceptance), for chains and for the
-engine's default trees (every node verified); chat = MT-Bench and
-HumanEval prompts, agent = user turns of the dev agent traces, self-instruct = requests the target wrote itself.
-Needs `hybridspec train RECIPE --data-only` to have run.
+engine's default trees (every node verified); chat = MT-Bench and HumanEval prompts, agent = user turns of the dev
+agent traces, self-instruct = requests the target wrote itself. Needs `hybridspec train RECIPE --data-only` to have
+run.
 """
 from __future__ import annotations
 

@@ -871,7 +871,7 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
     """Draft from the request's own tree and from the global tree. Chains: keep the higher score (ties: the
     request's). Trees: their union, each tree's draft joined with the one from its longest shorter match that occurs
     more often, cut to max_nodes by path probability. `extra` is scratch for those."""
-    cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, m2, lo, hi, i, v, cap, u, d
+    cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, m2, lo, hi, i, v, cap, u, d, bu = ROOT
     cdef int64_t c
     best.n = 0
     best.score = 0.0
@@ -927,10 +927,11 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
                     m2 = (lo + hi + 1) // 2
                     if walk(G, R.tok + L - m2, m2, &u, &d) and G.nodes[u].count > c:
                         lo = m2
+                        bu = u                # where the longest passing suffix ends: no walk again after
                     else:
                         hi = m2 - 1
-                if lo >= 1 and walk(G, R.tok + L - lo, lo, &u, &d):
-                    draft_tree(G, u, lo, False, 0, draft_cap(a, lo), a.max_nodes, a.min_prob, True, extra, heap)
+                if lo >= 1:
+                    draft_tree(G, bu, lo, False, 0, draft_cap(a, lo), a.max_nodes, a.min_prob, True, extra, heap)
                     if extra.n > 0:
                         merge_trees(tmp, extra, a.max_nodes, mix, idx, tmp)
             if a.tree and tmp.n > 0 and best.n > 0:

@@ -98,16 +98,14 @@ def spread(n: int, cap: int | None) -> list[int]:
     return [i * n // cap for i in range(cap)]
 
 
+def as_target_ids(drafter: Any, ids: Tensor) -> Tensor:
+    """Draft-vocabulary ids (EAGLE family) as target ids; the LSTM drafts over the target's vocabulary already."""
+    return drafter.draft_to_target()[ids] if isinstance(drafter, EagleBase) else ids
+
+
 def predicted_ids(drafter: Any, logits: Tensor) -> Tensor:
     """Greedy draft tokens as target ids."""
-    ids = logits.argmax(-1)
-    return drafter.draft_to_target()[ids] if isinstance(drafter, EagleBase) else ids
-
-
-def _top_ids(drafter: Any, logits: Tensor, width: int) -> Tensor:
-    """The drafter's `width` most probable tokens per row, as target ids [n, width] (first: its greedy token)."""
-    ids = logits.topk(width, dim=-1).indices
-    return drafter.draft_to_target()[ids] if isinstance(drafter, EagleBase) else ids
+    return as_target_ids(drafter, logits.argmax(-1))
 
 
 def walk_acceptance(correct: Tensor, valid_depth: Tensor, is_origin: Tensor, k: int,
@@ -173,7 +171,7 @@ def evaluate_acceptance(drafter: Any, store: FeatureStore, ks: list[int], indice
             hit = predicted_ids(drafter, lg) == batch.target_top1[origins + d]
             correct[origins, d] = hit
             if tree_width > 1:
-                top = _top_ids(drafter, lg, tree_width)
+                top = as_target_ids(drafter, lg.topk(tree_width, dim=-1).indices)  # [n, width], greedy token first
                 runner_up[origins, d] = (top[:, 1:] == batch.target_top1[origins + d][:, None]).any(1)
             counted = batch.loss_mask[origins + d]
             depth_correct[d] += (hit & counted).sum()
