@@ -181,9 +181,9 @@ class Linear:
             else None
         self.weight = weight if self.packed is None else None  # the packed copy replaces it
         # oneDNN picks a slower kernel for one or two rows than for three to six once the weights stream from memory
-        # (a model's worth of them): SmolLM2's 120 layer products took 31 / 35 / 28 / 25 ms for 1 / 2 / 3 / 4 rows
-        # (1 thread). Padding to MIN_ROWS made a plain step at 256 tokens 45.8 -> 43.6 ms, and drafts of up to 5
-        # tokens cost at most 1.07 plain steps to verify (BENCHMARKS.md, verification cost).
+        # (a model's worth of them): a SmolLM2 pass took 45.8 / 51.8 / 41-43 ms for 1 / 2 / 3-6 rows at 256 tokens
+        # (1 thread). Padding to MIN_ROWS made the plain step 43.6 ms, and drafts of up to 5 tokens cost at most 1.07
+        # plain steps to verify (BENCHMARKS.md, verification cost).
         self.pad_rows = self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
