@@ -3,10 +3,11 @@
 
 Layout: a node is one 32-byte struct (a visit touches one cache line); children are found through one open-addressing
 hash table keyed by (parent, first token) that stores only node indices, and enumerated through a doubly linked
-sibling list whose first two are the best-ranked children (highest count, then most recent), so a path draft never
-scans siblings and a tree draft scans them only where the runner-up is likely enough: keeping them there costs O(1)
-per count increment, and eviction, which lowers counts, only marks the list for a rescan by the next draft that
-reaches it. A node also counts the occurrences of its string that end there, so the
+sibling list that starts with the TOP best-ranked children (highest count, then most recent) in rank order, so a
+draft reads the likely children off the front and scans the rest only where all TOP of them are likely enough (wide
+nodes have hundreds of children, each a cache miss): keeping the front ranked costs at most TOP steps per count
+increment, and eviction, which lowers counts, only marks the list for a rescan by the next draft that reaches it. A
+node also counts the occurrences of its string that end there, so the
 children's count total (the denominator of their probabilities) needs no scan either. All tokens of a tree live back
 to back in one arena, oldest sequence first. Every suffix of every sequence, truncated at `max_depth`, ends exactly at
 a node (as in ArcticInference), so a node's count is the exact number of occurrences of its string.
@@ -29,15 +30,17 @@ DEF ROOT = 0
 DEF NONE = -1
 DEF FREED = -2
 DEF KIDS = 64              # children considered per node in tree mode (the top ones by count, then recency)
+DEF TOP = 4                # a sibling list keeps its TOP best-ranked children first, in rank order
 DEF ENDS_MAX = 0x7FFF      # Node.ends saturates here: the number is then unknown and recounted from the children
-DEF STALE = 0x8000         # Node.ends flag: eviction lowered the first or second child's count: they may be out of rank
+DEF STALE = 0x8000         # Node.ends flag: eviction lowered a count among the first TOP children: they may be out of rank
 
 cdef struct Node:
     int32_t count          # occurrences of the node's string
     int32_t parent
     int32_t token          # first token of the edge into this node
     uint32_t rend          # arena position just after the most recent occurrence of the node's string
-    int32_t child          # best-ranked child, the second-ranked next (unless STALE); a doubly linked sibling list
+    int32_t child          # best-ranked child, then the next TOP-1 in rank order (unless STALE); a doubly linked
+                           # sibling list
     int32_t sib
     int32_t psib
     uint16_t depth         # string depth at the node's end
@@ -174,32 +177,34 @@ cdef inline void link_after(Node* N, int32_t a, int32_t c) noexcept nogil:
         N[N[a].sib].psib = c
     N[a].sib = c
 
-cdef inline void link_ranked(Node* N, int32_t v, int32_t c) noexcept nogil:
-    """Link c, whose occurrence is the most recent among its siblings, keeping the two best-ranked children first:
-    first if it ties the first child's count, else second if it ties the second's, else third."""
-    cdef int32_t h = N[v].child
-    if h == NONE or N[c].count >= N[h].count:
+cdef inline void link_ranked(Node* N, int32_t v, int32_t c, bint linked) noexcept nogil:
+    """Keep v's first TOP children ranked as c (linked already, or not) gains an occurrence that is the most recent
+    among its siblings: c ranks before every sibling whose count it ties, so it goes before the first of the front
+    TOP with a count no higher than its own. The other counts did not change: where c stays out of the front, the
+    front is still the TOP best."""
+    cdef int32_t p = NONE, x = N[v].child, i = 0
+    while x != NONE and x != c and i < TOP and N[x].count > N[c].count:
+        p = x
+        x = N[x].sib
+        i += 1
+    if linked:
+        if x == c or i == TOP:
+            return                  # in its place already, or still ranked below the front
+        list_unlink(N, c)
+    if p == NONE:
         list_link(N, v, c)
-    elif N[h].sib == NONE or N[c].count >= N[N[h].sib].count:
-        link_after(N, h, c)
     else:
-        link_after(N, N[h].sib, c)
+        link_after(N, p, c)
 
-cdef inline void promote(Node* N, int32_t v, int32_t c) noexcept nogil:
-    """c's count grew by an occurrence that is the most recent among its siblings: it goes first if it ties the first
-    child's count, else second if it ties the second's (the others' counts did not change, so the two best-ranked
-    children stay first)."""
-    cdef int32_t h = N[v].child, s
-    if h == c:
-        return
-    if N[c].count >= N[h].count:
-        list_unlink(N, c)
-        list_link(N, v, c)
-        return
-    s = N[h].sib
-    if s != c and N[c].count >= N[s].count:
-        list_unlink(N, c)
-        link_after(N, h, c)
+cdef inline bint in_front(Node* N, int32_t v, int32_t c) noexcept nogil:
+    """Is c among the first TOP of v's sibling list?"""
+    cdef int32_t x = N[v].child, i = 0
+    while x != NONE and i < TOP:
+        if x == c:
+            return True
+        x = N[x].sib
+        i += 1
+    return False
 
 cdef inline void ends_add(Node* x, int d) noexcept nogil:
     if (x.ends & ENDS_MAX) != ENDS_MAX:
@@ -237,8 +242,11 @@ cdef inline int32_t h_find_slot(Tree* T, int32_t p, int32_t t) noexcept nogil:
         i = (i + 1) & T.hmask
 
 cdef inline int32_t lookup(Tree* T, int32_t p, int32_t t) noexcept nogil:
-    if T.nodes[p].child == NONE:
+    cdef int32_t c = T.nodes[p].child
+    if c == NONE:
         return NONE
+    if T.nodes[c].token == t:
+        return c              # the best-ranked child, the usual continuation: no probe
     cdef int32_t s = h_find_slot(T, p, t)
     return T.slots[s] if s != NONE else NONE
 
@@ -418,7 +426,7 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
                 N[n].depth = N[v].depth + 1
                 N[n].rend = e
                 ends_add(&N[v], -1)
-                link_ranked(N, v, n)
+                link_ranked(N, v, n, False)
                 h_insert(T, n)
                 T.act_node[i] = n
         else:
@@ -450,7 +458,7 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
                 ends_add(&N[c], 1)
                 ends_add(&N[v], -1)
                 N[c].rend = e
-                promote(N, v, c)
+                link_ranked(N, v, c, True)
                 T.act_node[i] = c
             else:
                 # split c's edge after its first token
@@ -465,7 +473,7 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
                 ends_add(&N[v], -1)
                 h_replace(T, c, n)
                 list_replace(N, c, n)
-                promote(N, v, n)
+                link_ranked(N, v, n, True)
                 N[c].parent = n
                 N[c].token = edge_token(T, c, N[n].depth)
                 list_link(N, n, c)
@@ -490,9 +498,9 @@ cdef int remove_suffixes(Tree* T, Seq* S, int32_t upto) except -1 nogil:
         while d < lim:
             c = lookup(T, v, T.tok[(S.base + <uint32_t> (st + d)) & T.tok_mask])
             N[c].count -= 1
-            if (N[v].child == c or N[N[v].child].sib == c) and N[c].sib != NONE:
-                # a sibling may now rank first or second: found again by the next draft that needs it, not here (at
-                # the root that would be a scan over the vocabulary per evicted suffix)
+            if N[c].sib != NONE and in_front(N, v, c):
+                # a later sibling may now rank before c: the front is found again by the next draft that needs it,
+                # not here (at the root that would be a scan over the vocabulary per evicted suffix)
                 N[v].ends |= STALE
             if N[c].count == 0:
                 free_subtree(T, c)
@@ -575,27 +583,27 @@ cdef inline bint ranks_before(Node* N, int32_t a, int32_t b) noexcept nogil:
     return <int32_t> ((N[a].rend - N[a].depth) - (N[b].rend - N[b].depth)) > 0
 
 cdef int32_t best_child(Node* N, int32_t u) noexcept nogil:
-    """u's best-ranked child (NONE for a leaf): its first child, the second-ranked next to it; both found again and
-    moved first if eviction made the list stale."""
-    cdef int32_t b = N[u].child, b2 = NONE, c
+    """u's best-ranked child (NONE for a leaf): its first child, the next TOP-1 after it in rank order; found again
+    and moved to the front if eviction made the list stale."""
+    cdef int32_t top[TOP]
+    cdef int32_t m = 0, j, c
     if N[u].ends & STALE:
         N[u].ends &= ENDS_MAX
-        if b != NONE:
-            c = N[b].sib
-            while c != NONE:
-                if ranks_before(N, c, b):
-                    b2 = b
-                    b = c
-                elif b2 == NONE or ranks_before(N, c, b2):
-                    b2 = c
-                c = N[c].sib
-            if b != N[u].child:
-                list_unlink(N, b)
-                list_link(N, u, b)
-            if b2 != NONE and N[b].sib != b2:
-                list_unlink(N, b2)
-                link_after(N, b, b2)
-    return b
+        c = N[u].child
+        while c != NONE:
+            if m < TOP or ranks_before(N, c, top[TOP - 1]):
+                j = m if m < TOP else TOP - 1
+                while j > 0 and ranks_before(N, c, top[j - 1]):
+                    top[j] = top[j - 1]
+                    j -= 1
+                top[j] = c
+                if m < TOP:
+                    m += 1
+            c = N[c].sib
+        for j in range(m - 1, -1, -1):
+            list_unlink(N, top[j])
+            list_link(N, u, top[j])
+    return N[u].child
 
 cdef int64_t child_total(Node* N, int32_t u) noexcept nogil:
     """Occurrences of u's string that continue into a child (the denominator of the children's probabilities)."""
@@ -661,16 +669,20 @@ cdef void draft_tree(Tree* T, int32_t start_node, int32_t start_d, bint start_co
                 continue                  # not even the best child is likely enough
             kids[0] = c
             m = 1
-            if branch and N[c].sib != NONE and it.prob * (<double> N[N[c].sib].count / <double> total) >= min_prob:
-                # the runners-up: a scan, in tree mode only, and only where the second-ranked child (kept next to the
-                # first) passes min_prob
-                c = N[u].child
-                while c != NONE:
+            if branch:
+                # the runners-up (tree mode): the front of the list is ranked, so they are read off it while likely
+                # enough; only where all TOP are can the unranked rest hold more, and it is scanned
+                c = N[c].sib
+                while c != NONE and m < TOP and it.prob * (<double> N[c].count / <double> total) >= min_prob:
+                    kids[m] = c
+                    m += 1
+                    c = N[c].sib
+                while m >= TOP and c != NONE:
                     # a child below min_prob is never drafted: skip it here rather than rank it (wide nodes)
-                    if c != kids[0] and it.prob * (<double> N[c].count / <double> total) >= min_prob and (
+                    if it.prob * (<double> N[c].count / <double> total) >= min_prob and (
                             m < KIDS or ranks_before(N, c, kids[m - 1])):
                         j = m - 1 if m == KIDS else m
-                        while j > 1 and ranks_before(N, c, kids[j - 1]):
+                        while j > TOP and ranks_before(N, c, kids[j - 1]):
                             kids[j] = kids[j - 1]
                             j -= 1
                         kids[j] = c
@@ -679,8 +691,6 @@ cdef void draft_tree(Tree* T, int32_t start_node, int32_t start_d, bint start_co
                     c = N[c].sib
             for k in range(m):
                 pr = it.prob * (<double> N[kids[k]].count / <double> total)
-                if pr < min_prob:
-                    break
                 nx = it
                 nx.prob = pr
                 order += 1
@@ -866,6 +876,14 @@ cdef void merge_trees(Draft* first, Draft* second, int32_t max_nodes, Draft* mix
         out.prob[i] = mix.prob[j]
         out.score += mix.prob[j]
 
+cdef inline double backoff_floor(Draft* d, SpecArgs* a) noexcept nogil:
+    """min_prob for a backoff draft joined with the tree d. Where d is full, a node must be more probable than d's
+    least (its nodes come best first) to displace one: drafting from there gives the same union with less work, and
+    where d's least is 1 nothing can (2: no backoff)."""
+    if d.n < a.max_nodes or d.prob[d.n - 1] <= a.min_prob:
+        return a.min_prob
+    return d.prob[d.n - 1] if d.prob[d.n - 1] < 1.0 else 2.0
+
 cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, Draft* tmp, Draft* mix,
                         int32_t* idx, Item* heap, Draft* extra) noexcept nogil:
     """Draft from the request's own tree and from the global tree. Chains: keep the higher score (ties: the
@@ -873,6 +891,7 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
     more often, cut to max_nodes by path probability. `extra` is scratch for those."""
     cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, m2, lo, hi, i, v, cap, u, d, bu = ROOT
     cdef int64_t c
+    cdef double floor
     best.n = 0
     best.score = 0.0
     best.match_len = 0
@@ -895,7 +914,8 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
         draft_tree(R, v, m, m == D, R.act_prev[i], cap, a.max_nodes if a.tree else cap, a.min_prob,
                    a.tree, best, heap)
         best.match_len = m
-        if a.tree and m >= 2:
+        floor = backoff_floor(best, a)
+        if a.tree and m >= 2 and floor <= 1.0:
             # joined with the draft of the longest shorter suffix that occurs more often: the continuations of the
             # occurrences the long match does not reach (a backoff, as n-gram models blend shorter contexts)
             c = R.nodes[v].count
@@ -908,8 +928,8 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
                 else:
                     hi = m2 - 1
             if lo >= 1:
-                draft_tree(R, R.act_node[(L - lo) % D], lo, False, 0, draft_cap(a, lo), a.max_nodes, a.min_prob,
-                           True, extra, heap)
+                draft_tree(R, R.act_node[(L - lo) % D], lo, False, 0, draft_cap(a, lo), a.max_nodes, floor, True,
+                           extra, heap)
                 if extra.n > 0:
                     merge_trees(best, extra, a.max_nodes, mix, idx, best)
     if G.n_suffixes > 0:
@@ -919,7 +939,8 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
             cap = draft_cap(a, m)
             draft_tree(G, gm.node, m, False, 0, cap, a.max_nodes if a.tree else cap, a.min_prob, a.tree, tmp, heap)
             tmp.match_len = m
-            if a.tree and m >= 2:  # the same backoff
+            floor = backoff_floor(tmp, a)
+            if a.tree and m >= 2 and floor <= 1.0:  # the same backoff
                 c = G.nodes[gm.node].count
                 lo = 0
                 hi = m - 1
@@ -931,7 +952,7 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
                     else:
                         hi = m2 - 1
                 if lo >= 1:
-                    draft_tree(G, bu, lo, False, 0, draft_cap(a, lo), a.max_nodes, a.min_prob, True, extra, heap)
+                    draft_tree(G, bu, lo, False, 0, draft_cap(a, lo), a.max_nodes, floor, True, extra, heap)
                     if extra.n > 0:
                         merge_trees(tmp, extra, a.max_nodes, mix, idx, tmp)
             if a.tree and tmp.n > 0 and best.n > 0:
@@ -1134,7 +1155,7 @@ cdef class SuffixTree:
         cdef Tree* T = &self.T
         cdef Node* N = T.nodes
         cdef dict counts = {}, ends = {}, recent = {}
-        cdef int32_t k, st, d, lim, v, c, n, prev, kids, live = 0, hl = 0
+        cdef int32_t k, st, d, lim, v, c, n, prev, kids, pos, last = NONE, live = 0, hl = 0
         cdef uint32_t base = T.seqs[T.head].base if T.head < T.n_seqs else T.tok_end
         cdef Seq* S
         for k in range(T.head, T.n_seqs):
@@ -1174,14 +1195,18 @@ cdef class SuffixTree:
                 assert N[c].count < N[n].count, f"node {n} should have been merged into its only child"
             prev = NONE
             kids = 0
+            pos = 0
             while c != NONE:
                 assert N[c].parent == n and N[c].psib == prev, f"node {n}: broken sibling list"
-                assert N[n].ends & STALE or not ranks_before(N, c, N[n].child), \
-                    f"node {n}: child {c} ranks before the first child {N[n].child}"
-                assert N[n].ends & STALE or prev == NONE or prev == N[n].child or \
-                    not ranks_before(N, c, N[N[n].child].sib), f"node {n}: child {c} ranks before the second child"
+                if not N[n].ends & STALE and prev != NONE:
+                    # the front is ranked, and nothing after it ranks before its last
+                    assert not ranks_before(N, c, prev if pos <= TOP else last), \
+                        f"node {n}: child {c} (position {pos}) ranks before a child at the front"
+                if pos == TOP - 1:
+                    last = c
                 kids += N[c].count
                 prev = c
+                pos += 1
                 c = N[c].sib
             assert N[n].count == ends.get(n, 0) + kids, f"node {n}: count is not endings + children's counts"
         for k in range(<int32_t> (T.hmask + 1)):

@@ -22,7 +22,7 @@ def tokens(vocab: int, max_size: int):
 
 @st.composite
 def scenarios(draw):
-    vocab = draw(st.integers(1, 4))
+    vocab = draw(st.integers(1, 6))     # up to 6 children: more than a sibling list keeps ranked (TOP)
     depth = draw(st.integers(1, 7))
     budget = draw(st.sampled_from([4, 12, 40, 10_000]))
     evict_per_call = draw(st.sampled_from([1, 3, 8, 1024]))
@@ -33,7 +33,7 @@ def scenarios(draw):
         kind = draw(st.sampled_from(["start", "append", "append", "append", "spec", "spec", "spec", "finish",
                                       "extend"]))
         ops.append((kind, draw(tokens(vocab, 12)), draw(st.integers(0, 10)), draw(st.booleans()),
-                    draw(st.sampled_from([0.0, 0.1, 0.3, 0.6])), draw(st.sampled_from([0.5, 1.0, 2.0])),
+                    draw(st.sampled_from([0.0, 0.1, 0.3, 0.6, 1.0])), draw(st.sampled_from([0.5, 1.0, 2.0])),
                     draw(st.integers(1, 12))))
     return vocab, depth, budget, evict_per_call, index_prompts, tail, ops
 
@@ -123,8 +123,9 @@ def test_drafts_run_past_max_depth():
 
 
 def test_wide_nodes_under_eviction_match_reference():
-    """A common token followed by many others makes a wide node whose counts eviction keeps lowering: the best child
-    kept first in its list must be found again, for the reference's drafts in path and tree mode."""
+    """A common token followed by many others makes a wide node whose counts eviction keeps lowering: the best
+    children kept ranked at the front of its list must be found again, for the reference's drafts in path and tree
+    mode."""
     rng = np.random.default_rng(7)
     depth, vocab, budget, per_call = 3, 40, 120, 8
     cache = SuffixCache(max_depth=depth, global_budget_tokens=budget, evict_per_call=per_call, vocab_size=vocab,
@@ -136,11 +137,12 @@ def test_wide_nodes_under_eviction_match_reference():
         for c in (cache, ref):
             c.start_request(i, prompt)
         for t in response:
-            for tree in (False, True):
-                got = cache.speculate(i, max_spec_tokens=4, max_spec_factor=4.0, min_token_prob=0.0, tree=tree,
+            # min prob 0: every child is drafted, so beyond the ranked front of the list; 0.05: the front decides
+            for tree, min_prob in ((False, 0.0), (True, 0.0), (True, 0.05)):
+                got = cache.speculate(i, max_spec_tokens=4, max_spec_factor=4.0, min_token_prob=min_prob, tree=tree,
                                       max_tree_nodes=6)
                 assert (got.token_ids, got.parents, got.probs, got.score, got.match_len) == ref.speculate(
-                    i, 4, 4.0, 0.0, 0.0, tree, 6)
+                    i, 4, 4.0, 0.0, min_prob, tree, 6)
             for c in (cache, ref):
                 c.append(i, [t])
         for c in (cache, ref):
