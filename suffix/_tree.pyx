@@ -1,16 +1,17 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False, nonecheck=False
 """Compiled core of the suffix proposer: a depth-truncated, path-compressed suffix tree over int32 token sequences.
 
-Layout: a node is one 32-byte struct (a visit touches one cache line); children are found through one open-addressing
-hash table keyed by (parent, first token) that stores only node indices, and enumerated through a doubly linked
-sibling list that starts with the TOP best-ranked children (highest count, then most recent) in rank order, so a
-draft reads the likely children off the front and scans the rest only where all TOP of them are likely enough (wide
-nodes have hundreds of children, each a cache miss): keeping the front ranked costs at most TOP steps per count
-increment, and eviction, which lowers counts, only marks the list for a rescan by the next draft that reaches it. A
-node also counts the occurrences of its string that end there, so the
-children's count total (the denominator of their probabilities) needs no scan either. All tokens of a tree live back
-to back in one arena, oldest sequence first. Every suffix of every sequence, truncated at `max_depth`, ends exactly at
-a node (as in ArcticInference), so a node's count is the exact number of occurrences of its string.
+Layout: a node is one 32-byte struct (a visit touches one cache line); a child is found as its parent's first child,
+else through one open-addressing hash table keyed by (parent, first token) that stores only node indices and only
+children with siblings (so extending a path or splitting an edge, the commonest edits, re-keys nothing); children are
+enumerated through a doubly linked sibling list that starts with the TOP best-ranked children (highest count, then most
+recent) in rank order, so a draft reads the likely children off the front and scans the rest only where all TOP of them
+are likely enough (wide nodes have hundreds of children, each a cache miss): keeping the front ranked costs at most TOP
+steps per count increment, and eviction, which lowers counts, only marks the list for a rescan by the next draft that
+reaches it. A node also counts the occurrences of its string that end there, so the children's count total (the
+denominator of their probabilities) needs no scan either. All tokens of a tree live back to back in one arena, oldest
+sequence first. Every suffix of every sequence, truncated at `max_depth`, ends exactly at a node (as in
+ArcticInference), so a node's count is the exact number of occurrences of its string.
 
 The arena is a ring addressed by wrapping 32-bit positions (physical index = position & mask): eviction frees its front
 without moving anything, so no call ever pays for a compaction. A node refers to the *most recent* occurrence of its
@@ -241,12 +242,19 @@ cdef inline int32_t h_find_slot(Tree* T, int32_t p, int32_t t) noexcept nogil:
             return <int32_t> i
         i = (i + 1) & T.hmask
 
+cdef inline bint hashed(Node* N, int32_t c) noexcept nogil:
+    """Only a child with siblings is in the hash: an only child is found as its parent's first, so the commonest
+    edits (a path extended, an edge split) re-key no hash entry."""
+    return N[c].sib != NONE or N[c].psib != NONE
+
 cdef inline int32_t lookup(Tree* T, int32_t p, int32_t t) noexcept nogil:
     cdef int32_t c = T.nodes[p].child
     if c == NONE:
         return NONE
     if T.nodes[c].token == t:
         return c              # the best-ranked child, the usual continuation: no probe
+    if T.nodes[c].sib == NONE:
+        return NONE           # an only child, and not t's
     cdef int32_t s = h_find_slot(T, p, t)
     return T.slots[s] if s != NONE else NONE
 
@@ -314,9 +322,14 @@ cdef inline int32_t edge_token(Tree* T, int32_t n, int32_t d) noexcept nogil:
 
 cdef int free_subtree(Tree* T, int32_t c) except -1 nogil:
     cdef Node* N = T.nodes
-    cdef int32_t top = 0, x, y
-    h_delete(T, N[c].parent, N[c].token)
-    list_unlink(N, c)
+    cdef int32_t top = 0, x, y, p = N[c].parent
+    if hashed(N, c):
+        h_delete(T, p, N[c].token)
+        list_unlink(N, c)
+        if N[N[p].child].sib == NONE:
+            h_delete(T, p, N[N[p].child].token)      # left an only child
+    else:
+        list_unlink(N, c)
     if T.stack_cap == 0:
         _grow(<void**> &T.stack, 64 * sizeof(int32_t))
         T.stack_cap = 64
@@ -327,7 +340,8 @@ cdef int free_subtree(Tree* T, int32_t c) except -1 nogil:
         x = T.stack[top]
         y = N[x].child
         while y != NONE:
-            h_delete(T, x, N[y].token)
+            if hashed(N, y):
+                h_delete(T, x, N[y].token)
             if top == T.stack_cap:
                 _grow(<void**> &T.stack, 2 * T.stack_cap * sizeof(int32_t))
                 T.stack_cap *= 2
@@ -426,20 +440,25 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
                 N[n].depth = N[v].depth + 1
                 N[n].rend = e
                 ends_add(&N[v], -1)
+                c = N[v].child
+                if c != NONE:
+                    if N[c].sib == NONE:
+                        h_insert(T, c)        # an only child gets a sibling: both are hashed
+                    h_insert(T, n)
                 link_ranked(N, v, n, False)
-                h_insert(T, n)
                 T.act_node[i] = n
         else:
             # the most recent earlier occurrence of str(v)+t ends where c's ref says, shortened to that length
             prev = N[c].rend - <uint32_t> (N[c].depth - N[v].depth - 1)
             if v != ROOT and N[v].count == N[c].count + 1:
                 # only this suffix ends at v; everything else continues into c
+                # (so c is v's only child, in no hash entry)
                 if N[c].depth == N[v].depth + 1:
                     # c's edge is one token long: c takes v's place
-                    h_delete(T, v, t)
                     N[c].parent = N[v].parent
                     N[c].token = N[v].token
-                    h_replace(T, v, c)
+                    if hashed(N, v):
+                        h_replace(T, v, c)
                     list_replace(N, v, c)     # same count and most recent occurrence as v: same rank
                     N[c].count += 1
                     ends_add(&N[c], 1)
@@ -450,9 +469,7 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
                     # move v's end one token down c's edge
                     N[v].depth += 1
                     N[v].rend = e
-                    h_delete(T, v, t)
                     N[c].token = edge_token(T, c, N[v].depth)
-                    h_insert(T, c)
             elif N[c].depth == N[v].depth + 1:
                 N[c].count += 1
                 ends_add(&N[c], 1)
@@ -471,13 +488,13 @@ cdef int append_token(Tree* T, int32_t t) except -1 nogil:
                 N[n].depth = N[v].depth + 1
                 N[n].rend = e
                 ends_add(&N[v], -1)
-                h_replace(T, c, n)
+                if hashed(N, c):
+                    h_replace(T, c, n)
                 list_replace(N, c, n)
                 link_ranked(N, v, n, True)
                 N[c].parent = n
                 N[c].token = edge_token(T, c, N[n].depth)
-                list_link(N, n, c)
-                h_insert(T, c)
+                list_link(N, n, c)            # n's only child
                 T.act_node[i] = n
         T.act_prev[i] = prev
     return 0
@@ -513,10 +530,10 @@ cdef int remove_suffixes(Tree* T, Seq* S, int32_t upto) except -1 nogil:
         if v != ROOT:
             ch = N[v].child
             if ch != NONE and N[ch].sib == NONE and N[ch].count == N[v].count:
-                h_delete(T, v, N[ch].token)
                 N[ch].parent = N[v].parent
                 N[ch].token = N[v].token
-                h_replace(T, v, ch)
+                if hashed(N, v):
+                    h_replace(T, v, ch)
                 list_replace(N, v, ch)
                 node_free(T, v)
         T.n_suffixes -= 1
@@ -1155,7 +1172,7 @@ cdef class SuffixTree:
         cdef Tree* T = &self.T
         cdef Node* N = T.nodes
         cdef dict counts = {}, ends = {}, recent = {}
-        cdef int32_t k, st, d, lim, v, c, n, prev, kids, pos, last = NONE, live = 0, hl = 0
+        cdef int32_t k, st, d, lim, v, c, n, prev, kids, pos, last = NONE, live = 0, live_hashed = 0, hl = 0
         cdef uint32_t base = T.seqs[T.head].base if T.head < T.n_seqs else T.tok_end
         cdef Seq* S
         for k in range(T.head, T.n_seqs):
@@ -1183,7 +1200,11 @@ cdef class SuffixTree:
                 live += 1
                 assert counts.get(n, 0) == N[n].count, \
                     f"node {n}: count {N[n].count} != {counts.get(n, 0)} occurrences"
-                assert lookup(T, N[n].parent, N[n].token) == n, f"node {n} unreachable through the hash"
+                assert lookup(T, N[n].parent, N[n].token) == n, f"node {n} unreachable from its parent"
+                assert (h_find_slot(T, N[n].parent, N[n].token) != NONE) == hashed(N, n), \
+                    f"node {n}: {'has siblings but is not' if hashed(N, n) else 'is an only child but is'} in the hash"
+                if hashed(N, n):
+                    live_hashed += 1
                 assert N[n].depth > N[N[n].parent].depth
                 # the ref is the most recent occurrence: sibling ranks (and so drafts) rely on it
                 assert <int32_t> (N[n].rend - base) == recent.get(n), \
@@ -1213,7 +1234,7 @@ cdef class SuffixTree:
             if T.slots[k] != NONE:
                 hl += 1
         assert live + 1 == T.n_live, f"{live + 1} reachable nodes, {T.n_live} allocated"
-        assert hl == live == T.hcount, f"hash holds {hl}, {live} live nodes"
+        assert hl == live_hashed == T.hcount, f"hash holds {hl}, {live_hashed} live nodes with siblings"
         return True
 
     cdef _Scratch scratch_for(self, int32_t need):
