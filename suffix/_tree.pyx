@@ -33,7 +33,7 @@ DEF FREED = -2
 DEF KIDS = 64              # children considered per node in tree mode (the top ones by count, then recency)
 DEF TOP = 4                # a sibling list keeps its TOP best-ranked children first, in rank order
 DEF ENDS_MAX = 0x7FFF      # Node.ends saturates here: the number is then unknown and recounted from the children
-DEF STALE = 0x8000         # Node.ends flag: eviction lowered a count among the first TOP children: they may be out of rank
+DEF STALE = 0x8000         # Node.ends flag: eviction lowered a count among the first TOP children: may be out of rank
 
 cdef struct Node:
     int32_t count          # occurrences of the node's string
@@ -599,6 +599,19 @@ cdef inline bint ranks_before(Node* N, int32_t a, int32_t b) noexcept nogil:
         return N[a].count > N[b].count
     return <int32_t> ((N[a].rend - N[a].depth) - (N[b].rend - N[b].depth)) > 0
 
+cdef inline void insert_ranked(Node* N, int32_t* kids, int32_t* m, int32_t cap, int32_t lo, int32_t c) noexcept nogil:
+    """Insert child c into kids[lo:m], kept in rank order and at most cap long (c is dropped if it would be last)."""
+    cdef int32_t j
+    if m[0] == cap and not ranks_before(N, c, kids[cap - 1]):
+        return
+    j = m[0] if m[0] < cap else cap - 1
+    while j > lo and ranks_before(N, c, kids[j - 1]):
+        kids[j] = kids[j - 1]
+        j -= 1
+    kids[j] = c
+    if m[0] < cap:
+        m[0] += 1
+
 cdef int32_t best_child(Node* N, int32_t u) noexcept nogil:
     """u's best-ranked child (NONE for a leaf): its first child, the next TOP-1 after it in rank order; found again
     and moved to the front if eviction made the list stale."""
@@ -608,14 +621,7 @@ cdef int32_t best_child(Node* N, int32_t u) noexcept nogil:
         N[u].ends &= ENDS_MAX
         c = N[u].child
         while c != NONE:
-            if m < TOP or ranks_before(N, c, top[TOP - 1]):
-                j = m if m < TOP else TOP - 1
-                while j > 0 and ranks_before(N, c, top[j - 1]):
-                    top[j] = top[j - 1]
-                    j -= 1
-                top[j] = c
-                if m < TOP:
-                    m += 1
+            insert_ranked(N, top, &m, TOP, 0, c)
             c = N[c].sib
         for j in range(m - 1, -1, -1):
             list_unlink(N, top[j])
@@ -658,7 +664,7 @@ cdef void draft_tree(Tree* T, int32_t start_node, int32_t start_d, bint start_co
     item at a time and the result is the greedy path. With start_copy it starts by copying from position copy_from.
     An open tree is a request's own context: copies from it may run on into the draft itself (LZ77-style overlap)."""
     cdef Node* N = T.nodes
-    cdef int32_t nh = 0, D = T.max_depth, u, c, k, j, m, nk
+    cdef int32_t nh = 0, D = T.max_depth, u, c, k, m, nk
     cdef int64_t order = 0, total
     cdef double pr
     cdef Item it, nx
@@ -696,15 +702,8 @@ cdef void draft_tree(Tree* T, int32_t start_node, int32_t start_d, bint start_co
                     c = N[c].sib
                 while m >= TOP and c != NONE:
                     # a child below min_prob is never drafted: skip it here rather than rank it (wide nodes)
-                    if it.prob * (<double> N[c].count / <double> total) >= min_prob and (
-                            m < KIDS or ranks_before(N, c, kids[m - 1])):
-                        j = m - 1 if m == KIDS else m
-                        while j > TOP and ranks_before(N, c, kids[j - 1]):
-                            kids[j] = kids[j - 1]
-                            j -= 1
-                        kids[j] = c
-                        if m < KIDS:
-                            m += 1
+                    if it.prob * (<double> N[c].count / <double> total) >= min_prob:
+                        insert_ranked(N, kids, &m, KIDS, TOP, c)
                     c = N[c].sib
             for k in range(m):
                 pr = it.prob * (<double> N[kids[k]].count / <double> total)
