@@ -19,7 +19,9 @@ string: the position where that occurrence ends. Position order (compared as sig
 evicted has no other occurrence and disappears with it: refs never need repair. The ref is also where a draft goes on
 once it passes max_depth: the tree knows no more, but the most recent occurrence still has a continuation to copy.
 """
+from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove
 
@@ -1271,9 +1273,48 @@ cdef class RequestState:
 
 
 cdef object to_proposal(Draft* d):
+    """The draft as Python lists, sized up front; a run of equal probabilities (a path through one occurrence) shares
+    one float object, so a 32-node tree allocates a few floats, not 32."""
     cdef int32_t k
-    return Proposal([d.tok[k] for k in range(d.n)], [d.par[k] for k in range(d.n)],
-                    [d.prob[k] for k in range(d.n)], d.score, "suffix", d.match_len if d.n else 0, None)
+    cdef list toks = PyList_New(d.n), pars = PyList_New(d.n), probs = PyList_New(d.n)
+    cdef object x, p = None
+    cdef double last = -1.0
+    for k in range(d.n):
+        x = d.tok[k]
+        Py_INCREF(x)                  # SET_ITEM steals a reference
+        PyList_SET_ITEM(toks, k, x)
+        x = d.par[k]
+        Py_INCREF(x)
+        PyList_SET_ITEM(pars, k, x)
+        if d.prob[k] != last:
+            last = d.prob[k]
+            p = last
+        Py_INCREF(p)
+        PyList_SET_ITEM(probs, k, p)
+    return Proposal(toks, pars, probs, d.score, "suffix", d.match_len if d.n else 0, None)
+
+
+cdef SpecArgs spec_args(int max_tokens, int max_nodes, double factor, double offset, double min_prob, bint tree):
+    cdef SpecArgs a
+    a.max_tokens = max_tokens
+    a.max_nodes = max_nodes
+    a.factor = factor
+    a.offset = offset
+    a.min_prob = min_prob
+    a.tree = tree
+    return a
+
+
+def speculate_request(RequestState r, SuffixTree glob, int max_tokens, int max_nodes, double factor, double offset,
+                      double min_prob, bint tree):
+    """One request's proposal, drafted with the GIL released (see speculate)."""
+    if not r.tree.T.open:
+        raise ValueError("a request's tree must be open")
+    cdef SpecArgs a = spec_args(max_tokens, max_nodes, factor, offset, min_prob, tree)
+    cdef _Scratch sc = glob.scratch_for((max_nodes if tree else max_tokens) + 1)
+    with nogil:
+        speculate_one(&r.tree.T, &r.gm, &glob.T, &a, &sc.a, &sc.b, &sc.mix, sc.idx, sc.heap, &sc.extra)
+    return to_proposal(&sc.a)
 
 
 def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, double factor, double offset,
@@ -1283,13 +1324,7 @@ def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, dou
     Callers serialise access to the trees (SuffixCache holds a lock); releasing the GIL lets other Python threads
     (a model runner, say) progress meanwhile.
     """
-    cdef SpecArgs a
-    a.max_tokens = max_tokens
-    a.max_nodes = max_nodes
-    a.factor = factor
-    a.offset = offset
-    a.min_prob = min_prob
-    a.tree = tree
+    cdef SpecArgs a = spec_args(max_tokens, max_nodes, factor, offset, min_prob, tree)
     cdef int32_t need = (max_nodes if tree else max_tokens) + 1
     cdef _Scratch sc = glob.scratch_for(need)
     cdef Tree* G = &glob.T
@@ -1298,11 +1333,6 @@ def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, dou
     for k in range(nreq):
         if not (<RequestState> requests[k]).tree.T.open:
             raise ValueError("a request's tree must be open")
-    if nreq == 1:
-        r = requests[0]
-        with nogil:
-            speculate_one(&r.tree.T, &r.gm, G, &a, &sc.a, &sc.b, &sc.mix, sc.idx, sc.heap, &sc.extra)
-        return [to_proposal(&sc.a)]
     cdef Draft* drafts = <Draft*> PyMem_Malloc(nreq * sizeof(Draft))
     cdef Tree** trees = <Tree**> PyMem_Malloc(nreq * sizeof(Tree*))
     cdef GMatch** gms = <GMatch**> PyMem_Malloc(nreq * sizeof(GMatch*))

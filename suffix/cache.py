@@ -178,10 +178,12 @@ class SuffixCache:
         k, nodes, f, o, p = self._spec_args(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob,
                                             max_tree_nodes)
         with self._lock:
-            state = self._state(request_id)
+            state = self._live.get(request_id)
+            if state is None:
+                state = self._state(request_id)     # raises the right error
             if k == 0:
                 return Proposal.empty("suffix")
-            return _tree.speculate([state], self._global, k, nodes, f, o, p, bool(tree))[0]
+            return _tree.speculate_request(state, self._global, k, nodes, f, o, p, tree)
 
     def speculate_batch(self, request_ids: Iterable[Hashable], max_spec_tokens: int | None = None,
                         max_spec_factor: float | None = None, max_spec_offset: float | None = None,
