@@ -25,6 +25,8 @@ ext = Extension(
 setup(
     package_dir=package_dir,
     packages=packages,
+    # the shipped recipes and drafter checkpoints; only these patterns: their folders are data, not packages
     package_data={"hybridspec.speculators": ["checkpoints/*/*", "recipes/*.yaml"]},
+    include_package_data=False,
     ext_modules=[ext],
 )

@@ -7,12 +7,11 @@ import sys
 from pathlib import Path
 
 from hybridspec.agent_traces.formats import TraceFormatError, load_traces
-from hybridspec.agent_traces.replay import arctic_available, proposer_spec, replay
+from hybridspec.agent_traces.replay import PROPOSER_NAMES, arctic_available, proposer_spec, replay
 from hybridspec.router import VerifyCost
 from hybridspec.agent_traces.report import ReplayReport
 from hybridspec.agent_traces.tokenization import TraceTokenizer
 
-PROPOSERS = ("suffix", "ngram", "arctic")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,14 +19,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "replay", help="replay agent logs through proposers with the logged responses as the oracle",
         description=__doc__ + " Formats: SWE-agent .traj, mini-swe-agent .traj.json, AutoCodeRover task "
                               "directories, generic JSONL (see hybridspec.agent_traces.formats).")
-    p.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="trace files or directories (searched recursively)")
+    p.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                   help="trace files or directories (searched recursively)")
     p.add_argument("--proposer", default=None,
-                   help=f"comma-separated, from {', '.join(PROPOSERS)} (default: suffix,ngram, and arctic when "
-                        "arctic_inference is importable)")
-    p.add_argument("--max-spec-tokens", type=int, default=16, help="draft tokens per step at most (default 16)")
+                   help=f"comma-separated, from {', '.join(PROPOSER_NAMES)} (default: suffix,ngram, and arctic-suffix "
+                        "when arctic_inference is importable)")
+    p.add_argument("--num-speculative-tokens", type=int, default=16,
+                   help="draft tokens per step at most (default 16)")
     p.add_argument("--tree", action="store_true",
-                   help="suffix and arctic draft token trees of at most --max-spec-tokens nodes (one pass verifies "
-                        "them all); a step accepts the longest path that matches the response")
+                   help="suffix and arctic-suffix draft token trees of at most --num-speculative-tokens nodes (one "
+                        "pass verifies them all); a step accepts the longest path that matches the response")
     p.add_argument("--json", type=Path, help="write the metrics here")
     p.add_argument("--plot", type=Path, help="write a PNG comparing the proposers here")
     p.add_argument("--skip-bad", action="store_true", help="pass over malformed files and count them")
@@ -35,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="local Hugging Face tokenizer directory, or a model name (default: the embedded SmolLM2)")
     p.add_argument("--cost-table", type=Path,
                    help="JSON {k: ms} of the target's verification cost with k draft tokens, or the output of "
-                        "`python -m hybridspec.target --measure-verify-cost --json PATH` (default: SmolLM2-135M on "
+                        "`python benchmarks/bench_verify_cost.py --json PATH` (default: SmolLM2-135M on "
                         "a 2-core CPU)")
     p.add_argument("--cache-dir", type=Path, help="tokenisation cache (default: ~/.cache/hybridspec/agent_traces)")
     p.add_argument("--no-cache", action="store_true", help="tokenise again and do not write the cache")
@@ -44,18 +45,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--suffix-max-spec-factor", type=float, default=1.0)
     g.add_argument("--suffix-max-spec-offset", type=float, default=0.0)
     g.add_argument("--suffix-min-token-prob", type=float, default=0.1)
-    g = p.add_argument_group("arctic proposer settings (hybridspec.peers.ArcticProposer)")
+    g = p.add_argument_group("arctic-suffix proposer settings (hybridspec.peers.ArcticSuffixProposer)")
     g.add_argument("--arctic-max-depth", type=int, default=64, help="64: ArcticInference's default; vLLM uses 24")
     p.set_defaults(func=run)
 
 
 def _proposer_names(arg: str | None) -> list[str]:
     if arg is None:
-        return ["suffix", "ngram"] + (["arctic"] if arctic_available() else [])
+        return ["suffix", "ngram"] + (["arctic-suffix"] if arctic_available() else [])
     names = [n.strip() for n in arg.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PROPOSERS]
+    unknown = [n for n in names if n not in PROPOSER_NAMES]
     if unknown or not names:
-        raise ValueError(f"--proposer: unknown {unknown or 'empty list'}; choose from {', '.join(PROPOSERS)}")
+        raise ValueError(f"--proposer: unknown {unknown or 'empty list'}; choose from {', '.join(PROPOSER_NAMES)}")
     return list(dict.fromkeys(names))
 
 
@@ -67,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
             "suffix": dict(max_depth=args.suffix_max_depth, max_spec_factor=args.suffix_max_spec_factor,
                            max_spec_offset=args.suffix_max_spec_offset, min_token_prob=args.suffix_min_token_prob),
             "ngram": {},
-            "arctic": dict(max_depth=args.arctic_max_depth),
+            "arctic-suffix": dict(max_depth=args.arctic_max_depth),
         }
-        specs = [proposer_spec(n, args.max_spec_tokens, tree=args.tree, **options[n]) for n in names]
+        specs = [proposer_spec(n, args.num_speculative_tokens, tree=args.tree, **options[n]) for n in names]
         loaded = load_traces(args.paths, skip_bad=args.skip_bad)
         trajectories = loaded.trajectories
         if not any(t.calls for t in trajectories):
@@ -82,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     except (TraceFormatError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"hybridspec replay: error: {e}", file=sys.stderr)
         return 2
-    results = replay(tokenized, specs, args.max_spec_tokens)
-    report = ReplayReport(results, cost, args.max_spec_tokens, loaded.skipped)
+    results = replay(tokenized, specs, args.num_speculative_tokens)
+    report = ReplayReport(results, cost, args.num_speculative_tokens, loaded.skipped)
     print(report.format_table())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

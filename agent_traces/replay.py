@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +25,7 @@ import numpy as np
 from hybridspec.agent_traces.tokenization import TokenizedTrajectory
 from hybridspec.proposal import Proposal, Proposer
 from hybridspec.router import VerifyCost
+
 
 @dataclass
 class ReplayStats:
@@ -37,6 +38,7 @@ class ReplayStats:
     produced: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))      # tokens emitted per step
     speculate_ns: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # speculate() time per step
     append_ns: int = 0         # total append() time; one append per step
+    finish_ns: int = 0         # total finish_request() time (the response joins the global history)
     start_ns: int = 0          # total start_request() time (prompt indexing; not part of the decode cost)
     wall_ns: int = 0           # total time of the replay loop for this proposer, start to finish of every call
     prompt_tokens: int = 0
@@ -49,10 +51,11 @@ class ReplayStats:
     def merge(cls, parts: Sequence["ReplayStats"]) -> "ReplayStats":
         return cls(
             calls=sum(p.calls for p in parts), response_tokens=sum(p.response_tokens for p in parts),
-            draft_len=np.concatenate([p.draft_len for p in parts]), accepted=np.concatenate([p.accepted for p in parts]),
-            produced=np.concatenate([p.produced for p in parts]),
+            draft_len=np.concatenate([p.draft_len for p in parts]),
+            accepted=np.concatenate([p.accepted for p in parts]), produced=np.concatenate([p.produced for p in parts]),
             speculate_ns=np.concatenate([p.speculate_ns for p in parts]),
-            append_ns=sum(p.append_ns for p in parts), start_ns=sum(p.start_ns for p in parts),
+            append_ns=sum(p.append_ns for p in parts), finish_ns=sum(p.finish_ns for p in parts),
+            start_ns=sum(p.start_ns for p in parts),
             wall_ns=sum(p.wall_ns for p in parts), prompt_tokens=sum(p.prompt_tokens for p in parts))
 
     def projected_speedup(self, cost: VerifyCost) -> float:
@@ -81,33 +84,34 @@ class ReplayStats:
 
 @dataclass(frozen=True)
 class ProposerSpec:
-    """A named way to build a fresh proposer (one per framework)."""
+    """A named way to build a fresh proposer (one per framework), and whether it drafts trees."""
 
     label: str
     make: Callable[[], Proposer]
-    speculate_options: dict = field(default_factory=dict)  # extra speculate() arguments (suffix tree mode)
+    tree: bool = False
 
 
-def proposer_spec(name: str, max_spec_tokens: int, label: str | None = None, tree: bool = False,
+PROPOSER_NAMES = ("suffix", "ngram", "arctic-suffix")
+
+
+def proposer_spec(name: str, num_speculative_tokens: int, label: str | None = None, tree: bool = False,
                   **options) -> ProposerSpec:
-    """`suffix` (hybridspec.suffix.SuffixCache), `ngram` (NgramProposer) or `arctic` (ArcticInference's suffix
-    decoding through hybridspec.peers.ArcticProposer; needs arctic-inference). `options` go to the constructor.
-    tree=True drafts token trees of at most max_spec_tokens nodes (suffix and arctic; n-gram drafts one chain)."""
-    speculate_options = {}
-    if tree and name == "suffix":
-        speculate_options = {"tree": True}
-    elif tree and name == "arctic":
-        options = {**options, "use_tree_spec": True}
+    """`suffix` (hybridspec.suffix.SuffixCache), `ngram` (NgramProposer) or `arctic-suffix` (ArcticInference's suffix
+    decoding through hybridspec.peers.ArcticSuffixProposer; needs arctic-inference). `options` go to the constructor.
+    tree=True drafts token trees of at most num_speculative_tokens nodes where the proposer drafts trees (n-gram
+    drafts chains)."""
     if name == "suffix":
         from hybridspec.suffix import SuffixCache as cls
     elif name == "ngram":
         from hybridspec.suffix import NgramProposer as cls
-    elif name == "arctic":
-        from hybridspec.peers import ArcticProposer as cls
+    elif name == "arctic-suffix":
+        from hybridspec.peers import ArcticSuffixProposer as cls
     else:
-        raise ValueError(f"unknown proposer {name!r}; known: suffix, ngram, arctic")
-    cls(max_spec_tokens=max_spec_tokens, **options)  # fail now, not mid-replay, on a bad option or a missing peer
-    return ProposerSpec(label or name, lambda: cls(max_spec_tokens=max_spec_tokens, **options), speculate_options)
+        raise ValueError(f"unknown proposer {name!r}; known: {', '.join(PROPOSER_NAMES)}")
+    # fail now, not mid-replay, on a bad option or a missing peer
+    drafts_trees = cls(num_speculative_tokens=num_speculative_tokens, **options).drafts_trees
+    return ProposerSpec(label or name, lambda: cls(num_speculative_tokens=num_speculative_tokens, **options),
+                        tree and drafts_trees)
 
 
 def arctic_available() -> bool:
@@ -130,8 +134,8 @@ def session_links(trajectory: TokenizedTrajectory) -> list[int | None]:
     return links
 
 
-class _Recorder:
-    """Per-step lists, turned into arrays once a framework is done."""
+class Recorder:
+    """One proposer's per-step lists over many `replay_call`s, turned into `ReplayStats` by `finish()`."""
 
     def __init__(self) -> None:
         self.draft_len: list[int] = []
@@ -169,8 +173,9 @@ def accepted_length(draft: Proposal, target: Sequence[int]) -> int:
     return accepted
 
 
-def _replay_call(proposer: Proposer, rid: int, prompt: np.ndarray, response: np.ndarray, extends: int | None,
-                 max_spec_tokens: int, rec: _Recorder, speculate_options: dict) -> None:
+def replay_call(proposer: Proposer, rid: Hashable, prompt: np.ndarray, response: np.ndarray, extends: Hashable | None,
+                num_speculative_tokens: int, rec: Recorder, tree: bool = False) -> None:
+    """One call through the proposer, oracle-accepted against `response` step by step, recorded into `rec`."""
     clock = time.perf_counter_ns
     start = clock()
     proposer.start_request(rid, prompt, extends=extends)
@@ -179,9 +184,9 @@ def _replay_call(proposer: Proposer, rid: int, prompt: np.ndarray, response: np.
     n, pos = len(target), 0
     while pos < n:
         t0 = clock()
-        draft = proposer.speculate(rid, max_spec_tokens, **speculate_options)
+        draft = proposer.speculate(rid, num_speculative_tokens, tree=tree)
         t1 = clock()
-        accepted = accepted_length(draft, target[pos:pos + max_spec_tokens])
+        accepted = accepted_length(draft, target[pos:pos + num_speculative_tokens])
         advance = min(accepted + 1, n - pos)
         t2 = clock()
         proposer.append(rid, response[pos:pos + advance])
@@ -192,14 +197,17 @@ def _replay_call(proposer: Proposer, rid: int, prompt: np.ndarray, response: np.
         rec.produced.append(advance)
         rec.speculate_ns.append(t1 - t0)
         rec.stats.append_ns += t3 - t2
+    t0 = clock()
     proposer.finish_request(rid)
-    rec.stats.wall_ns += clock() - start
+    end = clock()
+    rec.stats.finish_ns += end - t0
+    rec.stats.wall_ns += end - start
     rec.stats.calls += 1
     rec.stats.response_tokens += n
     rec.stats.prompt_tokens += len(prompt)
 
 
-def replay(trajectories: Sequence[TokenizedTrajectory], specs: Sequence[ProposerSpec], max_spec_tokens: int,
+def replay(trajectories: Sequence[TokenizedTrajectory], specs: Sequence[ProposerSpec], num_speculative_tokens: int,
            progress: bool | None = None) -> dict[str, dict[str, ReplayStats]]:
     """Replay every call through each proposer: `result[label][framework]`, frameworks in order of first appearance.
 
@@ -208,8 +216,8 @@ def replay(trajectories: Sequence[TokenizedTrajectory], specs: Sequence[Proposer
     """
     from tqdm.auto import tqdm
 
-    if max_spec_tokens < 1:
-        raise ValueError(f"max_spec_tokens must be >= 1, got {max_spec_tokens}")
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"proposer labels must be unique, got {labels}")
@@ -221,7 +229,7 @@ def replay(trajectories: Sequence[TokenizedTrajectory], specs: Sequence[Proposer
               disable=None if progress is None else not progress) as bar:
         for framework, trajs in frameworks.items():
             proposers = [spec.make() for spec in specs]
-            recorders = [_Recorder() for _ in specs]
+            recorders = [Recorder() for _ in specs]
             next_rid = 0
             for traj in trajs:
                 rids = []
@@ -229,8 +237,8 @@ def replay(trajectories: Sequence[TokenizedTrajectory], specs: Sequence[Proposer
                     rids.append(next_rid)
                     extends = None if link is None else rids[link]
                     for spec, proposer, rec in zip(specs, proposers, recorders):
-                        _replay_call(proposer, next_rid, call.prompt, call.response, extends, max_spec_tokens, rec,
-                                     spec.speculate_options)
+                        replay_call(proposer, next_rid, call.prompt, call.response, extends, num_speculative_tokens,
+                                    rec, spec.tree)
                     next_rid += 1
                     bar.update(1)
             for label, rec in zip(labels, recorders):

@@ -30,7 +30,7 @@ class ReplayReport:
 
     results: dict[str, dict[str, ReplayStats]]
     cost: VerifyCost
-    max_spec_tokens: int
+    num_speculative_tokens: int
     skipped: list[tuple[Path, str]] = field(default_factory=list)
 
     @property
@@ -61,7 +61,7 @@ class ReplayReport:
         header = f"{'proposer':<{width}}" + "".join(f"{h:>13}" for h, _, _ in _COLUMNS)
         lines = []
         for title, rows in sections:
-            lines += ["", f"{title} (max_spec_tokens {self.max_spec_tokens})", header]
+            lines += ["", f"{title} (num_speculative_tokens {self.num_speculative_tokens})", header]
             for p, m in rows.items():
                 lines.append(f"{p:<{width}}" + "".join(f"{fmt.format(m[key]):>13}" for _, key, fmt in _COLUMNS))
         if self.skipped:
@@ -79,7 +79,7 @@ class ReplayReport:
 
         frameworks, proposers = self.frameworks, self.proposers
         colors = plt.get_cmap("tab10").colors
-        edges = _bin_edges(self.max_spec_tokens + 1)
+        edges = _bin_edges(self.num_speculative_tokens + 1)
         labels = [str(lo) if hi == lo else f"{lo}-{hi}" for lo, hi in edges]
         labels[-1] += "\n(all K\naccepted)"  # the last bin is a fully accepted draft + the target's token
 
@@ -126,7 +126,7 @@ class ReplayReport:
                                                                    else ""))
         ax.legend(title="proposer", loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small")
         ax.grid(axis="y", alpha=0.3)
-        fig.suptitle(f"Speculative decoding replayed on agent traces (greedy oracle, max {self.max_spec_tokens} "
+        fig.suptitle(f"Speculative decoding replayed on agent traces (greedy oracle, max {self.num_speculative_tokens} "
                      f"draft tokens per step)", fontsize="large")
         fig.savefig(path, dpi=110)
         plt.close(fig)

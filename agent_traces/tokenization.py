@@ -101,7 +101,7 @@ class ChatPieces:
         msgs = [{"role": r, "content": s} for r, s in zip(roles, self._SENTINELS)]
         try:
             text = self._render(msgs, generation_prompt)
-        except Exception:  # a template may reject a role order (e.g. "roles must alternate"); fall back to whole renders
+        except Exception:  # a template may reject a role order ("roles must alternate"): fall back to whole renders
             return None
         parts = []
         for s in self._SENTINELS[: len(roles)]:

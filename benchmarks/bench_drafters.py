@@ -9,7 +9,7 @@ the weights) or, with --shape llama3-8b, for Llama-3.1-8B (hidden 4096, vocabula
 P-EAGLE with 4 layers as published, EAGLE-3 with 1, the LSTM with 4096 inner dim), random weights; a drafter state
 holding `--context` real slots, then per step: accept 2 new rows (one accepted draft and the bonus token, as after a
 typical verification) and propose K. Median milliseconds per step. On CPU the linears run on oneDNN-packed weights, as
-the engine runs them (hybridspec.target.pack_linears), multiplying in bfloat16 where the CPU does so natively
+the engine runs them (hybridspec.linear.pack_linears), multiplying in bfloat16 where the CPU does so natively
 (--cpu-matmul float32 to compare).
 Acceptance: each checkpoint in speculators/checkpoints/ on the held-out split of its recipe's feature cache (never
 trained on), greedy, offline (see hybridspec.speculators.train.trainer.evaluate_acceptance), for chains and for the
@@ -21,22 +21,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from bench_e2e import write_json
-from hybridspec.speculators import (Eagle3Drafter, EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter, PEagleDrafter,
-                                    TargetFeatures, TargetInfo, load_drafter)
+from common import REPO, machine_info, median_ms_each, write_json
+from hybridspec.speculators import (
+    Eagle3Drafter,
+    EagleConfig,
+    LayerConfig,
+    LSTMConfig,
+    LSTMDrafter,
+    PEagleDrafter,
+    TargetFeatures,
+    TargetInfo,
+    load_drafter,
+)
 from hybridspec.speculators.formats import read_config
 from hybridspec.speculators.train import FeatureStore, load_recipe
 from hybridspec.speculators.train.data import load_target_head
 from hybridspec.speculators.train.trainer import evaluate_acceptance
-from hybridspec.target import fast_bf16, pack_linears
+from hybridspec.linear import fast_bf16, pack_linears
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"peagle": "peagle-smollm2", "eagle3": "eagle3-smollm2", "lstm": "lstm-smollm2"}
 SHAPES = {
     "smollm2": dict(hidden=576, vocab=49152, layers=30, heads=9, kv_heads=3, intermediate=1536, rope_theta=100000.0),
@@ -49,7 +55,7 @@ TREE_WIDTH = 3  # the engine's default trees: the greedy chain and two runner-up
 
 
 def checkpoint_dir(kind: str) -> Path:
-    return ROOT / "speculators" / "checkpoints" / RECIPES[kind]
+    return REPO / "speculators" / "checkpoints" / RECIPES[kind]
 
 
 def shaped_drafter(kind: str, shape: str = "smollm2") -> torch.nn.Module:
@@ -69,9 +75,10 @@ def shaped_drafter(kind: str, shape: str = "smollm2") -> torch.nn.Module:
         layers, inter, vocab = (config["transformer_layer_config"]["num_hidden_layers"],
                                 config["transformer_layer_config"]["intermediate_size"], config["draft_vocab_size"])
     else:
-        arch = load_recipe(ROOT / "speculators" / "recipes" / f"{RECIPES[kind]}.yaml").architecture
+        arch = load_recipe(REPO / "speculators" / "recipes" / f"{RECIPES[kind]}.yaml").architecture
         if kind == "lstm":
-            return LSTMDrafter(LSTMConfig(TARGET["hidden"], arch.dim, TARGET["vocab"], arch.n_predict)).eval()
+            return LSTMDrafter(LSTMConfig(TARGET["hidden"], arch.dim, TARGET["vocab"],
+                                          arch.num_speculative_tokens)).eval()
         layers, inter, vocab = arch.num_layers, arch.intermediate_size, arch.draft_vocab_size
     layer = LayerConfig(hidden_size=target["hidden"], intermediate_size=inter, num_attention_heads=target["heads"],
                         num_key_value_heads=target["kv_heads"], head_dim=target["hidden"] // target["heads"],
@@ -96,7 +103,7 @@ def drafting_latency(kind: str, context: int, repeats: int, shape: str = "smollm
     if device == "cpu":
         pack_linears(drafter, cpu_matmul)
     vocab = SHAPES[shape]["vocab"]
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
 
     def features(n: int) -> TargetFeatures:
         f = random_features(n, shape, device)
@@ -106,23 +113,17 @@ def drafting_latency(kind: str, context: int, repeats: int, shape: str = "smollm
     for k in range(1, 9):
         states[k] = drafter.begin(features(context), torch.randint(0, vocab, (context,)))
         drafter.propose(states[k], k)  # the prompt's pass is a prefill cost, not a drafting step
-    times: dict[int, list[float]] = {k: [] for k in states}
-    for _ in range(repeats + 2):
-        for k, state in states.items():
-            drafter.accept(state, features(2), torch.randint(0, vocab, (2,)))
-            sync()
-            start = time.perf_counter()
-            drafter.propose(state, k)
-            sync()
-            times[k].append(time.perf_counter() - start)
-    return {k: 1000 * statistics.median(t[2:]) for k, t in times.items()}
+    # each step first accepts 2 rows (untimed), then proposes K (timed)
+    accept = {k: (lambda s=s: drafter.accept(s, features(2), torch.randint(0, vocab, (2,)))) for k, s in states.items()}
+    propose = {k: (lambda k=k, s=s: drafter.propose(s, k)) for k, s in states.items()}
+    return median_ms_each(propose, repeats, warmup=2, before=accept, sync=sync)
 
 
 def acceptance(kind: str) -> dict[str, dict] | None:
     ckpt = checkpoint_dir(kind)
     if not (ckpt / "config.json").exists():
         return None
-    recipe = load_recipe(ROOT / "speculators" / "recipes" / f"{RECIPES[kind]}.yaml")
+    recipe = load_recipe(REPO / "speculators" / "recipes" / f"{RECIPES[kind]}.yaml")
     root = recipe.feature_dir()
     store = FeatureStore(root, "heldout")
     embed, _ = load_target_head(root)
@@ -164,7 +165,8 @@ def main() -> None:
     matmul = {"auto": torch.bfloat16 if fast_bf16() else None, "float32": None,
               "bfloat16": torch.bfloat16}[args.cpu_matmul] if args.device == "cpu" else None
     results: dict = {"context": args.context, "threads": args.threads, "shape": args.shape, "device": args.device,
-                     "dtype": str(dtype), "cpu_matmul": str(matmul or dtype), "latency_ms": {}, "acceptance": {}}
+                     "dtype": str(dtype), "cpu_matmul": str(matmul or dtype), "latency_ms": {}, "acceptance": {},
+                     "machine": machine_info()}
     if args.device.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name()
     with torch.inference_mode():
@@ -191,12 +193,13 @@ def main() -> None:
           f"tree (width {TREE_WIDTH}) K=3 K=5 K=7")
     for kind, res in results["acceptance"].items():
         if res is None:
-            print(f"{kind:>8}  (no checkpoint in {checkpoint_dir(kind).relative_to(ROOT)})")
+            print(f"{kind:>8}  (no checkpoint in {checkpoint_dir(kind).relative_to(REPO)})")
             continue
         for text in ("chat", "agent", "self-instruct"):
             if text in res:
                 r = res[text]
-                print(f"{kind:>8} {text:>13} {r['acceptance@3']:6.2f} {r['acceptance@5']:6.2f} {r['acceptance@7']:6.2f} "
+                print(f"{kind:>8} {text:>13} "
+                      f"{r['acceptance@3']:6.2f} {r['acceptance@5']:6.2f} {r['acceptance@7']:6.2f} "
                       f"{r['steps'][7]:8d}   " + " ".join(f"{r[f'tree_acceptance@{k}']:6.2f}" for k in (3, 5, 7)))
     write_json(args.json, results)
 

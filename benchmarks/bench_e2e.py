@@ -15,10 +15,11 @@ Workloads:
 Methods (--speculate, comma-separated): suffix, ngram, a shipped drafter head (peagle, lstm, eagle3) or a hybrid
 (suffix+peagle, ...), each at its default K unless --num-speculative-tokens is given, each on its own Engine (its own
 suffix cache), each drafting its default shape (drafters and hybrids trees, the suffix cache chains; --tree or
---no-tree for all). Baseline: the same target with speculate="none" (plain greedy decoding; same model, dtype, KV cache and
-prefill handling). Baseline and speculative runs alternate turn by turn (question by question for chat), so that load
-from other processes on a shared machine falls on all alike. tokens/s counts generated tokens over the whole time of
-the calls, prefill of the prompts included; decode_speedup leaves prefill out. "identical" checks every turn's tokens.
+--no-tree for all). Baseline: the same target with speculate="none" (plain greedy decoding; same model, dtype, KV cache
+and prefill handling). Baseline and speculative runs alternate turn by turn (question by question for chat), so that
+load from other processes on a shared machine falls on all alike. tokens/s counts generated tokens over the whole time
+of the calls, prefill of the prompts included; decode_speedup leaves prefill out. "identical" checks every turn's
+tokens.
 
     python benchmarks/bench_e2e.py --json out/bench_e2e.json
     python benchmarks/bench_e2e.py --workloads chat --speculate suffix,peagle,suffix+peagle,lstm,eagle3 \
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+from common import TRACES_DIR, WORKLOADS_DIR, machine_info, write_json
+
 TARGETS = {("agent", "suffix"): 2.5, ("chat", "suffix"): 0.97, ("chat", "peagle"): 1.3}
 WORKLOADS = ("agent", "chat")
 
@@ -165,17 +165,6 @@ def summarize(base, spec, identical: bool, **extra) -> dict:
     }
 
 
-def machine_info() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
-
-
-def write_json(path: Path | None, result: dict) -> None:
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-
-
 def print_table(workloads: dict) -> None:
     print(f"\n{'workload':<9}{'method':<8}{'baseline tok/s':>15}{'spec tok/s':>11}{'speedup':>9}{'target':>9}"
           f"{'tokens/step':>12}{'accept':>8}{'decode speedup':>16}{'identical':>11}")
@@ -195,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: on a shared 2-core machine more threads stall each other)")
-    parser.add_argument("--traces", type=Path, default=SHARED / "agent_traces")
-    parser.add_argument("--mt-bench", type=Path, default=SHARED / "workloads" / "mt_bench_questions.jsonl")
+    parser.add_argument("--traces", type=Path, default=TRACES_DIR)
+    parser.add_argument("--mt-bench", type=Path, default=WORKLOADS_DIR / "mt_bench_questions.jsonl")
     parser.add_argument("--workloads", default="agent,chat")
     parser.add_argument("--agent-sessions-per-framework", type=int, default=2)
     parser.add_argument("--agent-turns", type=int, default=8)
@@ -213,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
                         help="draft token trees (--no-tree: chains); default: each proposer's own choice (drafters and "
                              "hybrids trees, the suffix cache chains)")
-    parser.add_argument("--verify-cost", type=Path, help="JSON from `python -m hybridspec.target "
-                                                         "--measure-verify-cost` for the cost gate")
+    parser.add_argument("--verify-cost", type=Path,
+                        help="JSON from `python benchmarks/bench_verify_cost.py` for the cost gate")
     args = parser.parse_args(argv)
     workload_names = [w for w in args.workloads.split(",") if w]
     unknown = set(workload_names) - set(WORKLOADS)

@@ -1,11 +1,11 @@
 """Replay the real agent traces (../shared/agent_traces) through suffix, n-gram and ArcticInference at equal budgets.
 
-For each max_spec_tokens K (16 and 32) every proposer replays the whole development set in one run, taking turns call
-by call (hybridspec.agent_traces.replay): hybridspec's SuffixCache, NgramProposer, and the peer's suffix decoding at
-its own default depth (64) and at vLLM's (24). Printed: the replay table per K, the proposal time per speculate call
-(median, p99 and mean; the JSON adds `us_per_speculate_mean` to the report's metrics), the issue's targets as ratios
-per framework (suffix >= 1.15x Arctic's tokens per step and >= n-gram's; suffix proposal time per speculate call, median
-and mean, <= 0.5x Arctic's), and each proposer's wall time for the whole set (target: < 5 minutes).
+For each num_speculative_tokens K (16 and 32) every proposer replays the whole development set in one run, taking turns
+call by call (hybridspec.agent_traces.replay): hybridspec's SuffixCache, NgramProposer, and the peer's suffix decoding
+at its own default depth (64) and at vLLM's (24). Printed: the replay table per K, the proposal time per speculate call
+(median, p99 and mean; the JSON adds `us_per_speculate_mean` to the report's metrics), the issue's targets as ratios per
+framework (suffix >= 1.15x Arctic's tokens per step and >= n-gram's; suffix proposal time per speculate call, median and
+mean, <= 0.5x Arctic's), and each proposer's wall time for the whole set (target: < 5 minutes).
 
     .venv-peers/bin/python benchmarks/bench_replay.py --json out/bench_replay.json   # all proposers
     .venv/bin/python benchmarks/bench_replay.py                                       # suffix and n-gram only
@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -28,22 +26,20 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridspec.agent_traces import (ReplayReport, ReplayStats, TraceTokenizer, load_traces, proposer_spec,
-                                    replay)
+from common import REPO, TRACES_DIR, machine_info, write_json
+from hybridspec.agent_traces import ReplayReport, ReplayStats, TraceTokenizer, load_traces, proposer_spec, replay
 from hybridspec.agent_traces.replay import arctic_available
 from hybridspec.router import VerifyCost
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACES = REPO.parent / "shared" / "agent_traces"
 TARGET_VS_ARCTIC_TOKENS = 1.15
 TARGET_VS_ARCTIC_TIME = 0.5
 TARGET_WALL_S = 300.0
-# label -> (proposer, constructor options); arctic at its own default depth and at vLLM's
+# label -> (proposer, constructor options); arctic-suffix (the ArcticInference peer) at its default depth and vLLM's
 CONFIGS = {
     "suffix": ("suffix", {}),
     "ngram": ("ngram", {}),
-    "arctic": ("arctic", {"max_depth": 64}),
-    "arctic-vllm": ("arctic", {"max_depth": 24}),
+    "arctic-suffix": ("arctic-suffix", {"max_depth": 64}),
+    "arctic-suffix-vllm": ("arctic-suffix", {"max_depth": 24}),
 }
 
 
@@ -79,7 +75,7 @@ def _targets(results: dict, labels: list[str]) -> dict[str, dict[str, float]]:
         row = {}
         if "ngram" in stats:
             row["suffix_vs_ngram_tokens_per_step"] = tps["suffix"] / tps["ngram"]
-        for arctic in (p for p in labels if p.startswith("arctic")):
+        for arctic in (p for p in labels if p.startswith("arctic-suffix")):
             row[f"suffix_vs_{arctic}_tokens_per_step"] = tps["suffix"] / tps[arctic]
             for name, f in (("p50", np.median), ("mean", np.mean)):
                 row[f"suffix_vs_{arctic}_speculate_time_{name}"] = (f(stats["suffix"].speculate_ns)
@@ -127,10 +123,10 @@ def _print_targets(targets: dict[str, dict[str, float]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write the results here")
-    ap.add_argument("--traces", type=Path, nargs="+", default=[DEFAULT_TRACES])
-    ap.add_argument("--max-spec-tokens", default="16,32", help="comma-separated budgets K")
+    ap.add_argument("--traces", type=Path, nargs="+", default=[TRACES_DIR])
+    ap.add_argument("--num-speculative-tokens", default="16,32", help="comma-separated budgets K")
     ap.add_argument("--tree", action="store_true",
-                    help="suffix and arctic draft token trees of at most K nodes (n-gram: chains)")
+                    help="suffix and arctic-suffix draft token trees of at most K nodes (n-gram: chains)")
     ap.add_argument("--proposers", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     ap.add_argument("--tokenizer", default="smollm2")
     ap.add_argument("--tokenize-python", default=str(REPO / ".venv" / "bin" / "python"),
@@ -144,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in labels if p not in CONFIGS]
     if unknown:
         ap.error(f"unknown proposers {unknown}; choose from {', '.join(CONFIGS)}")
-    if not arctic_available() and any(CONFIGS[p][0] == "arctic" for p in labels):
+    if not arctic_available() and any(CONFIGS[p][0] == "arctic-suffix" for p in labels):
         print("arctic_inference is not importable here: skipping the Arctic proposers "
               "(run under .venv-peers/bin/python, made by scripts/setup_peers.sh)", file=sys.stderr)
-        labels = [p for p in labels if CONFIGS[p][0] != "arctic"]
-    budgets = [int(k) for k in args.max_spec_tokens.split(",")]
+        labels = [p for p in labels if CONFIGS[p][0] != "arctic-suffix"]
+    budgets = [int(k) for k in args.num_speculative_tokens.split(",")]
 
     t0 = time.perf_counter()
     loaded = load_traces(args.traces)
@@ -177,19 +173,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwall time for the whole set (target < {TARGET_WALL_S:.0f} s per proposer): "
               + ", ".join(f"{p} {s:.1f} s (prompt indexing {indexing[p]:.1f} s)" for p, s in wall.items()))
         if any(targets.values()):
-            print(f"\ntargets at max_spec_tokens {k}:")
+            print(f"\ntargets at num_speculative_tokens {k}:")
             _print_targets(targets)
         runs[str(k)] = {**data, "wall_s": wall, "prompt_indexing_s": indexing, "targets": targets}
 
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "traces": [str(p) for p in args.traces], "calls": n_calls, "tokenizer": args.tokenizer, "tree": args.tree,
-            "proposers": {p: {"proposer": CONFIGS[p][0], **CONFIGS[p][1]} for p in labels},
-            "verify_cost_ms": cost.table(), "load_s": load_s, "tokenize_s": tokenize_s,
-            "machine": platform.machine(), "cpus": os.cpu_count(), "python": sys.executable,
-            "runs": runs,
-        }, indent=2) + "\n")
+    write_json(args.json, {
+        "traces": [str(p) for p in args.traces], "calls": n_calls, "tokenizer": args.tokenizer, "tree": args.tree,
+        "proposers": {p: {"proposer": CONFIGS[p][0], **CONFIGS[p][1]} for p in labels},
+        "verify_cost_ms": cost.table(), "load_s": load_s, "tokenize_s": tokenize_s,
+        "machine": machine_info(), "python": sys.executable,
+        "runs": runs,
+    })
     return 0
 
 

@@ -11,25 +11,22 @@ the request finishes.
 
     python benchmarks/bench_suffix.py --json out/bench_suffix.json      # all three under .venv-peers/bin/python
 
-Under an environment without arctic-inference the `arctic` proposer is skipped with a note (scripts/setup_peers.sh
-creates .venv-peers, where all three run).
+Under an environment without arctic-inference the `arctic-suffix` proposer is skipped with a note
+(scripts/setup_peers.sh creates .venv-peers, where all three run).
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
 
-from hybridspec.proposal import Proposal
+from common import machine_info, write_json
+from hybridspec.agent_traces.replay import Recorder, replay_call
 
 VOCAB_SIZE = 49152  # SmolLM2's
 
@@ -169,79 +166,31 @@ def make_proposer(name: str, args: argparse.Namespace):
     if name == "hybridspec":
         from hybridspec.suffix import SuffixCache
 
-        return SuffixCache(max_depth=args.max_depth, max_spec_tokens=args.max_spec_tokens,
+        return SuffixCache(max_depth=args.max_depth, num_speculative_tokens=args.num_speculative_tokens,
                            max_spec_factor=args.max_spec_factor, max_spec_offset=args.max_spec_offset,
                            min_token_prob=args.min_token_prob)
-    if name == "arctic":
-        from hybridspec.peers import ArcticProposer
+    if name == "arctic-suffix":
+        from hybridspec.peers import ArcticSuffixProposer
 
-        return ArcticProposer(max_depth=args.max_depth, max_spec_tokens=args.max_spec_tokens,
-                              max_spec_factor=args.max_spec_factor, max_spec_offset=args.max_spec_offset,
-                              min_token_prob=args.min_token_prob)
+        return ArcticSuffixProposer(max_depth=args.max_depth, num_speculative_tokens=args.num_speculative_tokens,
+                                    max_spec_factor=args.max_spec_factor, max_spec_offset=args.max_spec_offset,
+                                    min_token_prob=args.min_token_prob)
     if name == "ngram":
         from hybridspec.suffix import NgramProposer
 
-        return NgramProposer(max_spec_tokens=args.max_spec_tokens)
+        return NgramProposer(num_speculative_tokens=args.num_speculative_tokens)
     raise ValueError(f"unknown proposer {name!r}")
 
 
 BYTES_PER_TOKEN_METHOD = {
     "hybridspec": "SuffixCache.memory_bytes() / indexed_tokens() (global tree + live and retained request trees)",
-    "arctic": "SuffixTree.estimate_memory() of its global and request trees (the peer's own estimate) / tokens in them",
+    "arctic-suffix": "SuffixTree.estimate_memory() of its global and request trees (the peer's own estimate) / tokens "
+                     "in them",
     "ngram": "token buffer bytes / tokens held (active and retained contexts)",
 }
 
 
 # ---------------------------------------------------------------- driver
-
-@dataclass
-class Tally:
-    speculate_ns: list[int] = field(default_factory=list)
-    append_ns: int = 0
-    appended_tokens: int = 0
-    index_ns: int = 0
-    prompt_tokens: int = 0
-    steps: int = 0
-    response_tokens: int = 0
-
-
-def accepted_length(proposal: Proposal, truth: np.ndarray) -> int:
-    """Oracle acceptance: the longest root-to-node path of the draft (chain or tree) that spells a prefix of truth."""
-    node, n = -1, 0
-    for i, (tok, parent) in enumerate(zip(proposal.token_ids, proposal.parents)):
-        if n == len(truth):
-            break
-        if parent == node and tok == truth[n]:  # parents precede children: a scan in order walks the path
-            node, n = i, n + 1
-    return n
-
-
-def run_request(proposer, req: Request, tally: Tally) -> None:
-    clock = time.perf_counter_ns
-    t0 = clock()
-    proposer.start_request(req.request_id, req.prompt, extends=req.extends)
-    tally.index_ns += clock() - t0
-    tally.prompt_tokens += len(req.prompt)
-    response, pos = req.response, 0
-    while pos < len(response):
-        t0 = clock()
-        proposal = proposer.speculate(req.request_id)
-        t1 = clock()
-        tally.speculate_ns.append(t1 - t0)
-        step = response[pos: pos + accepted_length(proposal, response[pos:]) + 1]  # accepted + the bonus token
-        t0 = clock()
-        proposer.append(req.request_id, step)
-        tally.append_ns += clock() - t0
-        tally.appended_tokens += len(step)
-        pos += len(step)
-        tally.steps += 1
-    tally.response_tokens += len(response)
-    # finishing is part of the append cost: the peer indexes response tokens globally as they are appended,
-    # hybridspec when the request finishes
-    t0 = clock()
-    proposer.finish_request(req.request_id)
-    tally.append_ns += clock() - t0
-
 
 def warm_up(proposer) -> None:
     """Compile lazily jitted code (numba) outside the timed region."""
@@ -251,25 +200,30 @@ def warm_up(proposer) -> None:
     proposer.abort_request("__warmup__")
 
 
-def run_workload(requests: list[Request], proposers: dict, label: str) -> dict[str, dict[str, float]]:
-    tallies = {name: Tally() for name in proposers}
+def run_workload(requests: list[Request], proposers: dict, label: str,
+                 num_speculative_tokens: int) -> dict[str, dict[str, float]]:
+    """Every request through every proposer, as trace replay drives them (hybridspec.agent_traces.replay)."""
+    recorders = {name: Recorder() for name in proposers}
     gc.disable()  # no collector pauses inside timed calls
     try:
         for req in tqdm(requests, desc=label, disable=not sys.stderr.isatty(), leave=False):
             for name, proposer in proposers.items():
-                run_request(proposer, req, tallies[name])
+                replay_call(proposer, req.request_id, req.prompt, req.response, req.extends, num_speculative_tokens,
+                            recorders[name])
     finally:
         gc.enable()
     results = {}
     for name, proposer in proposers.items():
-        t = tallies[name]
+        t = recorders[name].finish()
         held = proposer.indexed_tokens()
         results[name] = {
             "us_per_speculate": float(np.median(t.speculate_ns)) / 1e3,
-            "us_per_append_token": t.append_ns / 1e3 / max(t.appended_tokens, 1),
+            # finishing is part of the append cost: the peer indexes response tokens globally as they are appended,
+            # hybridspec when the request finishes
+            "us_per_append_token": (t.append_ns + t.finish_ns) / 1e3 / max(t.response_tokens, 1),
             "tokens_per_step": t.response_tokens / max(t.steps, 1),
             "bytes_per_token": proposer.memory_bytes() / held if held else 0.0,
-            "prompt_index_ms_per_1k": t.index_ns / 1e6 / max(t.prompt_tokens, 1) * 1e3,
+            "prompt_index_ms_per_1k": t.start_ns / 1e6 / max(t.prompt_tokens, 1) * 1e3,
         }
     return results
 
@@ -300,11 +254,12 @@ def target_rows(results: dict) -> list[tuple[str, str, str]]:
         rows.append((what, f"{ratio:.3f} ({ours:.3g} vs {theirs:.3g})", "PASS" if ok else "FAIL"))
 
     for w in results:
-        ratio_row(f"{w}: speculate us ours/arctic <= 0.5", w, "us_per_speculate", "arctic", 0.5, False)
-    ratio_row("agent: tokens/step ours/arctic >= 1", "agent", "tokens_per_step", "arctic", 1.0, True)
+        ratio_row(f"{w}: speculate us ours/arctic-suffix <= 0.5", w, "us_per_speculate", "arctic-suffix", 0.5, False)
+    ratio_row("agent: tokens/step ours/arctic-suffix >= 1", "agent", "tokens_per_step", "arctic-suffix", 1.0, True)
     ratio_row("agent: tokens/step ours/ngram >= 1", "agent", "tokens_per_step", "ngram", 1.0, True)
     for w in results:
-        ratio_row(f"{w}: append us/token ours/arctic <= 1", w, "us_per_append_token", "arctic", 1.0, False)
+        ratio_row(f"{w}: append us/token ours/arctic-suffix <= 1", w, "us_per_append_token", "arctic-suffix", 1.0,
+                  False)
     for w, r in results.items():
         if "hybridspec" in r:
             b = r["hybridspec"]["bytes_per_token"]
@@ -332,26 +287,15 @@ def print_report(results: dict, notes: list[str]) -> None:
         print(f"note: {note}")
 
 
-def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    system = f"{platform.system()} {platform.release()}"
-    return f"{cpu}, {os.cpu_count()} logical CPUs, {system}, Python {platform.python_version()}"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON here")
     ap.add_argument("--max-depth", type=int, default=64)
-    ap.add_argument("--max-spec-tokens", type=int, default=16)
+    ap.add_argument("--num-speculative-tokens", type=int, default=16)
     ap.add_argument("--max-spec-factor", type=float, default=1.0)
     ap.add_argument("--max-spec-offset", type=float, default=0.0)
     ap.add_argument("--min-token-prob", type=float, default=0.1)
-    ap.add_argument("--proposers", default="hybridspec,arctic,ngram", help="comma-separated subset")
+    ap.add_argument("--proposers", default="hybridspec,arctic-suffix,ngram", help="comma-separated subset")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="runs per workload; timings are the best of them")
@@ -380,11 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads:
         requests = WORKLOADS[w](args.seed, args.quick)
         # fresh proposers per run: each starts with an empty global cache
-        runs = [run_workload(requests, {n: make_proposer(n, args) for n in available}, f"{w} {r + 1}/{args.repeat}")
-                for r in range(args.repeat)]
+        runs = [run_workload(requests, {n: make_proposer(n, args) for n in available}, f"{w} {r + 1}/{args.repeat}",
+                             args.num_speculative_tokens) for r in range(args.repeat)]
         results[w] = {n: best_of(run[n] for run in runs) for n in available}
 
-    settings = dict(max_depth=args.max_depth, max_spec_tokens=args.max_spec_tokens,
+    settings = dict(max_depth=args.max_depth, num_speculative_tokens=args.num_speculative_tokens,
                     max_spec_factor=args.max_spec_factor, max_spec_offset=args.max_spec_offset,
                     min_token_prob=args.min_token_prob, seed=args.seed, quick=args.quick, repeat=args.repeat,
                     timings="best of `repeat` runs; us_per_speculate is the median call of a run, us_per_append_token "
@@ -392,11 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                     ngram=dict(min_n=2, max_n=5), vocab_size=VOCAB_SIZE, python=sys.executable,
                     bytes_per_token_method={n: BYTES_PER_TOKEN_METHOD[n] for n in available}, notes=notes)
     print_report(results, notes)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"workloads": results, "settings": settings, "machine": machine_description()}, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, {"workloads": results, "settings": settings, "machine": machine_info()})
     return 0
 
 

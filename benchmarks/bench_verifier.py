@@ -17,11 +17,9 @@ plus noise, tokens drawn from the draft, or its argmax for the one-hot modes).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,6 +31,7 @@ if not ON_GPU:
 
 from tqdm import tqdm  # noqa: E402
 
+from common import machine_info, median_ms, write_json  # noqa: E402
 from hybridspec.proposal import Proposal  # noqa: E402
 from hybridspec.verifier import process_logits, reference, verify_batch  # noqa: E402
 
@@ -99,20 +98,6 @@ def rules_fn(case: Case, impl) -> Callable[[], object]:
     return run
 
 
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    sync = torch.cuda.synchronize if ON_GPU else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def verify_fn(case: Case, backend: str) -> Callable[[], list]:
     return lambda: verify_batch(case.logits, case.proposals, case.temperature,
                                 generator=torch.Generator(case.logits.device).manual_seed(2), backend=backend)
@@ -151,6 +136,7 @@ def main() -> None:
     if not 1 <= args.num_draft <= len(CHAIN):
         parser.error(f"--num-draft must be in 1..{len(CHAIN)}")
     backends = ["torch", "triton"] if ON_GPU else ["torch"]
+    sync = torch.cuda.synchronize if ON_GPU else None
 
     from hybridspec.verifier import kernels
 
@@ -164,8 +150,8 @@ def main() -> None:
             impl = kernels if backend == "triton" else reference
             results[backend] = verify_fn(case, backend)()
             timings.append({"mode": mode, "batch": batch, "backend": backend,
-                            "e2e_ms": median_ms(verify_fn(case, backend), repeats),
-                            "rules_ms": median_ms(rules_fn(case, impl), repeats),
+                            "e2e_ms": median_ms(verify_fn(case, backend), repeats, sync=sync),
+                            "rules_ms": median_ms(rules_fn(case, impl), repeats, sync=sync),
                             "mean_accepted": statistics.mean(len(r.accepted) for r in results[backend])})
         if ON_GPU:
             timings[-1]["matches_torch"] = results["triton"] == results["torch"]
@@ -192,14 +178,10 @@ def main() -> None:
           + ("" if ON_GPU else " Triton interpreter on CPU, small sizes only"))
     for c in checks:
         print(f"  {c['mode']:<20} B={c['batch']:<4} V={c['vocab']:<7} {'identical' if c['match'] else 'DIFFERENT'}")
-    if args.json:
-        report = {"device": torch.cuda.get_device_name() if ON_GPU else "cpu", "torch": torch.__version__,
-                  "triton_interpreter": not ON_GPU, "cpu_threads": torch.get_num_threads(), "vocab": vocab,
-                  "num_draft": args.num_draft,
-                  "timings": timings, "kernel_checks": checks}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, {"device": torch.cuda.get_device_name() if ON_GPU else "cpu", "torch": torch.__version__,
+                           "triton_interpreter": not ON_GPU, "cpu_threads": torch.get_num_threads(), "vocab": vocab,
+                           "num_draft": args.num_draft, "timings": timings, "kernel_checks": checks,
+                           "machine": machine_info()})
     if not all(c["match"] for c in checks):
         sys.exit("kernels and reference disagree")
 

@@ -39,17 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-# Both sides run the same head on the same prompts; they differ only in where the first draft starts (ours drafts the
-# first generated token too, vLLM drafts after sampling it in prefill), so acceptance lengths agree to ~1 step in 700.
-MATCH_TOLERANCE = 0.02
-
 import torch
 from tqdm import tqdm
 
-from bench_e2e import chat_questions, machine_info, write_json
+from bench_e2e import chat_questions
+from common import REPO, WORKLOADS_DIR, machine_info, write_json
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+# Both sides run the same head on the same prompts; they differ only in where the first draft starts (ours drafts the
+# first generated token too, vLLM drafts after sampling it in prefill), so acceptance lengths agree to ~1 step in 700.
+MATCH_TOLERANCE = 0.02
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 SHIPPED_PEAGLE = REPO / "speculators" / "checkpoints" / "peagle-smollm2"
 # In-process engine core, a small KV cache, no model hub; warnings only, so that our progress lines stand out.
@@ -119,7 +117,7 @@ class Acceptance:
         return [sum(1 for a in self.accepted if a > i) for i in range(self.k)]
 
     def as_dict(self) -> dict:
-        return {"k": self.k, "drafts": self.drafts, "draft_tokens": sum(self.drafted),
+        return {"num_speculative_tokens": self.k, "drafts": self.drafts, "draft_tokens": sum(self.drafted),
                 "accepted_tokens": sum(self.accepted), "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "accepted_per_position": self.accepted_per_position()}
 
@@ -376,17 +374,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--drafter", type=Path, default=SHIPPED_PEAGLE, help="P-EAGLE checkpoint directory")
-    parser.add_argument("--mt-bench", type=Path, default=SHARED / "workloads" / "mt_bench_questions.jsonl")
+    parser.add_argument("--mt-bench", type=Path, default=WORKLOADS_DIR / "mt_bench_questions.jsonl")
     parser.add_argument("--questions", type=int, default=8, help="first turns of this many MT-Bench questions")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, help="draft tokens per step (default: the checkpoint's K)")
+    parser.add_argument("--num-speculative-tokens", type=int,
+                        help="draft tokens per step (default: the checkpoint's K)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of our engine")
     args = parser.parse_args(argv)
     if not VLLM_PYTHON.exists():
         parser.error(f"{VLLM_PYTHON} not found: run scripts/setup_vllm.sh to set up vLLM's environment")
     if not (args.drafter / "config.json").exists():
         parser.error(f"--drafter {args.drafter}: no config.json there")
-    if args.questions <= 0 or args.max_new_tokens <= 0 or (args.k is not None and args.k <= 0):
+    k_arg = args.num_speculative_tokens
+    if args.questions <= 0 or args.max_new_tokens <= 0 or (k_arg is not None and k_arg <= 0):
         parser.error("--questions, --max-new-tokens and --k must be positive")
 
     from hybridspec.engine import Engine
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         drafter = vllm_checkpoint(args.drafter, resolve_model("smollm2"), work / "peagle")
         config = json.loads((drafter / "config.json").read_text())
-        k = args.k or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        k = args.num_speculative_tokens or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
 
         print("ours: loading SmolLM2 + the P-EAGLE head ...", file=sys.stderr, flush=True)
         engine = Engine.from_pretrained("smollm2", router=RecordingRouter(k), drafters={"peagle": drafter})
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
               f"accept as many tokens as our engine, here within {MATCH_TOLERANCE:.0%})")
 
     result = {
-        "k": k,
+        "num_speculative_tokens": k,
         "acceptance_length": {name: {"vllm": round(v, 4), "ours": round(o, 4)}
                               for name, (v, o) in comparison["acceptance_length"].items()},
         "ratio_ours_over_vllm": {name: round(r, 4) for name, r in ratio.items()},

@@ -9,7 +9,7 @@ import sys
 COMMANDS = {
     "demo": "hybridspec.demo",
     "replay": "hybridspec.agent_traces.cli",
-    "train": "hybridspec.speculators.train.cli",
+    "train": "hybridspec.train",
 }
 
 

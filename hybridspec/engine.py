@@ -4,41 +4,63 @@
     result = engine.generate([{"role": "user", "content": "Hi"}], max_new_tokens=64)      # speculate="suffix"
     for delta in engine.stream("Once upon a time", max_new_tokens=32): print(delta, end="")
     session = engine.session(system="You are an agent.")                                     # agent loops
-    reply = session.send("ls -la")                                                           # later turns reuse the KV
-                                                                                             # cache and the suffix cache
-Every step of `Engine._decode` is propose -> route -> verify -> update. Outputs are exact: greedy speculative decoding
-returns the target's greedy tokens and sampling keeps the target's distribution (the verifier's rules); speculation only
-changes how many tokens one forward pass of the target commits.
+    reply = session.send("ls -la")                  # later turns reuse the KV cache and the suffix cache
+
+Every step of `Engine._decode` is propose -> route -> verify -> update, one method each. Outputs are exact: greedy
+speculative decoding returns the target's greedy tokens and sampling keeps the target's distribution (the verifier's
+rules); speculation only changes how many tokens one forward pass of the target commits.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-import inspect
 import itertools
 import numbers
 import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 
-from hybridspec.proposal import Proposal, Proposer
-from hybridspec.router import CostGate, HybridProposer
+from hybridspec.kv_cache import KVCache
+from hybridspec.linear import fast_bf16, pack_linears
+from hybridspec.proposal import FeatureProposer, Proposal, Proposer, check_proposer
+from hybridspec.router import CostGate, FunctionRouter, HybridProposer, Router
 from hybridspec.speculators import Drafter, DrafterProposer, TargetFeatures, load_drafter
-from hybridspec.target import KVCache, TargetModel, fast_bf16, pack_linears
+from hybridspec.speculators.registry import DRAFTER_KINDS
+from hybridspec.target import StepOutput, TargetModel
+
+if TYPE_CHECKING:
+    from hybridspec.verifier import VerifyResult
 
 Message = Mapping[str, str]
 PromptLike = str | Sequence[int] | Sequence[Message]
-Router = Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]]  # (proposals, context lengths)
 
-DRAFTER_KINDS = ("peagle", "lstm", "eagle3")
 HYBRID_KINDS = tuple(f"suffix+{kind}" for kind in DRAFTER_KINDS)
 SPECULATE_CHOICES = ("suffix", "ngram", *DRAFTER_KINDS, *HYBRID_KINDS, "none")
-GENERATE_DEFAULTS: dict[str, Any] = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, speculate="suffix",
-                                         num_speculative_tokens=None, tree=None, stop=None, seed=None)
+KV_HEADROOM_TOKENS = 64  # cache slots past prompt + max_new_tokens: a session's next short turn needs no regrowth
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """The options of one call, with their defaults: `generate`'s keyword arguments (`stream` and `Session.send` take
+    the same). See `Engine.generate` for what each means."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    speculate: str | Proposer | FeatureProposer | None = "suffix"
+    num_speculative_tokens: int | None = None  # None: the drafter's trained K, else the engine's
+    tree: bool | None = None  # None: the proposer's preference (prefers_trees)
+    stop: str | Sequence[str] | None = None
+    seed: int | None = None
+
+
+DEFAULTS = GenerateOptions()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,6 +110,15 @@ class GenerationStats:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Add the wall time of the `with` block to the field `name` (e.g. "verify_s")."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, name, getattr(self, name) + time.perf_counter() - start)
+
     def as_dict(self) -> dict[str, float]:
         return dict(asdict(self), tokens_per_step=self.tokens_per_step, acceptance=self.acceptance,
                     tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
@@ -105,11 +136,13 @@ class GenerationResult:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# per-sequence state
+# one call's state
 
 
 @dataclass
 class _Params:
+    """GenerateOptions validated and resolved against the proposer."""
+
     max_new_tokens: int
     temperature: float
     top_k: int
@@ -132,27 +165,49 @@ class _Sequence:
         return self.tokens[self.prompt_len:]
 
 
+@dataclass
+class _Call:
+    """What one generate / stream / send call works on. Cache row r belongs to seqs[live[r]]."""
+
+    seqs: list[_Sequence]
+    cache: KVCache
+    proposer: Proposer | FeatureProposer | None
+    params: _Params
+    stats: GenerationStats
+    live: list[int]
+
+    @property
+    def reads_features(self) -> bool:
+        """The proposer reads the target's hidden states (a model drafter, a hybrid)."""
+        return self.proposer is not None and self.proposer.wants_target_features
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the engine
 
 
 class Engine:
     """Generates with a `TargetModel`, speculating with a suffix cache, an n-gram proposer, a model drafter (P-EAGLE,
-    the LSTM speculator, EAGLE-3) or any `Proposer`.
+    the LSTM speculator, EAGLE-3) or any `Proposer` / `FeatureProposer` (the contract in `hybridspec.proposal`).
 
     drafters: checkpoint directories (or `Drafter` modules) for speculate="peagle" | "lstm" | "eagle3"; by default the
     heads shipped for SmolLM2-135M-Instruct. A drafter reads the target's hidden states at the last
     `drafter_context` positions of a prompt, then at every committed token. drafter_bf16: run drafters' matrix
-    products in bfloat16 on the CPU (default: where the CPU does bfloat16 natively; about twice as fast).
+    products in bfloat16 on the CPU (default: where the CPU does bfloat16 natively, where it is the faster).
+    router: a `Router` (default: the `CostGate` over `verify_cost`), or a plain function (proposals, contexts) ->
+    proposals.
     """
 
     def __init__(self, target: TargetModel, tokenizer, *, verify_cost: Any = None,
-                 router: Router | None = None, suffix_cache=None, num_speculative_tokens: int = 16,
+                 router: Router | Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]] | None = None,
+                 suffix_cache=None, num_speculative_tokens: int = 16,
                  drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_context: int = 1024,
                  drafter_bf16: bool | None = None):
         self.target = target
         self.tokenizer = tokenizer
-        self.router: Router = router if router is not None else CostGate(verify_cost)
+        if router is None:
+            router = CostGate(verify_cost)
+        self.router: Router = router if isinstance(router, Router) else FunctionRouter(router)
         self.num_speculative_tokens = num_speculative_tokens
         self._suffix_cache = suffix_cache
         self._ngram = None
@@ -162,8 +217,8 @@ class Engine:
         self.drafters: dict[str, Any] = dict(drafters or {})
         self.drafter_context = drafter_context
         self.drafter_bf16 = fast_bf16() if drafter_bf16 is None else drafter_bf16
-        self._drafter_proposers: dict[str, Any] = {}
-        self._hybrids: dict[str, Any] = {}
+        self._drafter_proposers: dict[str, DrafterProposer] = {}
+        self._hybrids: dict[str, HybridProposer] = {}
         self._request_ids = itertools.count()
         self.eos_token_ids = self._eos_ids()
         self.stats = GenerationStats()  # cumulative over every call
@@ -192,7 +247,7 @@ class Engine:
         if self._suffix_cache is None:
             from hybridspec.suffix import SuffixCache
 
-            self._suffix_cache = SuffixCache(max_spec_tokens=self.num_speculative_tokens,
+            self._suffix_cache = SuffixCache(num_speculative_tokens=self.num_speculative_tokens,
                                              vocab_size=self.target.vocab_size)
         return self._suffix_cache
 
@@ -203,7 +258,7 @@ class Engine:
     def load_cache(self, path: str | os.PathLike) -> None:
         self.suffix_cache.load(path)
 
-    def drafter_proposer(self, kind: str):
+    def drafter_proposer(self, kind: str) -> DrafterProposer:
         """The engine's `DrafterProposer` for a drafter kind, loaded on first use and checked against the target."""
         if kind not in self._drafter_proposers:
             source = self.drafters.get(kind, Path(__file__).resolve().parents[1] / "speculators" / "checkpoints"
@@ -226,7 +281,7 @@ class Engine:
             self._drafter_proposers[kind] = DrafterProposer(drafter)
         return self._drafter_proposers[kind]
 
-    def _proposer(self, speculate: str | Proposer | None) -> Proposer | None:
+    def _proposer(self, speculate: str | Proposer | FeatureProposer | None) -> Proposer | FeatureProposer | None:
         if speculate is None or speculate == "none":
             return None
         if speculate == "suffix":
@@ -235,23 +290,21 @@ class Engine:
             return self.drafter_proposer(speculate)
         if speculate in HYBRID_KINDS:
             if speculate not in self._hybrids:
+                # a calibrated expectation picks between the two drafts, when the router is the cost gate
+                expected = self.router.expected_tokens if isinstance(self.router, CostGate) else None
                 self._hybrids[speculate] = HybridProposer(
                     self.suffix_cache, self.drafter_proposer(speculate.split("+")[1]),
-                    num_speculative_tokens=self.num_speculative_tokens,
-                    expected=getattr(self.router, "expected_tokens", None))  # calibrated, when the router is a gate
+                    num_speculative_tokens=self.num_speculative_tokens, expected=expected)
             return self._hybrids[speculate]
         if speculate == "ngram":
             if self._ngram is None:
                 from hybridspec.suffix import NgramProposer
 
-                self._ngram = NgramProposer(max_spec_tokens=self.num_speculative_tokens)
+                self._ngram = NgramProposer(num_speculative_tokens=self.num_speculative_tokens)
             return self._ngram
         if isinstance(speculate, str):
             raise ValueError(f"speculate must be one of {SPECULATE_CHOICES} or a Proposer, got {speculate!r}")
-        missing = [m for m in ("start_request", "append", "speculate", "finish_request") if not hasattr(speculate, m)]
-        if missing:
-            raise TypeError(f"speculate={type(speculate).__name__} is not a Proposer (missing {', '.join(missing)})")
-        return speculate
+        return check_proposer(speculate)
 
     # ------------------------------------------------------------------------------------------------ input
 
@@ -285,42 +338,46 @@ class Engine:
         return len(prompt_or_prompts) > 0 and all(
             isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, Mapping)) for p in prompt_or_prompts)
 
-    def _options(self, options: Mapping[str, Any]) -> tuple[_Params, Proposer | None]:
+    def _options(self, options: Mapping[str, Any]) -> tuple[_Params, Proposer | FeatureProposer | None]:
         """Validated generation parameters and the proposer, from `generate`'s keyword arguments."""
         from hybridspec.verifier.reference import check_sampling_params
 
-        unknown = set(options) - set(GENERATE_DEFAULTS)
+        unknown = set(options) - {f.name for f in fields(GenerateOptions)}
         if unknown:
             raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")
-        o = {**GENERATE_DEFAULTS, **options}
-        max_new_tokens = o["max_new_tokens"]
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        check_sampling_params(o["temperature"], o["top_k"], o["top_p"])
-        proposer = self._proposer(o["speculate"])
-        k = o["num_speculative_tokens"]
-        if k is None:  # a model drafter's own default (the K it was trained for), else the engine's
-            k = getattr(proposer, "num_speculative_tokens", None) or self.num_speculative_tokens
+        o = GenerateOptions(**options)
+        if not isinstance(o.max_new_tokens, int) or o.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {o.max_new_tokens!r}")
+        check_sampling_params(o.temperature, o.top_k, o.top_p)
+        proposer = self._proposer(o.speculate)
+        k = o.num_speculative_tokens
+        if k is None:  # the proposer's own budget (a drafter's: the K it was trained for), else the engine's
+            k = proposer.num_speculative_tokens if proposer is not None else self.num_speculative_tokens
         if not isinstance(k, int) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
-        stops = (o["stop"],) if isinstance(o["stop"], str) else tuple(o["stop"] or ())
+        stops = (o.stop,) if isinstance(o.stop, str) else tuple(o.stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop strings must be non-empty strings")
-        generator = torch.Generator().manual_seed(o["seed"]) if o["seed"] is not None else None
-        tree = o["tree"]
-        if tree is None:  # the proposer's own preference, where it can draft trees at all
-            tree = getattr(proposer, "prefers_trees", False) and self._drafts_trees(proposer)
-        params = _Params(max_new_tokens, float(o["temperature"]), int(o["top_k"]), float(o["top_p"]), k, bool(tree),
-                         stops, generator)
+        generator = torch.Generator().manual_seed(o.seed) if o.seed is not None else None
+        tree = o.tree
+        if tree is None:
+            tree = proposer is not None and proposer.prefers_trees and proposer.drafts_trees
+        elif tree and proposer is not None and not proposer.drafts_trees:
+            raise ValueError(f"tree=True needs a proposer that drafts trees, not {type(proposer).__name__} "
+                             "(its drafts_trees is False)")
+        params = _Params(o.max_new_tokens, float(o.temperature), int(o.top_k), float(o.top_p), k, bool(tree), stops,
+                         generator)
         return params, proposer
 
     # ------------------------------------------------------------------------------------------------ public API
 
-    def generate(self, prompt_or_messages: PromptLike | Sequence[PromptLike], max_new_tokens: int = 256,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 speculate: str | Proposer | None = "suffix", num_speculative_tokens: int | None = None,
-                 tree: bool | None = None, stop: str | Sequence[str] | None = None,
-                 seed: int | None = None) -> GenerationResult | list[GenerationResult]:
+    def generate(self, prompt_or_messages: PromptLike | Sequence[PromptLike],
+                 max_new_tokens: int = DEFAULTS.max_new_tokens, temperature: float = DEFAULTS.temperature,
+                 top_p: float = DEFAULTS.top_p, top_k: int = DEFAULTS.top_k,
+                 speculate: str | Proposer | FeatureProposer | None = DEFAULTS.speculate,
+                 num_speculative_tokens: int | None = DEFAULTS.num_speculative_tokens,
+                 tree: bool | None = DEFAULTS.tree, stop: str | Sequence[str] | None = DEFAULTS.stop,
+                 seed: int | None = DEFAULTS.seed) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (text, chat messages or token ids), or a list of prompts as one batch.
 
         temperature 0 is greedy; otherwise sampling with top_k / top_p. speculate: "suffix" (the engine's suffix
@@ -329,31 +386,24 @@ class Engine:
         repeats, the drafter's elsewhere), "none", or a Proposer. tree=True drafts token trees: the suffix cache's, or a
         drafter's greedy chain with its runner-up tokens as siblings; num_speculative_tokens then counts tree nodes.
         tree=None (default) lets the proposer choose: trees for drafters and hybrids, chains for the suffix cache
-        (the faster on a CPU, where verifying more than ~5 tokens costs a step's fifth more).
+        (the faster on a CPU, where verifying many tokens costs more than a plain step).
         Stops at EOS, at any of `stop` (the text is cut before it), or after max_new_tokens.
         """
         batch = self._is_batch(prompt_or_messages)
-        prompts = list(prompt_or_messages) if batch else [prompt_or_messages]
-        params, proposer = self._options(dict(
+        call = self._start_call(list(prompt_or_messages) if batch else [prompt_or_messages], dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, speculate=speculate,
             num_speculative_tokens=num_speculative_tokens, tree=tree, stop=stop, seed=seed))
-        seqs = [self._new_sequence(self.encode(p)) for p in prompts]
-        cache = self.target.new_cache(len(seqs), capacity=max(len(s.tokens) for s in seqs) + max_new_tokens + 64)
-        stats = GenerationStats()
-        for _ in self._run(seqs, cache, proposer, params, stats):
+        for _ in self._run(call):
             pass
-        results = self._results(seqs, stats, params.stop)
+        results = self._results(call)
         return results if batch else results[0]
 
-    def stream(self, prompt_or_messages: PromptLike, **kwargs) -> Iterator[str]:
+    def stream(self, prompt_or_messages: PromptLike, **options) -> Iterator[str]:
         """Generate for one prompt, yielding text deltas as tokens are committed (keyword arguments of `generate`)."""
-        params, proposer = self._options(kwargs)
-        seq = self._new_sequence(self.encode(prompt_or_messages))
-        cache = self.target.new_cache(1, capacity=len(seq.tokens) + params.max_new_tokens + 64)
-        stats = GenerationStats()
-        sent = ""
-        for _ in self._run([seq], cache, proposer, params, stats):
-            text = self._text(seq, params.stop)
+        call = self._start_call([prompt_or_messages], options)
+        seq, sent = call.seqs[0], ""
+        for _ in self._run(call):
+            text = self._text(seq, call.params.stop)
             if seq.finish_reason is None and text.endswith("\ufffd"):
                 continue  # an incomplete UTF-8 character: wait for the rest of its bytes
             if len(text) > len(sent):
@@ -368,67 +418,79 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ the loop
 
-    def _new_sequence(self, prompt: list[int]) -> _Sequence:
-        return _Sequence(request_id=f"hs-{next(self._request_ids)}", tokens=list(prompt), prompt_len=len(prompt))
+    def _start_call(self, prompts: Sequence[PromptLike], options: Mapping[str, Any],
+                    cache: KVCache | None = None) -> _Call:
+        """A call's validated options, proposer and sequences (one per prompt), on `cache` or a new one sized for it."""
+        params, proposer = self._options(options)
+        seqs = []
+        for prompt in prompts:
+            ids = self.encode(prompt)
+            seqs.append(_Sequence(request_id=f"hs-{next(self._request_ids)}", tokens=ids, prompt_len=len(ids)))
+        if cache is None:
+            capacity = max(len(s.tokens) for s in seqs) + params.max_new_tokens + KV_HEADROOM_TOKENS
+            cache = self.target.new_cache(len(seqs), capacity=capacity)
+        return _Call(seqs, cache, proposer, params, GenerationStats(), live=list(range(len(seqs))))
 
-    def _run(self, seqs: list[_Sequence], cache: KVCache, proposer: Proposer | None, params: _Params,
-             stats: GenerationStats, *, held: list[int] | None = None,
+    def _run(self, call: _Call, *, held: list[int] | None = None,
              extends: Hashable | None = None) -> Iterator[None]:
-        """Prefill every sequence's prompt, then decode; yields after every step.
+        """Prefill every sequence's prompt, start it on the proposer, then decode; yields after every step.
 
         For a single sequence whose cache row already holds the KV of the tokens `held` (a session's earlier turns),
         only the prompt's part past their common prefix is run. The proposer sees each sequence as one request;
         `extends` names an earlier request whose prompt + response this (single) prompt continues.
         """
         start = time.perf_counter()
-        drafter = self._feature_proposer(proposer, params)
-        todo = [self._reusable_prefix(cache, row, seq.tokens, held or []) for row, seq in enumerate(seqs)]
-        todo = [seq.tokens[n:-1] for seq, n in zip(seqs, todo)]
-        features = [None] * len(seqs)
-        if any(todo):
-            out = self.target.prefill(cache, todo, hidden_tail=self.drafter_context if drafter else 0)
-            if drafter:
-                features = [TargetFeatures(aux, final) for aux, final in out.hidden_tail]
-        elif drafter:  # a session turn whose prompt's KV is all cached: the drafter's state continues as it was
-            none = TargetFeatures(self._no_hidden(len(self.target.aux_layer_ids)), self._no_hidden(1))
-            features = [none] * len(seqs)
-        stats.prompt_tokens += sum(seq.prompt_len for seq in seqs)
-        stats.prefill_tokens += sum(len(t) for t in todo)
-        stats.prefill_s += time.perf_counter() - start
+        features = self._prefill(call, held or [])
         started = []
         try:
-            if proposer is not None:
-                for seq, feats in zip(seqs, features):
-                    kwargs = {"extends": extends} if extends is not None else {}
-                    if drafter:
-                        kwargs["features"] = feats
-                    proposer.start_request(seq.request_id, list(seq.tokens), **kwargs)
+            if call.proposer is not None:
+                self._set_sampling(call)
+                for seq, feats in zip(call.seqs, features):
+                    if call.reads_features:
+                        call.proposer.start_request(seq.request_id, list(seq.tokens), features=feats, extends=extends)
+                    else:
+                        call.proposer.start_request(seq.request_id, list(seq.tokens), extends=extends)
                     started.append(seq.request_id)
-            yield from self._decode(seqs, cache, proposer, params, stats, drafter)
+            yield from self._decode(call)
         finally:
+            done = all(s.finish_reason is not None for s in call.seqs)
             for rid in started:
-                if all(s.finish_reason is not None for s in seqs):
-                    proposer.finish_request(rid)
-                elif hasattr(proposer, "abort_request"):
-                    proposer.abort_request(rid)
-            stats.calls += 1
-            stats.total_s += time.perf_counter() - start
-            self.stats.add(stats)
+                (call.proposer.finish_request if done else call.proposer.abort_request)(rid)
+            call.stats.calls += 1
+            call.stats.total_s += time.perf_counter() - start
+            self.stats.add(call.stats)
+
+    def _prefill(self, call: _Call, held: list[int]) -> list[TargetFeatures | None]:
+        """Run each prompt's uncached tokens (all but its last, the first step's input) into the cache; returns the
+        target's features at the prompt's last positions when the proposer reads them."""
+        with call.stats.timed("prefill_s"):
+            todo = [seq.tokens[self._reusable_prefix(call.cache, row, seq.tokens, held):-1]
+                    for row, seq in enumerate(call.seqs)]
+            features: list[TargetFeatures | None] = [None] * len(call.seqs)
+            if any(todo):
+                out = self.target.prefill(call.cache, todo, hidden_tail=self.drafter_context if call.reads_features
+                                          else 0)
+                if call.reads_features:
+                    features = [TargetFeatures(aux, final) for aux, final in out.hidden_tail]
+            elif call.reads_features:  # a session turn whose prompt's KV is all cached: the drafter goes on as it was
+                features = [TargetFeatures(self._no_hidden(len(self.target.aux_layer_ids)), self._no_hidden(1))
+                            for _ in call.seqs]
+            call.stats.prompt_tokens += sum(seq.prompt_len for seq in call.seqs)
+            call.stats.prefill_tokens += sum(len(t) for t in todo)
+        return features
 
     def _no_hidden(self, layers: int) -> torch.Tensor:
         return torch.zeros(0, layers * self.target.hidden_size, device=self.target.device)
 
     @staticmethod
-    def _feature_proposer(proposer: Proposer | None, params: _Params):
-        """The proposer if it reads the target's hidden states (a model drafter, a hybrid), set up to draft from the
-        distribution the verifier will use; else None."""
+    def _set_sampling(call: _Call) -> None:
+        """A proposer that reads features drafts from the distribution the verifier will use."""
         from hybridspec.verifier import process_logits
 
-        if not getattr(proposer, "wants_target_features", False):
-            return None
-        proposer.set_sampling(None if params.temperature == 0 else functools.partial(
-            process_logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p), params.generator)
-        return proposer
+        if call.reads_features:
+            p = call.params
+            call.proposer.set_sampling(None if p.temperature == 0 else functools.partial(
+                process_logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p), p.generator)
 
     @staticmethod
     def _reusable_prefix(cache: KVCache, row: int, tokens: list[int], held: list[int]) -> int:
@@ -443,95 +505,114 @@ class Engine:
         cache.truncate(row, reuse)
         return reuse
 
-    def _decode(self, seqs: list[_Sequence], cache: KVCache, proposer: Proposer | None, params: _Params,
-                stats: GenerationStats, drafter: Any = None) -> Iterator[None]:
-        """The decode loop: propose -> route -> verify -> update, one target pass per step for all live sequences.
-
-        Cache row r belongs to seqs[live[r]]; when a sequence finishes, its row leaves the cache (unless it is the
-        last one, whose cache a session keeps). `drafter` is the proposer when it reads the target's hidden states.
-        """
-        from hybridspec.verifier import verify_batch
-
-        max_seq_len = self.target.max_seq_len
-        tree_kwargs = self._tree_kwargs(proposer, params.tree)
-        live = list(range(len(seqs)))
-        while live:
-            # propose: drafts no longer than the context, and no longer than the tokens still wanted
-            t0 = time.perf_counter()
-            proposals = []
-            for i in live:
-                seq = seqs[i]
-                budget = min(params.num_speculative_tokens, max_seq_len - len(seq.tokens),
-                             params.max_new_tokens - len(seq.generated) - 1)
-                if proposer is None or budget <= 0:
-                    proposals.append(Proposal.empty())
-                    continue
-                proposal = proposer.speculate(seq.request_id, max_spec_tokens=budget, **tree_kwargs)
-                if len(proposal) > budget:
-                    raise ValueError(f"{type(proposer).__name__} proposed {len(proposal)} tokens; at most {budget} "
-                                     f"were asked for")
-                proposals.append(proposal)
-            # route: which drafts are worth a verification pass, and how much of them. A sampled draft is verified as
-            # drawn: cutting it by its own tokens' probabilities would make the kept tokens no longer follow the draft
-            # distribution the rejection rule assumes, and bias the output.
-            routed = self.router(proposals, [len(seqs[i].tokens) for i in live])
-            if params.temperature > 0:
-                routed = [p if p.draft_logits is not None else r for p, r in zip(proposals, routed)]
-            stats.proposals += sum(1 for p in proposals if len(p))
-            stats.skipped_proposals += sum(1 for p, r in zip(proposals, routed) if len(p) and not len(r))
-            t1 = time.perf_counter()
-            # verify: one pass of the target over [last token] + draft for every live sequence
-            out = self.target.step(cache, [seqs[i].tokens[-1] for i in live], [p.token_ids for p in routed],
-                                   [p.parents for p in routed], return_hidden=drafter is not None)
-            results = verify_batch(out.logits, routed, params.temperature, params.top_k, params.top_p,
-                                   params.generator)
-            t2 = time.perf_counter()
-            # update: keep the accepted path's KV, commit tokens (stop rules may cut them), tell the proposer and router
-            if hasattr(self.router, "observe"):
-                self.router.observe(routed, [r.accepted for r in results])
-            finished = []
-            for row, (i, proposal, result) in enumerate(zip(live, routed, results)):
-                seq = seqs[i]
-                kept_slots = [0] + [1 + a for a in result.accepted]
-                cache.commit(row, kept_slots)
-                committed = self._commit(seq, result.tokens(proposal), params)
-                cache.truncate(row, len(seq.tokens) - 1)  # a stop inside the committed tokens drops the rest
-                if drafter is not None:  # the hidden states at the slots that produced the committed tokens
-                    slots = torch.tensor(kept_slots[:len(committed)], device=out.logits.device)
-                    drafter.append(seq.request_id, committed, features=TargetFeatures(
-                        out.aux_hidden[row, slots], out.final_hidden[row, slots]))
-                elif proposer is not None:
-                    proposer.append(seq.request_id, committed)
-                stats.steps += 1
-                stats.new_tokens += len(committed)
-                stats.draft_tokens += len(proposal)
-                stats.accepted_tokens += len(result.accepted)
-                if seq.finish_reason is not None:
-                    finished.append(row)
-            if finished and len(finished) < len(live):
-                keep = [r for r in range(len(live)) if r not in finished]
-                cache.select_rows(keep)
-                live = [live[r] for r in keep]
-            elif finished:
-                live = []
-            t3 = time.perf_counter()
-            stats.propose_s += t1 - t0
-            stats.verify_s += t2 - t1
-            stats.update_s += t3 - t2
+    def _decode(self, call: _Call) -> Iterator[None]:
+        """The decode loop: one pass of the target per step verifies every live sequence's draft."""
+        while call.live:
+            with call.stats.timed("propose_s"):
+                proposals = self._propose(call)
+                routed = self._route(call, proposals)
+            with call.stats.timed("verify_s"):
+                out, results = self._verify(call, routed)
+            with call.stats.timed("update_s"):
+                self._update(call, routed, out, results)
             yield
 
-    @staticmethod
-    def _drafts_trees(proposer: Proposer) -> bool:
-        return "tree" in inspect.signature(proposer.speculate).parameters
+    def _propose(self, call: _Call) -> list[Proposal]:
+        """Each live sequence's draft: no longer than the budget, the context left, or the tokens still wanted."""
+        proposals = []
+        for i in call.live:
+            seq = call.seqs[i]
+            budget = min(call.params.num_speculative_tokens, self.target.max_seq_len - len(seq.tokens),
+                         call.params.max_new_tokens - len(seq.generated) - 1)
+            if call.proposer is None or budget <= 0:
+                proposals.append(Proposal.empty())
+                continue
+            proposal = call.proposer.speculate(seq.request_id, budget, tree=call.params.tree)
+            if len(proposal) > budget:
+                raise ValueError(f"{type(call.proposer).__name__} proposed {len(proposal)} tokens; at most {budget} "
+                                 f"were asked for")
+            proposals.append(proposal)
+        return proposals
 
-    @classmethod
-    def _tree_kwargs(cls, proposer: Proposer | None, tree: bool) -> dict:
-        if not tree or proposer is None:
-            return {}
-        if not cls._drafts_trees(proposer):
-            raise ValueError(f"tree=True needs a proposer that drafts trees (speculate(..., tree=True)), "
-                             f"not {type(proposer).__name__}")
-        return {"tree": True}
+    def _route(self, call: _Call, proposals: list[Proposal]) -> list[Proposal]:
+        """The part of each draft worth a verification pass (the router's cost gate)."""
+        routed = self.router(proposals, [len(call.seqs[i].tokens) for i in call.live])
+        if call.params.temperature > 0:
+            # A sampled draft is verified as drawn: cutting it by its own tokens' probabilities would make the kept
+            # tokens no longer follow the draft distribution the rejection rule assumes, and bias the output.
+            routed = [p if p.draft_logits is not None else r for p, r in zip(proposals, routed)]
+        call.stats.proposals += sum(1 for p in proposals if len(p))
+        call.stats.skipped_proposals += sum(1 for p, r in zip(proposals, routed) if len(p) and not len(r))
+        return routed
+
+    def _verify(self, call: _Call, routed: list[Proposal]) -> tuple[StepOutput, list[VerifyResult]]:
+        """One pass of the target over [last token] + draft for every live sequence, and the acceptance rule.
+
+        Greedy: a draft token is kept while it equals the target's argmax; sampling: x is kept with probability
+        min(1, p_target(x) / p_draft(x)), else the target resamples from norm(max(0, p_target - p_draft))."""
+        from hybridspec.verifier import verify_batch
+
+        p = call.params
+        out = self.target.step(call.cache, [call.seqs[i].tokens[-1] for i in call.live],
+                               [r.token_ids for r in routed], [r.parents for r in routed],
+                               return_hidden=call.reads_features)
+        return out, verify_batch(out.logits, routed, p.temperature, p.top_k, p.top_p, p.generator)
+
+    def _update(self, call: _Call, routed: list[Proposal], out: StepOutput, results: list[VerifyResult]) -> None:
+        """Commit each sequence's accepted tokens: the KV cache, the stop rules, the proposer, the statistics; then
+        retire the sequences that finished."""
+        self.router.observe(routed, [r.accepted for r in results])
+        finished = []
+        for row, (i, proposal, result) in enumerate(zip(call.live, routed, results)):
+            seq = call.seqs[i]
+            kept_slots = self._commit_kv(call.cache, row, result.accepted)
+            committed = self._commit(seq, result.tokens(proposal), call.params)
+            call.cache.truncate(row, len(seq.tokens) - 1)  # a stop inside the committed tokens drops the rest
+            self._feed_proposer(call, row, seq, committed, out, kept_slots)
+            self._count_step(call.stats, proposal, result, committed)
+            if seq.finish_reason is not None:
+                finished.append(row)
+        self._retire(call, finished)
+
+    @staticmethod
+    def _commit_kv(cache: KVCache, row: int, accepted: list[int]) -> list[int]:
+        """Keep the KV of the step's input slot (the last token) and of the accepted path; returns those slots."""
+        kept_slots = [0] + [1 + a for a in accepted]
+        cache.commit(row, kept_slots)
+        return kept_slots
+
+    @staticmethod
+    def _feed_proposer(call: _Call, row: int, seq: _Sequence, committed: list[int], out: StepOutput,
+                       kept_slots: list[int]) -> None:
+        """Tell the proposer the committed tokens (a drafter also gets the target's features at the slots that
+        produced them)."""
+        if call.proposer is None:
+            return
+        if call.reads_features:
+            slots = torch.tensor(kept_slots[:len(committed)], device=out.logits.device)
+            call.proposer.append(seq.request_id, committed, features=TargetFeatures(
+                out.aux_hidden[row, slots], out.final_hidden[row, slots]))
+        else:
+            call.proposer.append(seq.request_id, committed)
+
+    @staticmethod
+    def _count_step(stats: GenerationStats, proposal: Proposal, result: VerifyResult, committed: list[int]) -> None:
+        stats.steps += 1
+        stats.new_tokens += len(committed)
+        stats.draft_tokens += len(proposal)
+        stats.accepted_tokens += len(result.accepted)
+
+    @staticmethod
+    def _retire(call: _Call, finished_rows: list[int]) -> None:
+        """Finished sequences leave the batch and their cache rows (the last one keeps its row: a session reuses it)."""
+        if not finished_rows:
+            return
+        if len(finished_rows) == len(call.live):
+            call.live = []
+            return
+        keep = [r for r in range(len(call.live)) if r not in finished_rows]
+        call.cache.select_rows(keep)
+        call.live = [call.live[r] for r in keep]
 
     def _commit(self, seq: _Sequence, tokens: list[int], params: _Params) -> list[int]:
         """Append verified tokens, stopping at EOS, max_new_tokens, the context's end or a stop string; returns the
@@ -573,10 +654,10 @@ class Engine:
             text = text[:min(cut)] if cut else text
         return text
 
-    def _results(self, seqs: list[_Sequence], stats: GenerationStats,
-                 stops: tuple[str, ...] = ()) -> list[GenerationResult]:
-        return [GenerationResult(text=self._text(s, stops), token_ids=s.generated, finish_reason=s.finish_reason,
-                                 prompt_token_ids=s.tokens[:s.prompt_len], stats=stats) for s in seqs]
+    def _results(self, call: _Call) -> list[GenerationResult]:
+        return [GenerationResult(text=self._text(s, call.params.stop), token_ids=s.generated,
+                                 finish_reason=s.finish_reason, prompt_token_ids=s.tokens[:s.prompt_len],
+                                 stats=call.stats) for s in call.seqs]
 
 
 class Session:
@@ -629,23 +710,20 @@ class Session:
             new = [dict(m) for m in message]
         if not new or any(not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str) for m in new):
             raise ValueError("messages need a string 'role' and 'content'")
-        params, proposer = self.engine._options({**self.defaults, **kwargs})
-        seq = self.engine._new_sequence(self.engine.encode(self.prompt_tokens(new)))
-        if self._cache is None:
-            self._cache = self.engine.target.new_cache(1, capacity=len(seq.tokens) + params.max_new_tokens + 64)
-        stats = GenerationStats()
+        call = self.engine._start_call([self.prompt_tokens(new)], {**self.defaults, **kwargs}, cache=self._cache)
+        self._cache = call.cache
         try:
-            for _ in self.engine._run([seq], self._cache, proposer, params, stats,
-                                      held=self.tokens, extends=self._last_request):
+            for _ in self.engine._run(call, held=self.tokens, extends=self._last_request):
                 pass
         except BaseException:
             self._cache.truncate(0, 0)  # the row's content is unknown now
             raise
-        result = self.engine._results([seq], stats, params.stop)[0]
+        result = self.engine._results(call)[0]
+        seq = call.seqs[0]
         # The reply stays in the conversation as the model wrote it (up to the stop string's end, if any).
         self.tokens = seq.tokens
         self.messages += new + [{"role": "assistant",
                                  "content": self.engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)}]
         self._last_request = seq.request_id
-        self.stats.add(stats)
+        self.stats.add(call.stats)
         return result

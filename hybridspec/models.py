@@ -110,7 +110,7 @@ def _is_converted(path: Path) -> bool:
 
 
 def resolve_model(name_or_path: str | os.PathLike = "smollm2") -> Path:
-    """A local Hugging Face directory for `name_or_path`: "smollm2" (converted on first use) or an existing directory."""
+    """A local Hugging Face directory for `name_or_path`: "smollm2" (converted on first use) or an existing one."""
     name = str(name_or_path)
     if name.lower() in SMOLLM2_ALIASES:
         out_dir = cache_dir() / f"smollm2-135m-instruct-v{_CONVERSION_VERSION}"

@@ -1,8 +1,8 @@
 """Adapters that put peer projects' proposers behind our `Proposer` life cycle, for side-by-side benchmarks.
 
-`ArcticProposer` wraps ArcticInference's `SuffixDecodingCache` and drives it exactly as vLLM's `method: "suffix"` does:
-the prompt enters a per-request tree at start, accepted tokens are added as the active response (which the peer also
-indexes in its global tree at once), and each speculation passes the last `max_depth` tokens of the context.
+`ArcticSuffixProposer` wraps ArcticInference's `SuffixDecodingCache` and drives it as vLLM's `method: "suffix"`
+does: the prompt enters a per-request tree at start, accepted tokens are added as the active response (which the peer
+also indexes in its global tree at once), and each speculation passes the last `max_depth` tokens of the context.
 arctic-inference lives in its own environment (`scripts/setup_peers.sh` creates `.venv-peers`); it is imported when an
 adapter is constructed, so this module imports anywhere.
 """
@@ -14,10 +14,10 @@ import numpy as np
 
 from hybridspec.proposal import Proposal
 from hybridspec.suffix.cache import as_token_array
-from hybridspec.suffix.ngram import TokenBuffer, resolve_max_spec_tokens
+from hybridspec.suffix.ngram import TokenBuffer, resolve_num_speculative_tokens
 
 
-class ArcticProposer:
+class ArcticSuffixProposer:
     """ArcticInference's suffix decoding (`arctic_inference.suffix_decoding.SuffixDecodingCache`) as a `Proposer`.
 
     The peer has no session API: `extends` is accepted for interface parity and the full prompt is indexed again.
@@ -25,26 +25,30 @@ class ArcticProposer:
     this adapter's default and 0 gives an empty proposal, as for our proposers.
     """
 
-    def __init__(self, max_depth: int = 64, max_spec_tokens: int = 16, max_spec_factor: float = 1.0,
+    source = "arctic-suffix"
+    drafts_trees = True
+    wants_target_features = False
+
+    def __init__(self, max_depth: int = 64, num_speculative_tokens: int = 16, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, max_cached_requests: int = 10_000,
-                 use_tree_spec: bool = False):
+                 prefers_trees: bool = False):
         try:
             from arctic_inference.suffix_decoding import SuffixDecodingCache
         except ImportError as e:
-            raise ImportError("ArcticProposer needs arctic-inference, installed in its own environment by "
+            raise ImportError("ArcticSuffixProposer needs arctic-inference, installed in its own environment by "
                               "scripts/setup_peers.sh (run this under .venv-peers/bin/python)") from e
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
-        if max_spec_tokens < 0:
-            raise ValueError(f"max_spec_tokens must be >= 0, got {max_spec_tokens}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if max_cached_requests == 0 or max_cached_requests < -1:
             raise ValueError(f"max_cached_requests must be positive or -1 (no limit), got {max_cached_requests}")
         self.max_depth = max_depth
-        self.max_spec_tokens = max_spec_tokens
+        self.num_speculative_tokens = num_speculative_tokens
         self.max_spec_factor = max_spec_factor
         self.max_spec_offset = max_spec_offset
         self.min_token_prob = min_token_prob
-        self.use_tree_spec = use_tree_spec
+        self.prefers_trees = prefers_trees  # the engine's default shape; speculate(tree=) decides per call
         self.cache = SuffixDecodingCache(max_tree_depth=max_depth, max_cached_requests=max_cached_requests)
         # the peer takes the matching context with every call; vLLM slices it from its token buffer the same way
         self._contexts: dict[Hashable, TokenBuffer] = {}
@@ -68,17 +72,18 @@ class ArcticProposer:
         ctx.extend(arr)
         self._response_tokens[request_id] += len(arr)
 
-    def speculate(self, request_id: Hashable, max_spec_tokens: int | None = None) -> Proposal:
+    def speculate(self, request_id: Hashable, num_speculative_tokens: int | None = None, *,
+                  tree: bool = False) -> Proposal:
         ctx = self._get(request_id)
-        k = resolve_max_spec_tokens(max_spec_tokens, self.max_spec_tokens)
+        k = resolve_num_speculative_tokens(num_speculative_tokens, self.num_speculative_tokens)
         if k == 0:
-            return Proposal.empty(source="arctic")
+            return Proposal.empty(source=self.source)
         context = ctx.buf[max(0, ctx.length - self.max_depth) : ctx.length]
         d = self.cache.speculate(request_id, context, max_spec_tokens=k, max_spec_factor=self.max_spec_factor,
                                  max_spec_offset=self.max_spec_offset, min_token_prob=self.min_token_prob,
-                                 use_tree_spec=self.use_tree_spec)
+                                 use_tree_spec=tree)
         return Proposal(token_ids=list(d.token_ids), parents=list(d.parents), probs=list(d.probs), score=d.score,
-                        source="arctic", match_len=d.match_len if d.token_ids else 0)
+                        source=self.source, match_len=d.match_len if d.token_ids else 0)
 
     def finish_request(self, request_id: Hashable) -> None:
         """End a request; its response stays in the peer's global tree (it entered it while being generated)."""

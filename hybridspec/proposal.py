@@ -5,7 +5,7 @@ Kept free of heavy imports (no torch, no numpy) so that `hybridspec.suffix` can 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Literal, Protocol, Sequence
 
 
 @dataclass(slots=True)
@@ -50,17 +50,91 @@ class Proposal:
                    source=source, match_len=match_len, draft_logits=draft_logits)
 
 
-class Proposer(Protocol):
-    """The request life cycle every model-free proposer follows (the suffix cache, n-gram, the Arctic adapter).
+# ---------------------------------------------------------------------------------------------------------------------
+# The proposer contract: everything the engine (and the replay, the vLLM plugin) calls on a proposer. A proposer is
+# any object with these members; it need not inherit from these classes.
 
-    A request starts with its prompt (optionally declaring that the prompt extends an earlier request's prompt and
-    response, so only new tokens are indexed), grows by the tokens the verifier accepted, and is finished.
+
+class _ProposerBase(Protocol):
+    """The part of the contract that model-free proposers and model drafters share."""
+
+    # -- read by the engine
+    num_speculative_tokens: int  # the draft budget `speculate` uses when it is passed None
+    drafts_trees: bool  # speculate(..., tree=True) drafts a token tree; if False the engine never asks for one
+    prefers_trees: bool  # with tree=None (the default) the engine asks this proposer for trees
+    wants_target_features: bool  # start_request and append take the target's hidden states (features=)
+
+    def speculate(self, request_id: Hashable, num_speculative_tokens: int | None = None, *,
+                  tree: bool = False) -> Proposal:
+        """Draft what follows the request's tokens: at most num_speculative_tokens nodes (None: the default; 0: an
+        empty Proposal), a chain, or a tree when tree=True. Parents precede children; probs lie in [0, 1]."""
+        ...
+
+    def finish_request(self, request_id: Hashable) -> None:
+        """The request ended normally: its tokens may serve later requests (a global index, `extends=`)."""
+        ...
+
+    def abort_request(self, request_id: Hashable) -> None:
+        """The request ended early (cancelled, failed): forget it; nothing of it is kept."""
+        ...
+
+
+class Proposer(_ProposerBase, Protocol):
+    """A model-free proposer (the suffix cache, n-gram, the ArcticInference adapter): drafts from tokens alone.
+
+    Life cycle of a request: start_request -> (speculate -> append)* -> finish_request or abort_request. Unknown or
+    already-ended request ids raise KeyError; starting a running id again raises ValueError.
     """
 
-    def start_request(self, request_id: Hashable, prompt: Sequence[int], *, extends: Hashable | None = None) -> None: ...
+    wants_target_features: Literal[False]
 
-    def append(self, request_id: Hashable, tokens: Sequence[int]) -> None: ...
+    def start_request(self, request_id: Hashable, prompt: Sequence[int], *,
+                      extends: Hashable | None = None) -> None:
+        """Begin a request with its prompt. extends: a finished request whose prompt + response this prompt
+        continues (an agent's next turn), so only the new tokens need indexing; a mismatch indexes the whole prompt."""
+        ...
 
-    def speculate(self, request_id: Hashable, max_spec_tokens: int | None = None) -> Proposal: ...
+    def append(self, request_id: Hashable, tokens: Sequence[int]) -> None:
+        """The tokens one step committed: the accepted draft tokens and the target's own next token."""
+        ...
 
-    def finish_request(self, request_id: Hashable) -> None: ...
+
+class FeatureProposer(_ProposerBase, Protocol):
+    """A proposer that reads the target model's hidden states (a model drafter, the suffix + drafter hybrid).
+
+    The same life cycle as `Proposer`; start_request and append also take the target's features at the positions
+    that produced the given tokens (`hybridspec.speculators.TargetFeatures`), and the engine sets the sampling
+    before each call, so drafts come from the distribution the verifier assumes.
+    """
+
+    wants_target_features: Literal[True]
+
+    def set_sampling(self, probs_fn: Callable[[Any], Any] | None, generator: Any = None) -> None:
+        """probs_fn: logits -> the verifier's probabilities (temperature, top-k, top-p), None for greedy drafts;
+        generator: the torch.Generator that sampled drafts draw from."""
+        ...
+
+    def start_request(self, request_id: Hashable, prompt: Sequence[int], *, features: Any,
+                      extends: Hashable | None = None) -> None:
+        """Begin a request; features: one row per prompt position before the last (or the last len(features))."""
+        ...
+
+    def append(self, request_id: Hashable, tokens: Sequence[int], *, features: Any) -> None:
+        """The tokens one step committed, with the features of the positions that produced them (one row each)."""
+        ...
+
+
+_ATTRIBUTES = ("num_speculative_tokens", "drafts_trees", "prefers_trees", "wants_target_features")
+_METHODS = ("start_request", "append", "speculate", "finish_request", "abort_request")
+
+
+def check_proposer(proposer: object) -> Proposer | FeatureProposer:
+    """Return `proposer` if it has every member of the contract; else raise a TypeError naming what it lacks."""
+    wants = getattr(proposer, "wants_target_features", False) is True
+    needed = _ATTRIBUTES + _METHODS + (("set_sampling",) if wants else ())
+    missing = [name for name in needed if not hasattr(proposer, name)]
+    if missing:
+        contract = "FeatureProposer" if wants else "Proposer"
+        raise TypeError(f"{type(proposer).__name__} is not a {contract}: it lacks {', '.join(missing)} (the contract "
+                        f"is hybridspec.proposal.{contract})")
+    return proposer  # type: ignore[return-value]

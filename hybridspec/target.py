@@ -8,7 +8,8 @@ weights of the loaded transformers model, with a preallocated KV cache of B rows
   one 4D boolean mask [B, 1, q, kv] serves chains, trees, per-row lengths and padding alike.
 - After verification only the accepted path is kept: for a chain the row's length just moves forward (a crop of the
   rejected suffix); for a tree the accepted nodes' keys and values are gathered into consecutive slots (compaction).
-- Hidden states that drafters read (inputs of layers 2, L//2 and L-3, and the final normed state) are returned on request.
+- Hidden states that drafters read (inputs of layers 2, L//2 and L-3, and the final normed state) are returned on
+  request.
 
 Why not `model(..., past_key_values=DynamicCache)`: a DynamicCache grows by `torch.cat` of every layer's keys and
 values at every step, and `crop` leaves strided views behind; measured here, transformers' own forward spent more time
@@ -18,33 +19,26 @@ baseline and the speculative path alike (both use this class).
 
 Batching uses padding (one cache tensor with B rows, each with its own length, positions and draft) rather than B
 separate caches run one after another: a decode step is bound by reading the weights, so B rows in one pass cost
-little more than one row, while separate caches read the weights B times. Measured (`python -m hybridspec.target
---measure-batch`, SmolLM2 fp32, 512 context, 1 thread): a plain step of batch 1/2/4/8 takes 61/93/65/90 ms, i.e.
-61/46/16/11 ms per token, against 61 ms per token for any B with separate caches.
+little more than one row, while separate caches read the weights B times (`python benchmarks/bench_verify_cost.py
+--batch` measures it).
+
+The KV cache is `hybridspec.kv_cache`, the packed linear layers `hybridspec.linear`.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import statistics
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from hybridspec.kv_cache import KVCache, tree_depths_and_mask
+from hybridspec.linear import Linear
+from hybridspec.speculators.features import default_aux_layer_ids
+from hybridspec.speculators.layers import apply_rotary
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
-
-
-def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """Layers whose inputs EAGLE-3 / P-EAGLE drafters read: 2, L//2 and L-3."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 @dataclass
@@ -64,171 +58,6 @@ class StepOutput:
 
         return StepOutput(pick(self.logits, other.logits), pick(self.aux_hidden, other.aux_hidden),
                           pick(self.final_hidden, other.final_hidden))
-
-
-class KVCache:
-    """Keys and values of B sequences: [layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b] tokens.
-
-    Slots at or beyond a row's length are scratch: a step writes its input tokens there, and `commit` decides which of
-    them become part of the sequence. The tensors are inference tensors: every method that writes them runs in
-    inference mode.
-    """
-
-    @torch.inference_mode()
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = [0] * batch_size
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[3]
-
-    @torch.inference_mode()
-    def reserve(self, capacity: int) -> None:
-        """Grow every row to hold at least `capacity` tokens (doubling, to amortise the copy)."""
-        if capacity <= self.capacity:
-            return
-        new_capacity = max(capacity, 2 * self.capacity)
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros(old.shape[:3] + (new_capacity,) + old.shape[4:])
-            new[:, :, :, : old.shape[3]] = old
-            setattr(self, name, new)
-
-    @torch.inference_mode()
-    def commit(self, row: int, keep: Sequence[int]) -> None:
-        """Make the step's input slots `keep` (indices into that step's q inputs, increasing) the row's next tokens.
-
-        keep = [0, 1, ..., m-1] (a chain's accepted prefix) needs no copy: the rejected slots are simply past the new
-        length. Otherwise (a tree path) the kept slots are gathered into consecutive positions.
-        """
-        base = self.lengths[row]
-        if list(keep) != list(range(len(keep))):
-            src = torch.as_tensor(keep, dtype=torch.long, device=self.keys.device) + base
-            dst = torch.arange(base, base + len(keep), device=self.keys.device)
-            # Advanced indexing on the right-hand side copies before the write, so overlapping slots are safe.
-            self.keys[:, row, :, dst] = self.keys[:, row, :, src]
-            self.values[:, row, :, dst] = self.values[:, row, :, src]
-        self.lengths[row] = base + len(keep)
-
-    def truncate(self, row: int, length: int) -> None:
-        """Drop a row's tokens beyond `length` (e.g. to re-run a prompt suffix)."""
-        if not 0 <= length <= self.lengths[row]:
-            raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}")
-        self.lengths[row] = length
-
-    @torch.inference_mode()
-    def select_rows(self, rows: Sequence[int]) -> None:
-        """Keep only `rows`, in that order (sequences that finished leave the batch)."""
-        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.keys.device)
-        self.keys = self.keys.index_select(1, index)
-        self.values = self.values.index_select(1, index)
-        self.lengths = [self.lengths[r] for r in rows]
-
-
-def tree_depths_and_mask(parents: Sequence[int]) -> tuple[list[int], torch.Tensor]:
-    """Depth of each input slot and the ancestor-or-self mask [1 + n, 1 + n] for `[last token] + nodes`.
-
-    Slot 0 is the last committed token; node i is slot i + 1 and its parent p is slot p + 1 (-1 -> slot 0).
-    """
-    n = len(parents)
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    mask[:, 0] = True
-    depth = [0] * (n + 1)
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise ValueError(f"parents[{i}] = {p}: a parent must precede its child (or be -1)")
-        mask[i + 1] = mask[p + 1]
-        mask[i + 1, i + 1] = True
-        depth[i + 1] = depth[p + 1] + 1
-    return depth, mask
-
-
-def _onednn_available(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-class Linear:
-    """y = x @ weight.T (+ bias), with the weight packed once for oneDNN on CPUs.
-
-    Why: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix. torch's default CPU
-    path (MKL sgemm) repacks the weight on every call and, on this project's AMD CPU, took 2x the time of a one-row
-    product already at 2 rows and 4x at 9; oneDNN with a prepacked weight stays near the one-row cost up to ~8 rows
-    (measured: sum over SmolLM2's linears, 1 thread, 1/2/5/9/17/33 rows: MKL 19/41/59/78/115/144 ms, oneDNN
-    17/19/19/32/49/92 ms). Elsewhere it is F.linear.
-    """
-
-    __slots__ = ("weight", "bias", "packed", "pad_rows", "compute_dtype")
-    MIN_ROWS = 4
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 compute_dtype: torch.dtype | None = None):
-        # compute_dtype: multiply in this dtype (inputs cast to it, outputs back to the input's dtype)
-        self.compute_dtype = compute_dtype if compute_dtype not in (None, weight.dtype) else None
-        if self.compute_dtype is not None:
-            weight = weight.to(self.compute_dtype)
-            bias = None if bias is None else bias.to(self.compute_dtype)
-        self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack and _onednn_available(weight) \
-            else None
-        self.weight = weight if self.packed is None else None  # the packed copy replaces it
-        # oneDNN picks a slower kernel for one or two rows than for three to six once the weights stream from memory
-        # (a model's worth of them): a SmolLM2 pass took 45.8 / 51.8 / 41-43 ms for 1 / 2 / 3-6 rows at 256 tokens
-        # (1 thread). Padding to MIN_ROWS made the plain step 43.6 ms, and drafts of up to 5 tokens cost at most 1.07
-        # plain steps to verify (BENCHMARKS.md, verification cost).
-        self.pad_rows = self.packed is not None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compute_dtype is not None and x.dtype != self.compute_dtype:
-            return self(x.to(self.compute_dtype)).to(x.dtype)
-        if self.packed is not None:
-            if self.pad_rows and (n := x.numel() // x.shape[-1]) < self.MIN_ROWS:
-                rows = x.reshape(n, -1)
-                padded = torch.cat([rows, rows[-1:].expand(self.MIN_ROWS - n, -1)])
-                out = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
-                return out[:n].reshape(*x.shape[:-1], -1)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-class PackedLinear(torch.nn.Module):
-    """Inference-only stand-in for an nn.Linear, computing with `Linear` (the oneDNN-packed weight); keeps `weight`,
-    `bias`, `in_features` and `out_features` for code that reads them."""
-
-    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype | None = None):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.linear = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(),
-                             compute_dtype=compute_dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
-
-
-def fast_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 / AMX): oneDNN then runs a small-batch bfloat16
-    product in about half the time of float32 (half the weight bytes to read)."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def pack_linears(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Swap every nn.Linear inside `module` for a `PackedLinear` (a drafter run next to the target at small batch),
-    multiplying in compute_dtype if given."""
-    for name, child in module.named_children():
-        if type(child) is torch.nn.Linear:
-            setattr(module, name, PackedLinear(child, compute_dtype))
-        else:
-            pack_linears(child, compute_dtype)
-    return module
 
 
 class _Layer:
@@ -270,7 +99,7 @@ class TargetModel:
         self.vocab_size = config.vocab_size
         self.max_seq_len = int(max_seq_len or config.max_position_embeddings)
         self.eps = config.rms_norm_eps
-        self.aux_layer_ids = aux_layer_ids(self.num_layers) if self.num_layers >= 4 else ()
+        self.aux_layer_ids = default_aux_layer_ids(self.num_layers) if self.num_layers >= 4 else ()
         decoder = model.model
         self.dtype = decoder.embed_tokens.weight.dtype
         self.device = decoder.embed_tokens.weight.device
@@ -301,11 +130,6 @@ class TargetModel:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         variance = x.float().pow(2).mean(-1, keepdim=True)
         return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * weight
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
@@ -346,8 +170,8 @@ class TargetModel:
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h)
             query, key, value = qkv.split((hq * hd, hk * hd, hk * hd), dim=-1)
-            query = self._rope(query.view(bsz, q, hq, hd).transpose(1, 2), cos, sin)
-            key = self._rope(key.view(bsz, q, hk, hd).transpose(1, 2), cos, sin)
+            query = apply_rotary(query.view(bsz, q, hq, hd).transpose(1, 2), cos, sin)
+            key = apply_rotary(key.view(bsz, q, hk, hd).transpose(1, 2), cos, sin)
             value = value.view(bsz, q, hk, hd).transpose(1, 2)
             keys, values = cache.keys[layer_id], cache.values[layer_id]
             if same_length:
@@ -462,90 +286,3 @@ class TargetModel:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         return self.forward(cache, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
                             return_hidden=return_hidden)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# verify cost curve: t(1 + k tokens) / t(1 token)
-
-
-def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAULT_COST_DRAFT_TOKENS,
-                        context: int = 512, batch_size: int = 1, repeats: int = 7, seed: int = 0) -> dict:
-    """Time one pass over [last token] + k draft tokens at a warm `context`-token cache, for each k.
-
-    Reports the median wall time of `repeats` passes per k (and the process CPU time, less disturbed by other
-    processes on a shared machine), interleaving the sizes round by round so that load from other processes spreads
-    over all of them alike; `relative[i]` = t(1 + k_i) / t(1).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    cache = target.new_cache(batch_size, capacity=context + max(draft_tokens) + 1)
-    target.prefill(cache, torch.randint(0, target.vocab_size, (batch_size, context), generator=gen).tolist())
-    wall: dict[int, list[float]] = {k: [] for k in draft_tokens}
-    cpu: dict[int, list[float]] = {k: [] for k in draft_tokens}
-    for round_ in range(repeats + 1):
-        for k in draft_tokens:
-            drafts = [torch.randint(0, target.vocab_size, (k,), generator=gen).tolist() for _ in range(batch_size)]
-            start, start_cpu = time.perf_counter(), time.process_time()
-            target.step(cache, [1] * batch_size, drafts)
-            if round_ > 0:  # round 0 warms up every shape
-                wall[k].append(time.perf_counter() - start)
-                cpu[k].append(time.process_time() - start_cpu)
-    ms = [1000 * statistics.median(wall[k]) for k in draft_tokens]
-    cpu_ms = [1000 * statistics.median(cpu[k]) for k in draft_tokens]
-    base = ms[list(draft_tokens).index(0)] if 0 in draft_tokens else ms[0]
-    return {"draft_tokens": list(draft_tokens), "ms": [round(t, 3) for t in ms],
-            "relative": [round(t / base, 4) for t in ms], "cpu_ms": [round(t, 3) for t in cpu_ms],
-            "context": context, "batch_size": batch_size,
-            "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-            "model": target.config.name_or_path, "machine": platform.machine(), "repeats": repeats}
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridspec.target", description=__doc__.split("\n")[0])
-    parser.add_argument("--measure-verify-cost", action="store_true", help="time t(1+k)/t(1) for several k")
-    parser.add_argument("--measure-batch", action="store_true", help="time a plain step at batch 1, 2, 4, 8")
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--context", default="512", help="warm context length(s), comma-separated")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--draft-tokens", default=",".join(map(str, DEFAULT_COST_DRAFT_TOKENS)))
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--no-pack", action="store_true", help="plain F.linear instead of prepacked oneDNN weights")
-    parser.add_argument("--json", type=Path, help="write the measurement here")
-    args = parser.parse_args(argv)
-    if not (args.measure_verify_cost or args.measure_batch):
-        parser.error("nothing to do: pass --measure-verify-cost or --measure-batch")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = TargetModel.from_pretrained(args.model, dtype=getattr(torch, args.dtype), pack_weights=not args.no_pack)
-    result = {}
-    contexts = [int(c) for c in args.context.split(",")]
-    if args.measure_verify_cost:
-        ks = [int(k) for k in args.draft_tokens.split(",")]
-        by_context = []
-        for context in contexts:
-            cost = measure_verify_cost(target, ks, context=context, repeats=args.repeats)
-            by_context.append(cost)
-            print(f"verify cost at {cost['context']} context, {cost['dtype']}, {cost['threads']} threads")
-            print(f"{'draft tokens k':>15} {'ms':>9} {'t(1+k)/t(1)':>12} {'cpu ms':>9}")
-            for k, t, r, c in zip(cost["draft_tokens"], cost["ms"], cost["relative"], cost["cpu_ms"]):
-                print(f"{k:>15} {t:>9.1f} {r:>12.2f} {c:>9.1f}")
-        # the first context's table at the top level (what readers of one table take), every context under by_context
-        result["verify_cost"] = dict(by_context[0], by_context=by_context) if len(by_context) > 1 else by_context[0]
-    if args.measure_batch:
-        rows = []
-        for bsz in (1, 2, 4, 8):
-            c = measure_verify_cost(target, (0,), context=contexts[0], batch_size=bsz, repeats=args.repeats)
-            rows.append({"batch_size": bsz, "ms": c["ms"][0]})
-        result["batch_step"] = rows
-        print(f"{'batch':>6} {'ms/step':>9} {'ms/token':>9}")
-        for r in rows:
-            print(f"{r['batch_size']:>6} {r['ms']:>9.1f} {r['ms'] / r['batch_size']:>9.1f}")
-    if args.json:
-        payload = result["verify_cost"] if list(result) == ["verify_cost"] else result
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -1,7 +1,8 @@
 """hybridspec.router: what a draft is worth verifying. Knows Proposals and costs, not models."""
-from hybridspec.router.cost import DEFAULT_VERIFY_MS, VerifyCost
-from hybridspec.router.gate import DEFAULT_VERIFY_MS_BY_CONTEXT, CostGate, verify_costs_by_context
+from hybridspec.router.base import FunctionRouter, Router
+from hybridspec.router.cost import DEFAULT_VERIFY_MS, DEFAULT_VERIFY_MS_BY_CONTEXT, VerifyCost
+from hybridspec.router.gate import CostGate, verify_costs_by_context
 from hybridspec.router.hybrid import HybridProposer
 
-__all__ = ["DEFAULT_VERIFY_MS", "DEFAULT_VERIFY_MS_BY_CONTEXT", "VerifyCost", "CostGate", "HybridProposer",
-           "verify_costs_by_context"]
+__all__ = ["DEFAULT_VERIFY_MS", "DEFAULT_VERIFY_MS_BY_CONTEXT", "VerifyCost", "CostGate", "HybridProposer", "Router",
+           "FunctionRouter", "verify_costs_by_context"]

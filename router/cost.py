@@ -4,7 +4,7 @@ Speculation pays only where the expected accepted tokens outweigh the extra cost
 engine and trace replay all read one table: t(k) in ms for k draft tokens (k = 0 is a plain decoding step),
 piecewise-linear between its points and extrapolated from the last two. The default is SmolLM2-135M-Instruct's, fp32,
 1 thread, 512 tokens of context, measured on this project's 2-core CPU with
-`python -m hybridspec.target --measure-verify-cost --json PATH`; that command measures the user's own machine, and any
+`python benchmarks/bench_verify_cost.py --json PATH`; that command measures the user's own machine, and any
 {k: ms} table (a GPU server's, say) can be given instead.
 """
 from __future__ import annotations
@@ -16,7 +16,16 @@ from typing import Mapping
 
 import numpy as np
 
-DEFAULT_VERIFY_MS: dict[int, float] = {0: 44.3, 1: 45.9, 2: 46.9, 3: 45.8, 4: 47.5, 5: 47.5, 6: 56.2, 8: 59.9, 12: 71.9, 16: 80.6, 32: 130.2}
+# The built-in tables: t(k) in ms of SmolLM2-135M fp32, 1 thread, on this project's CPU, at three context lengths
+# (`python benchmarks/bench_verify_cost.py --threads 1 --context 512,2048,4096`; BENCHMARKS.md, "Verification cost on
+# this CPU"). The 512 row is the default table; the router interpolates between contexts.
+DEFAULT_VERIFY_MS: dict[int, float] = {
+    0: 44.3, 1: 45.9, 2: 46.9, 3: 45.8, 4: 47.5, 5: 47.5, 6: 56.2, 8: 59.9, 12: 71.9, 16: 80.6, 32: 130.2}
+DEFAULT_VERIFY_MS_BY_CONTEXT: dict[int, dict[int, float]] = {
+    512: DEFAULT_VERIFY_MS,
+    2048: {0: 52.3, 1: 58.7, 2: 64.4, 3: 63.9, 4: 69.1, 5: 69.9, 6: 82.0, 8: 86.1, 12: 104.6, 16: 119.2, 32: 191.7},
+    4096: {0: 65.0, 1: 77.2, 2: 89.1, 3: 91.8, 4: 102.1, 5: 103.1, 6: 120.4, 8: 125.6, 12: 151.9, 16: 175.1, 32: 277.1},
+}
 
 
 def read_cost_json(source):
@@ -62,7 +71,7 @@ class VerifyCost:
     @classmethod
     def load(cls, source: "VerifyCost | Mapping | str | os.PathLike | None") -> "VerifyCost":
         """A cost model from itself, a {k: ms} mapping, None (the default), or a JSON file: {"k": ms, ...} or the
-        output of `python -m hybridspec.target --measure-verify-cost` ({"draft_tokens": [...], "ms": [...]})."""
+        output of `python benchmarks/bench_verify_cost.py` ({"draft_tokens": [...], "ms": [...]})."""
         if source is None or isinstance(source, VerifyCost):
             return source or cls()
         data = read_cost_json(source)

@@ -7,24 +7,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hybridspec.proposal import Proposal
-from hybridspec.router.cost import DEFAULT_VERIFY_MS, VerifyCost, read_cost_json
-
-# Verify cost t(k) in ms of SmolLM2-135M fp32, 1 thread, on this project's CPU, at three context lengths
-# (`python -m hybridspec.target --measure-verify-cost --context 512,2048,4096`; the 512 row is the router's default).
-# Up to 5 drafts are nearly free at 512 tokens (oneDNN's kernels for 1-6 rows), the 6th costs a step's fifth; attention
-# over the context makes drafts dearer as it grows: 16 drafts cost 1.8 plain steps at 512 tokens and 2.7 at 4096.
-# Pass a measured table as `Engine(verify_cost=...)` on other machines.
-DEFAULT_VERIFY_MS_BY_CONTEXT: dict[int, dict[int, float]] = {
-    512: DEFAULT_VERIFY_MS,
-    2048: {0: 52.3, 1: 58.7, 2: 64.4, 3: 63.9, 4: 69.1, 5: 69.9, 6: 82.0, 8: 86.1, 12: 104.6, 16: 119.2, 32: 191.7},
-    4096: {0: 65.0, 1: 77.2, 2: 89.1, 3: 91.8, 4: 102.1, 5: 103.1, 6: 120.4, 8: 125.6, 12: 151.9, 16: 175.1, 32: 277.1},
-}
-
+from hybridspec.router.cost import DEFAULT_VERIFY_MS_BY_CONTEXT, VerifyCost, read_cost_json
 
 def verify_costs_by_context(source: Any = None) -> dict[int, VerifyCost]:
     """{context length: VerifyCost} from: None (the built-in tables); a `VerifyCost`, a {k: ms} table or the JSON of
-    one measurement (any context); a {context: {k: ms}} mapping; or the JSON written by `python -m hybridspec.target
-    --measure-verify-cost --context A,B,... --json PATH` (or its path), whose "by_context" holds one table per context."""
+    one measurement (any context); a {context: {k: ms}} mapping; or the JSON written by
+    `python benchmarks/bench_verify_cost.py --context A,B,... --json PATH` (or its path), whose "by_context" holds one
+    table per context."""
     if source is None:
         source = DEFAULT_VERIFY_MS_BY_CONTEXT
     data = read_cost_json(source)
@@ -45,6 +34,9 @@ def _interpolate(points: Sequence[float], values: Sequence[float], x: float) -> 
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+CALIBRATION_BINS = 10  # equal-width bins of a proposer's probability, each with its own acceptance count
+
+
 class CostGate:
     """The default router: trims every proposal to the draft size with the best expected tokens per unit of cost.
 
@@ -52,11 +44,11 @@ class CostGate:
     the m most probable nodes gives an expected 1 + sum(their probs) tokens for a pass costing cost(m, context) plain
     steps. The gate keeps the m that maximises that ratio, and no draft at all unless the ratio beats a plain step by
     `min_gain` (a margin for the noise in measured costs and the per-step work outside the forward pass): a pass with
-    drafts costs more than a plain step (on a CPU 1.1x-3.5x, growing with the context), so a draft that is probably
+    drafts costs more than a plain step (growing with the draft and the context), so a draft that is probably
     rejected would slow decoding down; speculation must not cost when it has nothing to offer.
 
     Proposers' probabilities are estimates (the suffix tree's count ratios were measured overconfident on SmolLM2
-    agent sessions: nodes it rated 0.5 were accepted 18% of the time, 1.0 75%), so the gate calibrates them online:
+    agent sessions), so the gate calibrates them online:
     `observe` counts, per proposal source and probability decile, how many verified nodes were accepted, and `trim`
     uses that rate, starting from the proposer's own value (a prior worth `prior_weight` observations) and following
     drifts (older counts decay by `decay` per observation).
@@ -92,7 +84,7 @@ class CostGate:
         counts = self._counts.get(source) if self.calibrate else None
         if counts is None:
             return p
-        seen, accepted = counts[min(int(p * 10), 9)]
+        seen, accepted = counts[_bin(p)]
         return (accepted + self.prior_weight * p) / (seen + self.prior_weight)
 
     def calibrated_path_probs(self, proposal: Proposal) -> list[float]:
@@ -128,12 +120,17 @@ class CostGate:
         for proposal, taken in zip(proposals, accepted):
             if not len(proposal) or proposal.probs is None:
                 continue
-            counts = self._counts.setdefault(proposal.source, [[0.0, 0.0] for _ in range(10)])
+            counts = self._counts.setdefault(proposal.source, [[0.0, 0.0] for _ in range(CALIBRATION_BINS)])
             taken = set(taken)
             for i, p in enumerate(_path_probs(proposal)):
-                bucket = counts[min(int(p * 10), 9)]
+                bucket = counts[_bin(p)]
                 bucket[0] = bucket[0] * self.decay + 1.0
                 bucket[1] = bucket[1] * self.decay + (i in taken)
+
+
+def _bin(p: float) -> int:
+    """The calibration bin of a probability in [0, 1]."""
+    return min(int(p * CALIBRATION_BINS), CALIBRATION_BINS - 1)
 
 
 def _path_probs(proposal: Proposal) -> list[float]:

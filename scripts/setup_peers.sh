@@ -46,8 +46,8 @@ if ! "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null
 fi
 
 # hybridspec itself, editable, with its Cython suffix tree compiled by this install.
-# (a fresh venv brings setuptools 65: too old for our package-dir mapping)
-"$PIP" install -q "Cython>=3.0" "setuptools>=74" wheel
+# (a fresh venv brings setuptools 65: too old for our package-dir mapping and SPDX licence string)
+"$PIP" install -q "Cython>=3.0" "setuptools>=77" wheel
 "$VENV/bin/python" -c "import hybridspec.suffix" 2>/dev/null || "$PIP" install -q --no-build-isolation -e "$ROOT"
 
 "$VENV/bin/python" -c "import arctic_inference.suffix_decoding, hybridspec.suffix; print('peers ready')"

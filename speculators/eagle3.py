@@ -8,25 +8,28 @@ import torch
 from torch import Tensor
 
 from hybridspec.proposal import Proposal
-from hybridspec.speculators.common import (ChainLayout, EagleBase, EagleState, KVCache, ProbsFn, chain_proposal)
+from hybridspec.speculators.chains import ChainLayout
+from hybridspec.speculators.drafter import ProbsFn, chain_proposal
+from hybridspec.speculators.eagle import EagleBase, EagleState
+from hybridspec.speculators.layers import DraftKVCache
 
 
 class Eagle3Drafter(EagleBase):
     name = "eagle3"
 
     @torch.inference_mode()
-    def propose(self, state: EagleState, k: int, probs_fn: ProbsFn | None = None,
+    def propose(self, state: EagleState, num_speculative_tokens: int, probs_fn: ProbsFn | None = None,
                 generator: torch.Generator | None = None) -> Proposal:
         self.run_pending(state)
-        scratch = KVCache(list(state.kv.keys), list(state.kv.values))
+        scratch = DraftKVCache(list(state.kv.keys), list(state.kv.values))
         logits, hidden = state.last_logits, state.last_hidden
         tokens, probs, full = [], [], []
-        for j in range(k):
+        for j in range(num_speculative_tokens):
             (token,), (prob,), full_row = self.draft(logits[None], probs_fn, generator)
             tokens.append(token)
             probs.append(prob)
             full.append(full_row)
-            if j + 1 == k:
+            if j + 1 == num_speculative_tokens:
                 break
             position = torch.tensor([state.num_slots + j])
             hidden = self.forward_slots(scratch, hidden[None], torch.tensor([token]), position, keep=1)[0]

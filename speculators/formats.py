@@ -25,18 +25,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from hybridspec.speculators.common import (Drafter, EagleBase, EagleConfig, LayerConfig, TargetInfo,
-                                           default_aux_layer_ids)
-from hybridspec.speculators.eagle3 import Eagle3Drafter
+from hybridspec.speculators.drafter import Drafter
+from hybridspec.speculators.eagle import EagleBase, EagleConfig
+from hybridspec.speculators.features import TargetInfo, default_aux_layer_ids
+from hybridspec.speculators.layers import LayerConfig
 from hybridspec.speculators.lstm import LSTMConfig, LSTMDrafter
-from hybridspec.speculators.peagle import PEagleDrafter
+from hybridspec.speculators.registry import ARCTIC_FORMAT, DRAFTERS, SPECULATORS_FORMAT, kinds_in_format
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 SPECULATORS_VERSION = "0.3.0"
-EAGLE_ARCHITECTURES = {"peagle": "PEagleSpeculator", "eagle3": "Eagle3Speculator"}
-EAGLE_CLASSES: dict[str, type[EagleBase]] = {"peagle": PEagleDrafter, "eagle3": Eagle3Drafter}
-ARCTIC_ARCHITECTURE = "ArcticLSTMSpeculatorPreTrainedModel"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -84,7 +82,7 @@ def eagle_config_dict(drafter: EagleBase, verifier_name_or_path: str = "", verif
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
     }
     config: dict[str, Any] = {
-        "architectures": [EAGLE_ARCHITECTURES[kind]],
+        "architectures": [DRAFTERS[kind].architecture],
         "speculators_model_type": kind,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer_config,
@@ -97,7 +95,7 @@ def eagle_config_dict(drafter: EagleBase, verifier_name_or_path: str = "", verif
         "speculators_config": {
             "algorithm": kind,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.speculative_tokens,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
         },
@@ -109,8 +107,9 @@ def eagle_config_dict(drafter: EagleBase, verifier_name_or_path: str = "", verif
 
 def _eagle_from_config(config: dict[str, Any]) -> tuple[type[EagleBase], EagleConfig]:
     kind = config["speculators_model_type"]
-    if kind not in EAGLE_CLASSES:
-        raise ValueError(f"unsupported speculators_model_type {kind!r}; this loader reads {sorted(EAGLE_CLASSES)}")
+    kinds = kinds_in_format(SPECULATORS_FORMAT)
+    if kind not in kinds:
+        raise ValueError(f"unsupported speculators_model_type {kind!r}; this loader reads {sorted(kinds)}")
     layer = config.get("transformer_layer_config") or config.get("transformer_config")
     if not isinstance(layer, dict):
         raise ValueError("a speculators config needs a transformer_layer_config dictionary")
@@ -135,8 +134,8 @@ def _eagle_from_config(config: dict[str, Any]) -> tuple[type[EagleBase], EagleCo
         target_vocab_size=layer["vocab_size"], draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"],
         aux_layer_ids=tuple(ids), norm_before_residual=bool(config.get("norm_before_residual", kind == "eagle3")),
         mask_token_id=config.get("mask_token_id"),
-        speculative_tokens=int(proposals[0].get("speculative_tokens", 3)))
-    return EAGLE_CLASSES[kind], eagle
+        num_speculative_tokens=int(proposals[0].get("speculative_tokens", 3)))
+    return kinds[kind].drafter, eagle
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -147,11 +146,13 @@ def lstm_config_dict(drafter: LSTMDrafter, verifier_name_or_path: str = "",
                      dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     c = drafter.config
     return {
-        "architectures": [ARCTIC_ARCHITECTURE], "base_model_name_or_path": verifier_name_or_path,
+        "architectures": [DRAFTERS[drafter.name].architecture], "base_model_name_or_path": verifier_name_or_path,
         "model_type": "mlp_speculator", "method": "sum_lstm", "input_hidden_dim": c.input_hidden_dim,
         "inner_dim": str(c.dim), "proj_dim": str(c.dim), "emb_dim": str(c.dim), "vocab_size": c.vocab_size,
-        "n_predict": c.n_predict, "n_candidates": c.n_predict, "num_lookahead_tokens": c.n_predict,
-        "top_k_tokens_per_head": [1] * c.n_predict, "tie_weights": True, "tie_lstm_embs": True,
+        # n_predict is the format's name (vLLM and ArcticInference read it) for num_speculative_tokens
+        "n_predict": c.num_speculative_tokens, "n_candidates": c.num_speculative_tokens,
+        "num_lookahead_tokens": c.num_speculative_tokens, "top_k_tokens_per_head": [1] * c.num_speculative_tokens,
+        "tie_weights": True, "tie_lstm_embs": True,
         "scale_input": c.scale_input, "torch_dtype": _dtype_name(dtype),
     }
 
@@ -165,7 +166,7 @@ def _lstm_from_config(config: dict[str, Any]) -> LSTMConfig:
     if any(len(v) != 1 for v in dims.values()) or len({v[0] for v in dims.values()}) != 1:
         raise ValueError(f"sum_lstm needs one equal inner/proj/emb dimension, got {dims}")
     return LSTMConfig(input_hidden_dim=int(config["input_hidden_dim"]), dim=dims["inner_dim"][0],
-                      vocab_size=int(config["vocab_size"]), n_predict=int(config["n_predict"]),
+                      vocab_size=int(config["vocab_size"]), num_speculative_tokens=int(config["n_predict"]),
                       scale_input=bool(config.get("scale_input", False)))
 
 
@@ -224,7 +225,8 @@ def load_drafter(path: str | os.PathLike, *, target: Any = None, embed_tokens: T
         drafter = cls(eagle, embed_tokens=embedding.to(dtype))
         missing, unexpected = drafter.load_state_dict(weights, strict=False)
         missing = [m for m in missing if not m.startswith("embed_tokens.")]
-    elif config.get("model_type") == "mlp_speculator" or ARCTIC_ARCHITECTURE in config.get("architectures", []):
+    elif config.get("model_type") == "mlp_speculator" or any(
+            kind.architecture in config.get("architectures", []) for kind in kinds_in_format(ARCTIC_FORMAT).values()):
         drafter = LSTMDrafter(_lstm_from_config(config))
         missing, unexpected = drafter.load_state_dict(weights, strict=False)
     else:

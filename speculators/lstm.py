@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridspec.proposal import Proposal
-from hybridspec.speculators.common import (ChainLayout, Drafter, ProbsFn, TargetFeatures, TargetInfo, as_token_tensor,
-                                           chain_proposal, check_target, draft_token)
+from hybridspec.speculators.chains import ChainLayout
+from hybridspec.speculators.drafter import Drafter, ProbsFn, as_token_tensor, chain_proposal, draft_token
+from hybridspec.speculators.features import TargetFeatures, TargetInfo, check_target
 
 
 @dataclass
@@ -27,12 +28,12 @@ class LSTMConfig:
     input_hidden_dim: int  # the target's hidden size
     dim: int               # inner_dim = proj_dim = emb_dim (sum_lstm with tied embeddings needs them equal)
     vocab_size: int        # the target's vocabulary
-    n_predict: int = 3
+    num_speculative_tokens: int = 3  # heads trained (the Arctic format's n_predict)
     scale_input: bool = True
 
     @property
     def state_weight(self) -> float:
-        return 0.5 ** (0.5 / self.n_predict)
+        return 0.5 ** (0.5 / self.num_speculative_tokens)
 
     @property
     def emb_weight(self) -> float:
@@ -92,8 +93,8 @@ class LSTMDrafter(Drafter):
         return F.gelu(self.state_ln[0](cell)) * output, cell
 
     @property
-    def default_speculative_tokens(self) -> int:
-        return self.config.n_predict
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
 
     def check_target(self, target: Any, aux_layer_ids: Sequence[int] | None = None) -> None:
         check_target(self.name, target=TargetInfo.of(target), hidden_size=self.config.input_hidden_dim,
@@ -112,9 +113,10 @@ class LSTMDrafter(Drafter):
         state.hidden, state.token = features.final[-1], int(tokens[-1])
 
     @torch.inference_mode()
-    def propose(self, state: LSTMState, k: int, probs_fn: ProbsFn | None = None,
+    def propose(self, state: LSTMState, num_speculative_tokens: int, probs_fn: ProbsFn | None = None,
                 generator: torch.Generator | None = None) -> Proposal:
-        """K heads (weights are tied, so K may exceed n_predict; heads past n_predict were not trained)."""
+        """That many heads (weights are tied, so it may exceed the config's num_speculative_tokens; heads past it
+        were not trained)."""
         if state.hidden is None:
             raise RuntimeError("propose() before any features were given: call begin() first")
         weight = self.head[0].weight
@@ -122,7 +124,7 @@ class LSTMDrafter(Drafter):
         cell = prev.new_zeros(1, self.config.dim)
         token = state.token
         tokens, probs, full = [], [], []
-        for i in range(k):
+        for i in range(num_speculative_tokens):
             prev, cell = self.step(prev, cell, torch.tensor([token], device=weight.device), i)
             logits = self.head[0](prev)[0].float()
             token, prob = draft_token(logits, probs_fn, generator)

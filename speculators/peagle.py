@@ -10,7 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from hybridspec.proposal import Proposal
-from hybridspec.speculators.common import (ChainLayout, EagleBase, EagleConfig, EagleState, ProbsFn, chain_proposal)
+from hybridspec.speculators.chains import ChainLayout
+from hybridspec.speculators.drafter import ProbsFn, chain_proposal
+from hybridspec.speculators.eagle import EagleBase, EagleConfig, EagleState
 
 
 class PEagleDrafter(EagleBase):
@@ -29,9 +31,10 @@ class PEagleDrafter(EagleBase):
         return hidden, tokens
 
     @torch.inference_mode()
-    def propose(self, state: EagleState, k: int, probs_fn: ProbsFn | None = None,
+    def propose(self, state: EagleState, num_speculative_tokens: int, probs_fn: ProbsFn | None = None,
                 generator: torch.Generator | None = None) -> Proposal:
         """K draft tokens from ONE forward pass over the pending real slots and K-1 mask slots."""
+        k = num_speculative_tokens
         extra = self._mask_slots(k - 1) if k > 1 else (None, None)
         out = self.run_pending(state, *extra)
         logits = state.last_logits[None]

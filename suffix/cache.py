@@ -39,6 +39,7 @@ from hybridspec.suffix import _tree
 _MAGIC = b"HSPXSUF\x00"
 _FORMAT_VERSION = 1
 _INT32_MAX = 2**31 - 1
+APPEND_EVICT_DIVISOR = 8  # an append evicts at most evict_per_call / 8 suffixes: steps stay cheap, finishes catch up
 
 
 class SuffixCacheFileError(ValueError):
@@ -51,7 +52,8 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, vocab_size: int | None = 
 
 
 class SuffixCache:
-    """Model-free proposer over prompts and past responses (see the module docstring for the exact semantics).
+    """Model-free proposer over prompts and past responses (see the module docstring for the exact semantics); a
+    `hybridspec.proposal.Proposer`.
 
     Life cycle of a request: `start_request(rid, prompt)`; per step `speculate(rid)`, then `append(rid, accepted)`;
     `finish_request(rid)` moves its response into the global tree. An agent loop that re-sends the conversation passes
@@ -59,10 +61,14 @@ class SuffixCache:
     and only the new tokens are indexed (otherwise the prompt is indexed afresh; `stats()` counts both).
     """
 
+    drafts_trees = True
+    prefers_trees = False  # on a CPU a long chain verifies cheaper than a tree of the same size (BENCHMARKS.md)
+    wants_target_features = False
+
     def __init__(
         self,
         max_depth: int = 64,
-        max_spec_tokens: int = 16,
+        num_speculative_tokens: int = 16,
         max_spec_factor: float = 1.0,
         max_spec_offset: float = 0.0,
         min_token_prob: float = 0.1,
@@ -85,9 +91,9 @@ class SuffixCache:
         if vocab_size is not None and not 1 <= vocab_size <= _INT32_MAX:
             raise ValueError(f"vocab_size must be in [1, {_INT32_MAX}], got {vocab_size}")
         self.max_depth = max_depth
-        self.defaults = dict(max_spec_tokens=max_spec_tokens, max_spec_factor=max_spec_factor,
+        self.defaults = dict(num_speculative_tokens=num_speculative_tokens, max_spec_factor=max_spec_factor,
                              max_spec_offset=max_spec_offset, min_token_prob=min_token_prob)
-        self._check_spec_args(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, None)
+        self._check_spec_args(num_speculative_tokens, max_spec_factor, max_spec_offset, min_token_prob, None)
         self._resolved: tuple = (None, None)   # the last speculate options and what they resolved to
         self.global_budget_tokens = global_budget_tokens
         self.index_prompts_globally = index_prompts_globally
@@ -102,6 +108,10 @@ class SuffixCache:
         self._retained_tokens = 0
         self._lock = threading.RLock()
         self._counters = dict(session_hits=0, session_misses=0, evicted_tokens=0, finished_requests=0)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.defaults["num_speculative_tokens"]
 
     # ---------------------------------------------------------------- request life cycle
 
@@ -136,7 +146,7 @@ class SuffixCache:
         toks = as_token_array(tokens, self.vocab_size)
         with self._lock:
             self._state(request_id).tree.extend(toks)
-            self._evict_global(self.evict_per_call // 8)
+            self._evict_global(self.evict_per_call // APPEND_EVICT_DIVISOR)
 
     def finish_request(self, request_id: Hashable) -> None:
         """The request's response enters the global tree, after the prompt's last `prompt_tail_tokens` tokens (or
@@ -169,13 +179,13 @@ class SuffixCache:
 
     # ---------------------------------------------------------------- proposals
 
-    def speculate(self, request_id: Hashable, max_spec_tokens: int | None = None, max_spec_factor: float | None = None,
-                  max_spec_offset: float | None = None, min_token_prob: float | None = None, tree: bool = False,
-                  max_tree_nodes: int | None = None) -> Proposal:
-        """Draft continuation for one request. `max_spec_tokens=None` takes the cache's default; 0 gives an empty
-        proposal. In tree mode the draft is a tree of at most `max_tree_nodes` tokens (default: max_spec_tokens),
+    def speculate(self, request_id: Hashable, num_speculative_tokens: int | None = None, *, tree: bool = False,
+                  max_tree_nodes: int | None = None, max_spec_factor: float | None = None,
+                  max_spec_offset: float | None = None, min_token_prob: float | None = None) -> Proposal:
+        """Draft continuation for one request. `num_speculative_tokens=None` takes the cache's default; 0 gives an empty
+        proposal. In tree mode the draft is a tree of at most `max_tree_nodes` tokens (default: num_speculative_tokens),
         expanded best-first by path probability, no deeper than the chain limit."""
-        k, nodes, f, o, p = self._spec_args(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob,
+        k, nodes, f, o, p = self._spec_args(num_speculative_tokens, max_spec_factor, max_spec_offset, min_token_prob,
                                             max_tree_nodes)
         with self._lock:
             state = self._live.get(request_id)
@@ -185,12 +195,11 @@ class SuffixCache:
                 return Proposal.empty("suffix")
             return _tree.speculate_request(state, self._global, k, nodes, f, o, p, tree)
 
-    def speculate_batch(self, request_ids: Iterable[Hashable], max_spec_tokens: int | None = None,
-                        max_spec_factor: float | None = None, max_spec_offset: float | None = None,
-                        min_token_prob: float | None = None, tree: bool = False,
-                        max_tree_nodes: int | None = None) -> list[Proposal]:
+    def speculate_batch(self, request_ids: Iterable[Hashable], num_speculative_tokens: int | None = None, *,
+                        tree: bool = False, max_tree_nodes: int | None = None, max_spec_factor: float | None = None,
+                        max_spec_offset: float | None = None, min_token_prob: float | None = None) -> list[Proposal]:
         """Proposals for many requests in one call, drafted with the GIL released."""
-        k, nodes, f, o, p = self._spec_args(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob,
+        k, nodes, f, o, p = self._spec_args(num_speculative_tokens, max_spec_factor, max_spec_offset, min_token_prob,
                                             max_tree_nodes)
         with self._lock:
             states = [self._state(r) for r in request_ids]
@@ -273,29 +282,29 @@ class SuffixCache:
         state = self._live.get(request_id)
         if state is None:
             if request_id in self._retained:
-                raise ValueError(f"request {request_id!r} has finished; start a new request (extends=...) to go on")
+                raise KeyError(f"request {request_id!r} has finished; start a new request (extends=...) to go on")
             raise KeyError(f"unknown request {request_id!r}")
         return state
 
     def _evict_global(self, quota: int) -> None:
-        """Evict up to `quota` suffixes while over budget. Callers pass a fixed slice (~0.6 ms at the default) plus
+        """Evict up to `quota` suffixes while over budget. Callers pass a fixed slice (well under a millisecond) plus
         what they just added, so the index is back under budget after every finish_request, and no call pays for
         eviction much beyond what it pays anyway to index its own tokens."""
         over = self._global.n_tokens - self.global_budget_tokens
         if over > 0:
             self._counters["evicted_tokens"] += self._global.evict(min(over, quota))
 
-    def _spec_args(self, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, max_tree_nodes):
+    def _spec_args(self, num_speculative_tokens, max_spec_factor, max_spec_offset, min_token_prob, max_tree_nodes):
         """(max tokens, max tree nodes, factor, offset, min prob) with the defaults filled in, validated. Checked once
         per distinct set of options: the integer options' types are part of the key, so 1.0 or True never passes for a
         validated 1 (the float options compare by value, as they are used)."""
-        key = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, max_tree_nodes,
-               type(max_spec_tokens), type(max_tree_nodes))
+        key = (num_speculative_tokens, max_spec_factor, max_spec_offset, min_token_prob, max_tree_nodes,
+               type(num_speculative_tokens), type(max_tree_nodes))
         last_key, resolved = self._resolved
         if key == last_key:
             return resolved
         d = self.defaults
-        k = d["max_spec_tokens"] if max_spec_tokens is None else max_spec_tokens
+        k = d["num_speculative_tokens"] if num_speculative_tokens is None else num_speculative_tokens
         f = d["max_spec_factor"] if max_spec_factor is None else max_spec_factor
         o = d["max_spec_offset"] if max_spec_offset is None else max_spec_offset
         p = d["min_token_prob"] if min_token_prob is None else min_token_prob
@@ -307,9 +316,9 @@ class SuffixCache:
     @staticmethod
     def _check_spec_args(k, factor, offset, min_prob, max_nodes) -> None:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-            raise TypeError(f"max_spec_tokens must be an int, got {type(k).__name__}")
+            raise TypeError(f"num_speculative_tokens must be an int, got {type(k).__name__}")
         if k < 0:
-            raise ValueError(f"max_spec_tokens must be >= 0, got {k}")
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
         if factor < 0:
             raise ValueError(f"max_spec_factor must be >= 0, got {factor}")
         if not 0.0 <= min_prob <= 1.0:

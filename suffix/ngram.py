@@ -46,13 +46,13 @@ def _longest_recent_match(ctx: np.ndarray, length: int, min_n: int, max_n: int) 
     return best_end + 1, best_n
 
 
-def resolve_max_spec_tokens(value: int | None, default: int) -> int:
+def resolve_num_speculative_tokens(value: int | None, default: int) -> int:
     """The draft length to use: `default` for None; 0 means no draft; a negative or non-integer value is an error."""
     k = default if value is None else value
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise TypeError(f"max_spec_tokens must be an int or None, got {type(value).__name__}")
+        raise TypeError(f"num_speculative_tokens must be an int or None, got {type(value).__name__}")
     if k < 0:
-        raise ValueError(f"max_spec_tokens must be >= 0, got {k}")
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
     return int(k)
 
 
@@ -81,23 +81,27 @@ class TokenBuffer:
 
 
 class NgramProposer:
-    """vLLM-style prompt lookup over each request's own context, following the `Proposer` request life cycle.
+    """vLLM-style prompt lookup over each request's own context; a `hybridspec.proposal.Proposer`.
 
     Drafts are deterministic (probs 1.0 per token, so score = draft length). Finished requests' contexts are kept
     (the `max_retained` most recent) so that a later request whose prompt extends one (`extends=`) reuses its buffer
     and copies only the new tokens.
     """
 
-    def __init__(self, min_n: int = 2, max_n: int = 5, max_spec_tokens: int = 16, max_retained: int = 256):
+    drafts_trees = False
+    prefers_trees = False
+    wants_target_features = False
+
+    def __init__(self, min_n: int = 2, max_n: int = 5, num_speculative_tokens: int = 16, max_retained: int = 256):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        if max_spec_tokens < 0:
-            raise ValueError(f"max_spec_tokens must be >= 0, got {max_spec_tokens}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if max_retained < 0:
             raise ValueError(f"max_retained must be >= 0, got {max_retained}")
         self.min_n = min_n
         self.max_n = max_n
-        self.max_spec_tokens = max_spec_tokens
+        self.num_speculative_tokens = num_speculative_tokens
         self.max_retained = max_retained
         self._active: dict[Hashable, TokenBuffer] = {}
         self._retained: OrderedDict[Hashable, TokenBuffer] = OrderedDict()
@@ -124,11 +128,14 @@ class NgramProposer:
         ctx = self._get(request_id)
         ctx.extend(as_token_array(tokens))
 
-    def speculate(self, request_id: Hashable, max_spec_tokens: int | None = None) -> Proposal:
+    def speculate(self, request_id: Hashable, num_speculative_tokens: int | None = None, *,
+                  tree: bool = False) -> Proposal:
         """Draft a chain: the tokens that followed the most recent earlier occurrence of the longest context suffix
-        with n in [min_n, max_n]. `max_spec_tokens` None: the default; 0: an empty proposal."""
+        with n in [min_n, max_n]. `num_speculative_tokens` None: the default; 0: an empty proposal."""
+        if tree:
+            raise ValueError("NgramProposer drafts chains only (drafts_trees is False)")
         ctx = self._get(request_id)
-        k = resolve_max_spec_tokens(max_spec_tokens, self.max_spec_tokens)
+        k = resolve_num_speculative_tokens(num_speculative_tokens, self.num_speculative_tokens)
         if k == 0:
             return Proposal.empty(source="ngram")
         start, n = _longest_recent_match(ctx.buf, ctx.length, self.min_n, self.max_n)

@@ -389,8 +389,8 @@ class CorruptOracle:
         assert list(tokens) == truth
         self.pos[rid] += len(tokens)
 
-    def speculate(self, rid, max_spec_tokens=None):
-        draft = list(self.responses[rid][self.pos[rid]:self.pos[rid] + max_spec_tokens])
+    def speculate(self, rid, num_speculative_tokens=None, *, tree=False):
+        draft = list(self.responses[rid][self.pos[rid]:self.pos[rid] + num_speculative_tokens])
         if len(draft) > self.wrong_at:
             draft[self.wrong_at] = -1
         return Proposal.chain(draft)
@@ -481,7 +481,7 @@ def test_cli_writes_json_layout_and_plot(bpe_dir, session_jsonl, tmp_path, capsy
     (tmp_path / "broken.jsonl").write_text("{")
     out_json, out_png = tmp_path / "out" / "r.json", tmp_path / "out" / "r.png"
     rc = main(["replay", str(session_jsonl), str(tmp_path / "broken.jsonl"), "--proposer", "suffix,ngram",
-               "--max-spec-tokens", "8", "--tokenizer", str(bpe_dir), "--cache-dir", str(tmp_path / "cache"),
+               "--num-speculative-tokens", "8", "--tokenizer", str(bpe_dir), "--cache-dir", str(tmp_path / "cache"),
                "--json", str(out_json), "--plot", str(out_png), "--skip-bad"])
     assert rc == 0
     printed = capsys.readouterr()
@@ -535,8 +535,8 @@ def test_cli_replays_token_trees(bpe_dir, session_jsonl, tmp_path):
     out = {}
     for tree in (False, True):
         out[tree] = tmp_path / f"r{tree}.json"
-        assert main(["replay", str(session_jsonl), "--proposer", "suffix", "--max-spec-tokens", "8", "--tokenizer",
-                     str(bpe_dir), "--cache-dir", str(tmp_path / "cache"), "--json", str(out[tree])]
+        assert main(["replay", str(session_jsonl), "--proposer", "suffix", "--num-speculative-tokens", "8",
+                     "--tokenizer", str(bpe_dir), "--cache-dir", str(tmp_path / "cache"), "--json", str(out[tree])]
                     + (["--tree"] if tree else [])) == 0
     chain, tree = (json.loads(out[t].read_text())["overall"]["suffix"] for t in (False, True))
     assert chain["response_tokens"] == tree["response_tokens"] > 0

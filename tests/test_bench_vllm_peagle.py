@@ -3,20 +3,14 @@ and vLLM's steps, clipped at max tokens, are the steps our engine takes for the 
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from bench_vllm_peagle import Acceptance, RecordingRouter, run_ours, vllm_within_budget  # noqa: E402
-
-from hybridspec.engine import Engine  # noqa: E402
-from hybridspec.target import TargetModel  # noqa: E402
-from hybridspec.testing import tiny_llama, tiny_tokenizer  # noqa: E402
-
-from test_engine_drafters import VOCAB, make_drafter  # noqa: E402
+from bench_vllm_peagle import Acceptance, RecordingRouter, run_ours, vllm_within_budget
+from hybridspec.engine import Engine
+from hybridspec.target import TargetModel
+from hybridspec.testing import tiny_llama, tiny_tokenizer
+from test_engine_drafters import VOCAB, make_drafter
 
 K = 4
 

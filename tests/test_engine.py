@@ -3,7 +3,6 @@
 their KV cache and feed the suffix cache, and bad input gives clear errors."""
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections import Counter
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 from hybridspec.engine import Engine
-from hybridspec.router import CostGate, verify_costs_by_context
 from hybridspec.proposal import Proposal
 from hybridspec.target import TargetModel
 from hybridspec.testing import tiny_llama, tiny_tokenizer
@@ -42,6 +40,11 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
 class RandomProposer:
     """Random drafts (chains or trees) of random length: almost always rejected, sometimes empty."""
 
+    num_speculative_tokens = 16
+    drafts_trees = True
+    prefers_trees = False
+    wants_target_features = False
+
     def __init__(self, seed: int, tree: bool = False):
         self.rng, self.tree = random.Random(seed), tree
 
@@ -54,8 +57,11 @@ class RandomProposer:
     def finish_request(self, request_id):
         pass
 
-    def speculate(self, request_id, max_spec_tokens=None, tree=False):
-        n = self.rng.randint(0, max_spec_tokens)
+    def abort_request(self, request_id):
+        pass
+
+    def speculate(self, request_id, num_speculative_tokens=None, *, tree=False):
+        n = self.rng.randint(0, num_speculative_tokens)
         parents = [self.rng.randint(-1, i - 1) for i in range(n)] if tree else list(range(-1, n - 1))
         return Proposal([self.rng.randrange(VOCAB) for _ in range(n)], parents, [1.0] * n, float(n), "random")
 
@@ -74,13 +80,13 @@ class NoisyOracle(RandomProposer):
     def append(self, request_id, tokens):
         self.state[request_id][1] += len(tokens)
 
-    def speculate(self, request_id, max_spec_tokens=None, tree=False):
+    def speculate(self, request_id, num_speculative_tokens=None, *, tree=False):
         ref, pos = self.state[request_id]
-        truth = ref[pos:pos + self.rng.randint(0, max_spec_tokens)]
+        truth = ref[pos:pos + self.rng.randint(0, num_speculative_tokens)]
         tokens = [t if self.rng.random() < 0.8 else self.rng.randrange(VOCAB) for t in truth]
         parents = list(range(-1, len(tokens) - 1))
         if tree:  # siblings hang off random nodes of the path, up to the budget
-            while len(tokens) < max_spec_tokens and self.rng.random() < 0.7:
+            while len(tokens) < num_speculative_tokens and self.rng.random() < 0.7:
                 parents.append(self.rng.randint(-1, len(tokens) - 1))
                 tokens.append(self.rng.randrange(VOCAB))
             order = sorted(range(len(tokens)), key=lambda i: self._depth(parents, i))  # parents before children
@@ -227,63 +233,6 @@ def test_context_end_finishes_with_length(engine):
 # the cost gate (default router)
 
 
-def test_cost_gate_trims_to_the_best_expected_gain():
-    gate = CostGate({0: 1.0, 1: 1.5, 2: 1.55, 4: 1.8, 8: 2.0})  # one table for every context
-    assert gate.cost(3) == pytest.approx(1.675) and gate.cost(16) == pytest.approx(2.4)
-    confident = Proposal.chain([1, 2, 3, 4], probs=[1.0, 1.0, 1.0, 1.0])
-    assert gate.trim(confident) is confident
-    # expected tokens per cost: m=1: 1.3/1.5, m=2: 1.4/1.55, m=3: 1.45/1.675: no prefix beats a plain step
-    assert len(gate.trim(Proposal.chain([1, 2, 3], probs=[0.3, 0.1, 0.05]))) == 0
-    # m=2 gives (1 + 0.9 + 0.8) / 1.55 = 1.74, better than keeping the unlikely tail (m=3: 2.75 / 1.675 = 1.64)
-    trimmed = gate.trim(Proposal.chain([7, 8, 9, 10], probs=[0.9, 0.8, 0.05, 0.01]))
-    assert trimmed.token_ids == [7, 8] and trimmed.parents == [-1, 0]
-    tree = Proposal(token_ids=[1, 2, 3, 4, 5], parents=[-1, -1, 0, 2, 1], probs=[0.9, 0.05, 0.85, 0.8, 0.04],
-                    score=2.64, source="suffix")
-    kept = gate.trim(tree)
-    assert kept.token_ids == [1, 3, 4] and kept.parents == [-1, 0, 1]
-
-
-def test_gate_calibrates_overconfident_proposers_online():
-    gate = CostGate({0: 1.0, 8: 1.2})
-    draft = Proposal.chain([1, 2, 3, 4], probs=[0.55, 0.5, 0.5, 0.5], source="suffix")
-    assert len(gate.trim(draft)) == 4  # taken at its word: 1 + 2.05 tokens for 1.1 steps
-    for _ in range(30):  # but such nodes are never accepted
-        gate.observe([draft], [[]])
-    assert gate.accept_probability("suffix", 0.5) < 0.1
-    assert len(gate.trim(draft)) == 0
-    other = Proposal.chain([1, 2, 3, 4], probs=[0.55, 0.5, 0.5, 0.5], source="ngram")
-    assert len(gate.trim(other)) == 4  # calibration is per source
-    for _ in range(30):  # accepted after all: the estimate recovers
-        gate.observe([draft], [[0, 1, 2, 3]])
-    assert gate.accept_probability("suffix", 0.5) > 0.5 and len(gate.trim(draft)) == 4
-    assert CostGate(calibrate=False).accept_probability("suffix", 0.5) == 0.5
-
-
-def test_cost_grows_with_context():
-    gate = CostGate({512: {0: 10.0, 16: 12.0}, 4096: {0: 10.0, 16: 40.0}})  # {context: {k: ms}}
-    assert gate.cost(16, 512) == pytest.approx(1.2) and gate.cost(16, 4096) == pytest.approx(4.0)
-    assert gate.cost(16, 2304) == pytest.approx(2.6) and gate.cost(8, 100) == pytest.approx(1.1)
-    assert gate.cost(0, 9999) == 1.0
-    # the same draft is worth verifying at a short context (1.15 / 1.0125) and not at a long one (1.15 / 1.1875)
-    draft = Proposal.chain(list(range(16)), probs=[0.15] + [0.01] * 15)
-    assert len(gate.trim(draft, 512)) == 1 and len(gate.trim(draft, 4096)) == 0
-
-
-def test_verify_cost_tables_by_context(tmp_path):
-    measured = {"draft_tokens": [0, 1, 8], "ms": [50.0, 80.0, 100.0], "context": 512}
-    several = dict(measured, by_context=[measured, dict(measured, context=2048, ms=[100.0, 150.0, 300.0])])
-    path = tmp_path / "cost.json"
-    path.write_text(json.dumps(several))  # what `python -m hybridspec.target --measure-verify-cost` writes
-    costs = verify_costs_by_context(path)
-    assert sorted(costs) == [512, 2048] and costs[2048].relative(8) == pytest.approx(3.0)
-    assert list(verify_costs_by_context(measured)) == [0]  # one table: for every context
-    assert verify_costs_by_context({0: 2.0, 4: 3.0})[0].relative(4) == pytest.approx(1.5)
-    assert CostGate(path).cost(8, 1280) == pytest.approx(2.5)  # halfway between 2.0 at 512 and 3.0 at 2048
-    assert sorted(verify_costs_by_context(None)) == [512, 2048, 4096]
-    with pytest.raises(ValueError, match="k = 0"):
-        verify_costs_by_context({1: 2.0})
-
-
 def test_gated_engine_is_exact_and_skips_hopeless_drafts(tiny_model, tiny_tokenizer):
     gated = Engine(TargetModel(tiny_model), tiny_tokenizer)  # default router: the cost gate
     prompt = random_prompts(2, seed=5)[0]
@@ -291,8 +240,8 @@ def test_gated_engine_is_exact_and_skips_hopeless_drafts(tiny_model, tiny_tokeni
     low = Proposal.chain  # a proposer whose drafts promise little
 
     class Hopeless(RandomProposer):
-        def speculate(self, request_id, max_spec_tokens=None, tree=False):
-            n = max_spec_tokens
+        def speculate(self, request_id, num_speculative_tokens=None, *, tree=False):
+            n = num_speculative_tokens
             return low([self.rng.randrange(VOCAB) for _ in range(n)], probs=[0.05 ** (i + 1) for i in range(n)],
                        source="hopeless")
 
@@ -317,8 +266,8 @@ class SamplingProposer(RandomProposer):
         self.with_logits = with_logits
         self.gen = torch.Generator().manual_seed(seed)
 
-    def speculate(self, request_id, max_spec_tokens=None, tree=False):
-        parents = [-1, -1, 0][:max_spec_tokens] if tree else [-1, 0][:max_spec_tokens]
+    def speculate(self, request_id, num_speculative_tokens=None, *, tree=False):
+        parents = [-1, -1, 0][:num_speculative_tokens] if tree else [-1, 0][:num_speculative_tokens]
         if not self.with_logits:
             tokens = self.rng.sample(range(SMALL_VOCAB), 2) + [self.rng.randrange(SMALL_VOCAB)]
             tokens = tokens[:len(parents)] if tree else [tokens[0], tokens[2]][:len(parents)]

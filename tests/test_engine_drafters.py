@@ -10,9 +10,10 @@ from collections import Counter
 import pytest
 import torch
 
-from hybridspec.engine import DRAFTER_KINDS, Engine
+from hybridspec.engine import Engine
 from hybridspec.speculators import (DrafterProposer, Eagle3Drafter, EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter,
                                     PEagleDrafter, TargetFeatures)
+from hybridspec.speculators.registry import DRAFTER_KINDS
 from hybridspec.target import TargetModel
 from hybridspec.testing import tiny_llama, tiny_tokenizer
 
@@ -26,14 +27,15 @@ def make_drafter(kind: str, model, seed: int = 0):
     torch.manual_seed(seed)
     c = model.config
     if kind == "lstm":
-        drafter = LSTMDrafter(LSTMConfig(input_hidden_dim=c.hidden_size, dim=32, vocab_size=c.vocab_size, n_predict=3))
+        drafter = LSTMDrafter(LSTMConfig(input_hidden_dim=c.hidden_size, dim=32, vocab_size=c.vocab_size,
+                                         num_speculative_tokens=3))
         head = drafter.head[0]
     else:
         config = EagleConfig(layer=LayerConfig.like_target(c), num_layers=2 if kind == "peagle" else 1,
                              target_hidden_size=c.hidden_size, target_vocab_size=c.vocab_size,
                              draft_vocab_size=c.vocab_size, aux_layer_ids=(2, c.num_hidden_layers // 2,
                                                                            c.num_hidden_layers - 3),
-                             mask_token_id=0, speculative_tokens=4)
+                             mask_token_id=0, num_speculative_tokens=4)
         cls = PEagleDrafter if kind == "peagle" else Eagle3Drafter
         drafter = cls(config, embed_tokens=model.get_input_embeddings().weight)
         head = drafter.lm_head
@@ -119,6 +121,8 @@ class CheckedProposer(DrafterProposer):
     """Before every draft, checks that the state built from the engine's features drafts what a drafter begun on the
     whole committed sequence (features from a plain transformers forward) drafts."""
 
+    prefers_trees = False  # the check compares chains
+
     def __init__(self, drafter, model, aux_layer_ids):
         super().__init__(drafter)
         self.model, self.aux_layer_ids_, self.tokens, self.checked = model, aux_layer_ids, {}, 0
@@ -131,8 +135,8 @@ class CheckedProposer(DrafterProposer):
         super().append(request_id, tokens, features=features)
         self.tokens[request_id] += list(tokens)
 
-    def speculate(self, request_id, max_spec_tokens=None):
-        proposal = super().speculate(request_id, max_spec_tokens)
+    def speculate(self, request_id, num_speculative_tokens=None, *, tree=False):
+        proposal = super().speculate(request_id, num_speculative_tokens, tree=tree)
         sequence = self.tokens[request_id]
         if len(sequence) > 1 and len(proposal):
             with torch.no_grad():
@@ -191,7 +195,7 @@ def test_drafter_proposer_rebuilds_when_the_prompt_does_not_continue(target_mode
     proposer.finish_request("b")
     proposer.start_request("c", [3, 4, 5, 6, 7, 9, 9, 9], features=feats(4), extends="b")  # a different token 7
     assert proposer.live["c"].length == 8 and "b" not in proposer.retained
-    with pytest.raises(KeyError, match="already running"):
+    with pytest.raises(ValueError, match="already running"):
         proposer.start_request("c", [3, 4], features=feats(1))
     with pytest.raises(ValueError, match="feature rows"):
         proposer.start_request("d", [3, 4], features=feats(2))
@@ -255,7 +259,7 @@ def test_drafter_errors(engine, target_model):
 
 def test_engine_packs_its_own_copy_of_a_drafter(engine):
     """On CPU the engine runs drafters on oneDNN-packed weights: a copy, the caller's module stays trainable."""
-    from hybridspec.target import PackedLinear
+    from hybridspec.linear import PackedLinear
 
     ours = engine.drafter_proposer("peagle").drafter
     theirs = engine.drafters["peagle"]
@@ -296,8 +300,14 @@ def test_hybrid_rule():
     from hybridspec.router import HybridProposer
 
     class Fixed:
-        def __init__(self, proposal, k=4):
+        drafts_trees = prefers_trees = False
+
+        def __init__(self, proposal, k=4, wants_target_features=False):
             self.proposal, self.num_speculative_tokens, self.calls, self.log = proposal, k, 0, []
+            self.wants_target_features = wants_target_features
+
+        def set_sampling(self, probs_fn, generator=None):
+            pass
 
         def start_request(self, rid, prompt, **kw):
             self.log.append(("start", kw))
@@ -305,27 +315,30 @@ def test_hybrid_rule():
         def append(self, rid, tokens, **kw):
             self.log.append(("append", kw))
 
-        def speculate(self, rid, max_spec_tokens=None):
+        def speculate(self, rid, num_speculative_tokens=None, *, tree=False):
             self.calls += 1
-            return Proposal.chain(self.proposal.token_ids[:max_spec_tokens], self.proposal.probs[:max_spec_tokens],
-                                  source=self.proposal.source)
+            n = num_speculative_tokens
+            return Proposal.chain(self.proposal.token_ids[:n], self.proposal.probs[:n], source=self.proposal.source)
 
         def finish_request(self, rid):
             self.log.append(("finish", {}))
 
+        def abort_request(self, rid):
+            self.log.append(("abort", {}))
+
     suffix = Fixed(Proposal.chain([1, 2, 3, 4, 5], [0.9, 0.9, 0.9, 0.9, 0.9], source="suffix"))
-    drafter = Fixed(Proposal.chain([7, 8, 9, 6], [0.8, 0.5, 0.2, 0.1], source="peagle"))
+    drafter = Fixed(Proposal.chain([7, 8, 9, 6], [0.8, 0.5, 0.2, 0.1], source="peagle"), wants_target_features=True)
     hybrid = HybridProposer(suffix, drafter, num_speculative_tokens=5)
     hybrid.start_request("r", [1, 2], features="F")
     hybrid.append("r", [3], features="G")
     assert suffix.log == [("start", {}), ("append", {})]  # the suffix cache never sees features
     assert drafter.log == [("start", {"features": "F"}), ("append", {"features": "G"})]
     assert hybrid.speculate("r").source == "suffix" and drafter.calls == 0  # score 4.5 >= K = 4: drafter not run
-    assert hybrid.speculate("r", max_spec_tokens=3).source == "suffix" and drafter.calls == 1  # 2.7 > 1.5
+    assert hybrid.speculate("r", num_speculative_tokens=3).source == "suffix" and drafter.calls == 1  # 2.7 > 1.5
     suffix.proposal = Proposal.chain([1], [0.3], source="suffix")
     assert hybrid.speculate("r").token_ids == [7, 8, 9, 6]  # 1.6 > 0.3
     suffix.proposal = Proposal.empty("suffix")
-    assert hybrid.speculate("r", max_spec_tokens=2).token_ids == [7, 8]
+    assert hybrid.speculate("r", num_speculative_tokens=2).token_ids == [7, 8]
     assert hybrid.chosen == {"suffix": 2, "peagle": 2}
     hybrid.finish_request("r")
     assert suffix.log[-1][0] == drafter.log[-1][0] == "finish"

@@ -42,7 +42,7 @@ tokens_st = st.integers(2, 4).flatmap(lambda vocab: st.lists(st.integers(0, voca
        min_n=st.integers(1, 4), extra_n=st.integers(0, 4), k=st.integers(0, 12))
 def test_matches_reference_with_incremental_appends(prompt, chunks, min_n, extra_n, k):
     max_n = min_n + extra_n
-    prop = NgramProposer(min_n=min_n, max_n=max_n, max_spec_tokens=k)
+    prop = NgramProposer(min_n=min_n, max_n=max_n, num_speculative_tokens=k)
     prop.start_request("r", prompt)
     ctx = list(prompt)
     check(prop.speculate("r"), ctx, min_n, max_n, k)
@@ -50,7 +50,7 @@ def test_matches_reference_with_incremental_appends(prompt, chunks, min_n, extra
         prop.append("r", np.asarray(chunk, dtype=np.int64))
         ctx += chunk
         check(prop.speculate("r"), ctx, min_n, max_n, k)
-        check(prop.speculate("r", max_spec_tokens=3), ctx, min_n, max_n, 3)
+        check(prop.speculate("r", num_speculative_tokens=3), ctx, min_n, max_n, 3)
     assert prop.context("r").tolist() == ctx
 
 
@@ -66,11 +66,11 @@ def test_extends_gives_the_same_drafts_as_a_fresh_start(first, response, new, mu
         prompt[0] = 7
     prop.start_request("turn2", prompt, extends="turn1")
     assert prop.context("turn2").tolist() == prompt
-    check(prop.speculate("turn2"), prompt, prop.min_n, prop.max_n, prop.max_spec_tokens)
+    check(prop.speculate("turn2"), prompt, prop.min_n, prop.max_n, prop.num_speculative_tokens)
 
 
 def test_most_recent_occurrence_and_longest_n():
-    prop = NgramProposer(min_n=2, max_n=4, max_spec_tokens=3)
+    prop = NgramProposer(min_n=2, max_n=4, num_speculative_tokens=3)
     # [1, 2] occurs twice before the end; the later occurrence is followed by 7 8 9, the earlier by 5 6
     prop.start_request("a", [1, 2, 5, 6, 1, 2, 7, 8, 9, 1, 2])
     p = prop.speculate("a")
@@ -114,17 +114,17 @@ def test_lifecycle_and_retention():
     assert prop.context("d").tolist() == [4, 5, 6]
 
 
-def test_max_spec_tokens_values():
-    prop = NgramProposer(max_spec_tokens=2)
+def test_num_speculative_tokens_values():
+    prop = NgramProposer(num_speculative_tokens=2)
     prop.start_request("a", [1, 2, 3, 4, 5, 1, 2])
     assert prop.speculate("a").token_ids == [3, 4]
-    assert prop.speculate("a", max_spec_tokens=None).token_ids == [3, 4]
-    assert prop.speculate("a", max_spec_tokens=10).token_ids == [3, 4, 5, 1, 2]
-    assert prop.speculate("a", max_spec_tokens=0) == Proposal.empty(source="ngram")
-    with pytest.raises(ValueError, match="max_spec_tokens"):
-        prop.speculate("a", max_spec_tokens=-1)
-    with pytest.raises(TypeError, match="max_spec_tokens"):
-        prop.speculate("a", max_spec_tokens=2.5)
+    assert prop.speculate("a", num_speculative_tokens=None).token_ids == [3, 4]
+    assert prop.speculate("a", num_speculative_tokens=10).token_ids == [3, 4, 5, 1, 2]
+    assert prop.speculate("a", num_speculative_tokens=0) == Proposal.empty(source="ngram")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        prop.speculate("a", num_speculative_tokens=-1)
+    with pytest.raises(TypeError, match="num_speculative_tokens"):
+        prop.speculate("a", num_speculative_tokens=2.5)
 
 
 @pytest.mark.parametrize("bad, exc", [
@@ -145,7 +145,7 @@ def test_bad_tokens_are_rejected(bad, exc):
     assert prop.context("b").tolist() == [1, 2]  # a rejected append leaves the context untouched
 
 
-@pytest.mark.parametrize("kwargs", [dict(min_n=0), dict(min_n=3, max_n=2), dict(max_spec_tokens=-1),
+@pytest.mark.parametrize("kwargs", [dict(min_n=0), dict(min_n=3, max_n=2), dict(num_speculative_tokens=-1),
                                     dict(max_retained=-1)])
 def test_bad_settings(kwargs):
     with pytest.raises(ValueError):
@@ -155,7 +155,7 @@ def test_bad_settings(kwargs):
 def test_long_context_grows_in_place():
     rng = np.random.default_rng(0)
     text = rng.integers(0, 50, size=3000)
-    prop = NgramProposer(min_n=3, max_n=6, max_spec_tokens=8)
+    prop = NgramProposer(min_n=3, max_n=6, num_speculative_tokens=8)
     prop.start_request("a", text[:100])
     for i in range(100, 3000, 7):
         prop.append("a", text[i:i + 7])

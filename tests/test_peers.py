@@ -1,4 +1,4 @@
-"""The ArcticInference adapter (hybridspec.peers.ArcticProposer).
+"""The ArcticInference adapter (hybridspec.peers.ArcticSuffixProposer).
 
 arctic-inference lives in its own environment (.venv-peers, made by scripts/setup_peers.sh), so the adapter's checks run
 in a subprocess of that environment's Python; they are skipped, with the reason, where that environment was not set up.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridspec.peers import ArcticProposer
+from hybridspec.peers import ArcticSuffixProposer
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -23,7 +23,7 @@ def test_missing_peer_gives_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "arctic_inference", None)  # makes `import arctic_inference...` fail here
     monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)
     with pytest.raises(ImportError, match="scripts/setup_peers.sh"):
-        ArcticProposer()
+        ArcticSuffixProposer()
 
 
 def peer_checks() -> None:
@@ -32,7 +32,7 @@ def peer_checks() -> None:
     import numpy as np
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-    from hybridspec.peers import ArcticProposer
+    from hybridspec.peers import ArcticSuffixProposer
 
     def expect(exc, fn, *args, **kwargs):
         try:
@@ -44,7 +44,7 @@ def peer_checks() -> None:
     rng = np.random.default_rng(0)
     for depth, tree in ((64, False), (8, True)):
         settings = dict(max_spec_factor=1.0, max_spec_offset=1.0, min_token_prob=0.1)
-        adapter = ArcticProposer(max_depth=depth, max_spec_tokens=6, use_tree_spec=tree, **settings)
+        adapter = ArcticSuffixProposer(max_depth=depth, num_speculative_tokens=6, **settings)
         raw = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=10_000)
         held = 0
         for r in range(5):  # later requests draw on earlier responses through the global tree
@@ -53,12 +53,12 @@ def peer_checks() -> None:
             adapter.start_request(r, prompt.tolist())
             raw.start_request(r, prompt)
             for _ in range(25):
-                got = adapter.speculate(r)
+                got = adapter.speculate(r, tree=tree)
                 ctx = np.asarray(context[-depth:], dtype=np.int32)
                 want = raw.speculate(r, ctx, max_spec_tokens=6, use_tree_spec=tree, **settings)
                 assert (got.token_ids, got.parents, got.probs, got.score) == \
                     (want.token_ids, want.parents, want.probs, want.score), (r, got, want)
-                assert got.source == "arctic" and got.match_len == (want.match_len if want.token_ids else 0)
+                assert got.source == "arctic-suffix" and got.match_len == (want.match_len if want.token_ids else 0)
                 step = rng.integers(0, 5, int(rng.integers(1, 4))).astype(np.int32)
                 adapter.append(r, step)
                 raw.add_active_response(r, step)
@@ -69,15 +69,15 @@ def peer_checks() -> None:
         assert adapter.indexed_tokens() == held  # only responses remain, in the global tree
         assert adapter.memory_bytes() > 0
 
-    # max_spec_tokens: None takes the default, 0 gives nothing (the peer itself reads 0 as "max depth")
-    p = ArcticProposer(max_depth=16, max_spec_tokens=3)
+    # num_speculative_tokens: None takes the default, 0 gives nothing (the peer itself reads 0 as "max depth")
+    p = ArcticSuffixProposer(max_depth=16, num_speculative_tokens=3)
     p.start_request("a", list(range(10)) + list(range(8)))
     assert p.speculate("a").token_ids == [8, 9, 0]  # what followed the earlier occurrence of 0..7
-    assert p.speculate("a", max_spec_tokens=None) == p.speculate("a")
-    assert p.speculate("a", max_spec_tokens=2).token_ids == [8, 9]
-    assert p.speculate("a", max_spec_tokens=0).token_ids == []
-    expect(ValueError, p.speculate, "a", max_spec_tokens=-1)
-    expect(TypeError, p.speculate, "a", max_spec_tokens=1.5)
+    assert p.speculate("a", num_speculative_tokens=None) == p.speculate("a")
+    assert p.speculate("a", num_speculative_tokens=2).token_ids == [8, 9]
+    assert p.speculate("a", num_speculative_tokens=0).token_ids == []
+    expect(ValueError, p.speculate, "a", num_speculative_tokens=-1)
+    expect(TypeError, p.speculate, "a", num_speculative_tokens=1.5)
     expect(ValueError, p.start_request, "a", [1])
     expect(KeyError, p.append, "nope", [1])
     expect(KeyError, p.speculate, "nope")
@@ -86,7 +86,7 @@ def peer_checks() -> None:
     expect(TypeError, p.append, "a", [0.5])
 
     # a finished response serves later requests; an aborted one does not
-    p = ArcticProposer(max_depth=32, max_spec_tokens=8)
+    p = ArcticSuffixProposer(max_depth=32, num_speculative_tokens=8)
     response = list(range(100, 120))
     p.start_request("done", [1, 2, 3])
     p.append("done", response)
@@ -99,7 +99,7 @@ def peer_checks() -> None:
     p.append("next", [200, 201, 202, 203])
     assert p.speculate("next").token_ids == []
     # the peer evicts the oldest responses beyond max_cached_requests; indexed_tokens follows
-    p = ArcticProposer(max_depth=8, max_cached_requests=2)
+    p = ArcticSuffixProposer(max_depth=8, max_cached_requests=2)
     for r, n in enumerate((5, 6, 7, 8)):
         p.start_request(r, [1, 2])
         p.append(r, list(range(10, 10 + n)))

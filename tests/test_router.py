@@ -1,9 +1,10 @@
-"""The verify-cost model shared by the router, the engine and trace replay."""
+"""The verify-cost model shared by the router, the engine and trace replay, and the cost gate (the default router)."""
 import json
 
 import pytest
 
-from hybridspec.router import DEFAULT_VERIFY_MS, VerifyCost
+from hybridspec.proposal import Proposal
+from hybridspec.router import DEFAULT_VERIFY_MS, CostGate, VerifyCost, verify_costs_by_context
 
 
 def test_interpolates_and_extrapolates():
@@ -34,3 +35,60 @@ def test_bad_tables_are_rejected(tmp_path):
         VerifyCost.load(tmp_path / "junk.json")
     with pytest.raises(ValueError, match="> 0"):
         VerifyCost({0: 10.0, 4: -1.0})
+
+
+def test_cost_gate_trims_to_the_best_expected_gain():
+    gate = CostGate({0: 1.0, 1: 1.5, 2: 1.55, 4: 1.8, 8: 2.0})  # one table for every context
+    assert gate.cost(3) == pytest.approx(1.675) and gate.cost(16) == pytest.approx(2.4)
+    confident = Proposal.chain([1, 2, 3, 4], probs=[1.0, 1.0, 1.0, 1.0])
+    assert gate.trim(confident) is confident
+    # expected tokens per cost: m=1: 1.3/1.5, m=2: 1.4/1.55, m=3: 1.45/1.675: no prefix beats a plain step
+    assert len(gate.trim(Proposal.chain([1, 2, 3], probs=[0.3, 0.1, 0.05]))) == 0
+    # m=2 gives (1 + 0.9 + 0.8) / 1.55 = 1.74, better than keeping the unlikely tail (m=3: 2.75 / 1.675 = 1.64)
+    trimmed = gate.trim(Proposal.chain([7, 8, 9, 10], probs=[0.9, 0.8, 0.05, 0.01]))
+    assert trimmed.token_ids == [7, 8] and trimmed.parents == [-1, 0]
+    tree = Proposal(token_ids=[1, 2, 3, 4, 5], parents=[-1, -1, 0, 2, 1], probs=[0.9, 0.05, 0.85, 0.8, 0.04],
+                    score=2.64, source="suffix")
+    kept = gate.trim(tree)
+    assert kept.token_ids == [1, 3, 4] and kept.parents == [-1, 0, 1]
+
+
+def test_gate_calibrates_overconfident_proposers_online():
+    gate = CostGate({0: 1.0, 8: 1.2})
+    draft = Proposal.chain([1, 2, 3, 4], probs=[0.55, 0.5, 0.5, 0.5], source="suffix")
+    assert len(gate.trim(draft)) == 4  # taken at its word: 1 + 2.05 tokens for 1.1 steps
+    for _ in range(30):  # but such nodes are never accepted
+        gate.observe([draft], [[]])
+    assert gate.accept_probability("suffix", 0.5) < 0.1
+    assert len(gate.trim(draft)) == 0
+    other = Proposal.chain([1, 2, 3, 4], probs=[0.55, 0.5, 0.5, 0.5], source="ngram")
+    assert len(gate.trim(other)) == 4  # calibration is per source
+    for _ in range(30):  # accepted after all: the estimate recovers
+        gate.observe([draft], [[0, 1, 2, 3]])
+    assert gate.accept_probability("suffix", 0.5) > 0.5 and len(gate.trim(draft)) == 4
+    assert CostGate(calibrate=False).accept_probability("suffix", 0.5) == 0.5
+
+
+def test_cost_grows_with_context():
+    gate = CostGate({512: {0: 10.0, 16: 12.0}, 4096: {0: 10.0, 16: 40.0}})  # {context: {k: ms}}
+    assert gate.cost(16, 512) == pytest.approx(1.2) and gate.cost(16, 4096) == pytest.approx(4.0)
+    assert gate.cost(16, 2304) == pytest.approx(2.6) and gate.cost(8, 100) == pytest.approx(1.1)
+    assert gate.cost(0, 9999) == 1.0
+    # the same draft is worth verifying at a short context (1.15 / 1.0125) and not at a long one (1.15 / 1.1875)
+    draft = Proposal.chain(list(range(16)), probs=[0.15] + [0.01] * 15)
+    assert len(gate.trim(draft, 512)) == 1 and len(gate.trim(draft, 4096)) == 0
+
+
+def test_verify_cost_tables_by_context(tmp_path):
+    measured = {"draft_tokens": [0, 1, 8], "ms": [50.0, 80.0, 100.0], "context": 512}
+    several = dict(measured, by_context=[measured, dict(measured, context=2048, ms=[100.0, 150.0, 300.0])])
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(several))  # what `python benchmarks/bench_verify_cost.py` writes
+    costs = verify_costs_by_context(path)
+    assert sorted(costs) == [512, 2048] and costs[2048].relative(8) == pytest.approx(3.0)
+    assert list(verify_costs_by_context(measured)) == [0]  # one table: for every context
+    assert verify_costs_by_context({0: 2.0, 4: 3.0})[0].relative(4) == pytest.approx(1.5)
+    assert CostGate(path).cost(8, 1280) == pytest.approx(2.5)  # halfway between 2.0 at 512 and 3.0 at 2048
+    assert sorted(verify_costs_by_context(None)) == [512, 2048, 4096]
+    with pytest.raises(ValueError, match="k = 0"):
+        verify_costs_by_context({1: 2.0})

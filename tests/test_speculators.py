@@ -12,8 +12,8 @@ from hybridspec.proposal import Proposal
 from hybridspec.speculators import (DrafterProposer, Eagle3Drafter, EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter,
                                     PEagleDrafter, TargetFeatures, TargetInfo, build_draft_vocab,
                                     default_aux_layer_ids, load_drafter, save_drafter)
-from hybridspec.speculators.common import (ChainLayout, chain_proposal, full_chain_origins, sample_chain_origins,
-                                           widen_chain)
+from hybridspec.speculators.chains import ChainLayout, full_chain_origins, sample_chain_origins
+from hybridspec.speculators.drafter import chain_proposal, widen_chain
 
 K = 5
 DRAFT_VOCAB = 96
@@ -42,7 +42,7 @@ def eagle_config(target, *, num_layers=2, mask=True) -> EagleConfig:
     return EagleConfig(layer=LayerConfig.like_target(c), num_layers=num_layers, target_hidden_size=c.hidden_size,
                        target_vocab_size=c.vocab_size, draft_vocab_size=DRAFT_VOCAB,
                        aux_layer_ids=default_aux_layer_ids(c.num_hidden_layers),
-                       mask_token_id=c.vocab_size - 1 if mask else None, speculative_tokens=K)
+                       mask_token_id=c.vocab_size - 1 if mask else None, num_speculative_tokens=K)
 
 
 def make_drafter(kind: str, target, seed: int = 0):
@@ -50,7 +50,7 @@ def make_drafter(kind: str, target, seed: int = 0):
     c = target.config
     if kind == "lstm":
         return LSTMDrafter(LSTMConfig(input_hidden_dim=c.hidden_size, dim=24, vocab_size=c.vocab_size,
-                                      n_predict=K)).eval()
+                                      num_speculative_tokens=K)).eval()
     cls = PEagleDrafter if kind == "peagle" else Eagle3Drafter
     drafter = cls(eagle_config(target, num_layers=2 if kind == "peagle" else 1),
                   embed_tokens=target.get_input_embeddings().weight)
@@ -403,8 +403,8 @@ def test_drafter_proposer_accepts_a_window_of_the_prompt(kind, target, sequence)
     proposer.start_request("w", prompt + [next_token], features=features[-8:])
     expected = drafter.propose(drafter.begin(features[-8:], tokens[-8:]), 3)
     assert proposer.speculate("w").token_ids == expected.token_ids
-    assert proposer.speculate("w", max_spec_tokens=0).token_ids == []
-    assert len(proposer.speculate("w", max_spec_tokens=2)) == 2
+    assert proposer.speculate("w", num_speculative_tokens=0).token_ids == []
+    assert len(proposer.speculate("w", num_speculative_tokens=2)) == 2
 
 
 def test_chains_can_start_from_a_subset_of_slots(target, sequence):
@@ -455,8 +455,8 @@ def test_drafter_proposer_drafts_trees_around_its_greedy_chain(kind, target, seq
     tokens, feats = sequence
     proposer = DrafterProposer(make_drafter(kind, target), tree_width=3)
     proposer.start_request("r", tokens.tolist(), features=feats)
-    chain = proposer.speculate("r", max_spec_tokens=3)
-    tree = proposer.speculate("r", max_spec_tokens=6, tree=True)
+    chain = proposer.speculate("r", num_speculative_tokens=3)
+    tree = proposer.speculate("r", num_speculative_tokens=6, tree=True)
     assert len(tree) == 6 and not tree.is_chain and tree.source == kind
     # the tree holds the greedy chain's first token at the root and the chain's prefix under it
     path, parent = [], -1

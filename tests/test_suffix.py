@@ -70,7 +70,7 @@ def run_against_reference(scenario) -> int:
             finished.append(rid)
         elif kind == "spec" and live:
             rid = live[k % len(live)]
-            got = cache.speculate(rid, max_spec_tokens=k, max_spec_factor=factor, min_token_prob=min_prob,
+            got = cache.speculate(rid, num_speculative_tokens=k, max_spec_factor=factor, min_token_prob=min_prob,
                                   tree=tree, max_tree_nodes=nodes)
             want = ref.speculate(rid, k, factor, 0.0, min_prob, tree, nodes)
             if k == 0:
@@ -106,7 +106,7 @@ def test_long_contexts_and_overlapping_copies(vocab, depth, responses, ctx, tree
     for c in (cache, ref):
         c.start_request("q", periodic)
     for k in (1, 5, 16, 40):
-        got = cache.speculate("q", max_spec_tokens=k, max_spec_factor=4.0, tree=tree, max_tree_nodes=k)
+        got = cache.speculate("q", num_speculative_tokens=k, max_spec_factor=4.0, tree=tree, max_tree_nodes=k)
         assert (got.token_ids, got.parents, got.probs, got.score, got.match_len) == ref.speculate(
             "q", k, 4.0, 0.0, 0.1, tree, k)
 
@@ -117,7 +117,7 @@ def test_drafts_run_past_max_depth():
     block = rng.integers(0, 1000, 500)
     cache = SuffixCache(max_depth=8)
     cache.start_request(0, np.concatenate([block, rng.integers(0, 1000, 50), block[:100]]))
-    p = cache.speculate(0, max_spec_tokens=32, max_spec_factor=4.0)
+    p = cache.speculate(0, num_speculative_tokens=32, max_spec_factor=4.0)
     assert p.token_ids == block[100:132].tolist()
     assert p.match_len == 8 and p.score == 32.0 and p.is_chain
 
@@ -139,8 +139,8 @@ def test_wide_nodes_under_eviction_match_reference():
         for t in response:
             # min prob 0: every child is drafted, so beyond the ranked front of the list; 0.05: the front decides
             for tree, min_prob in ((False, 0.0), (True, 0.0), (True, 0.05)):
-                got = cache.speculate(i, max_spec_tokens=4, max_spec_factor=4.0, min_token_prob=min_prob, tree=tree,
-                                      max_tree_nodes=6)
+                got = cache.speculate(i, num_speculative_tokens=4, max_spec_factor=4.0, min_token_prob=min_prob,
+                                      tree=tree, max_tree_nodes=6)
                 assert (got.token_ids, got.parents, got.probs, got.score, got.match_len) == ref.speculate(
                     i, 4, 4.0, 0.0, min_prob, tree, 6)
             for c in (cache, ref):
@@ -171,7 +171,7 @@ def test_saturated_ending_counts_stay_exact():
         glob.starts.append(start)
     cache.start_request("q", [9, 7])
     for tree in (False, True):
-        got = cache.speculate("q", max_spec_tokens=4, max_spec_factor=4.0, tree=tree)
+        got = cache.speculate("q", num_speculative_tokens=4, max_spec_factor=4.0, tree=tree)
         want = ref_speculate([9, 7], glob, 4, 4, 4, 4.0, 0.0, 0.1, tree)
         assert (got.token_ids, got.parents, got.probs, got.score, got.match_len) == want
         assert got.token_ids[0] == 3 and got.probs[0] == 2 / 3
@@ -182,11 +182,12 @@ def test_tree_mode_branches_and_respects_limits():
     cache = SuffixCache(max_depth=16)
     # "1 2" is followed by 3 twice and by 4 once
     cache.start_request(0, [1, 2, 3, 5, 1, 2, 3, 6, 1, 2, 4, 7, 1, 2])
-    p = cache.speculate(0, max_spec_tokens=3, max_spec_factor=2.0, tree=True, max_tree_nodes=5, min_token_prob=0.0)
+    p = cache.speculate(0, num_speculative_tokens=3, max_spec_factor=2.0, tree=True, max_tree_nodes=5,
+                        min_token_prob=0.0)
     assert len(p) <= 5 and not p.is_chain
     assert p.token_ids[0] == 3 and abs(p.probs[0] - 2 / 3) < 1e-12
     assert 4 in p.token_ids and all(par < i for i, par in enumerate(p.parents))
-    chain = cache.speculate(0, max_spec_tokens=3, max_spec_factor=2.0)
+    chain = cache.speculate(0, num_speculative_tokens=3, max_spec_factor=2.0)
     assert chain.token_ids[0] == 3 and chain.is_chain
 
 
@@ -199,22 +200,22 @@ def test_tree_mode_joins_the_request_and_global_drafts():
         cache.append(f"g{i}", [1, 2, 3, 4, 5, 9])
         cache.finish_request(f"g{i}")
     cache.start_request("q", [1, 2, 3, 7, 8, 0, 1, 2, 3])
-    chain = cache.speculate("q", max_spec_tokens=2)
+    chain = cache.speculate("q", num_speculative_tokens=2)
     assert chain.token_ids == [7, 8] and chain.is_chain
-    tree = cache.speculate("q", max_spec_tokens=2, tree=True, max_tree_nodes=8)
+    tree = cache.speculate("q", num_speculative_tokens=2, tree=True, max_tree_nodes=8)
     paths = {tuple(tree.token_ids[j] for j in _path(tree, i)) for i in range(len(tree))}
     assert paths == {(4,), (4, 5), (7,), (7, 8)} and tree.score == sum(tree.probs)
     assert tree.token_ids[:2] == [7, 8] and tree.probs == [1.0] * 4  # the request's draft ranks first
-    small = cache.speculate("q", max_spec_tokens=2, tree=True, max_tree_nodes=3)
+    small = cache.speculate("q", num_speculative_tokens=2, tree=True, max_tree_nodes=3)
     assert len(small) == 3 and all(p < i for i, p in enumerate(small.parents))  # cut by probability, still a tree
     cache.start_request("r", [1, 2, 3, 4, 5, 0, 1, 2, 3])  # both sources say 4 5: one path
-    both = cache.speculate("r", max_spec_tokens=2, tree=True, max_tree_nodes=8)
+    both = cache.speculate("r", num_speculative_tokens=2, tree=True, max_tree_nodes=8)
     assert both.token_ids == [4, 5] and both.parents == [-1, 0]
 
 
 def test_tree_mode_backs_off_to_a_shorter_match_that_occurs_more_often():
     """[1 2 3] was followed once by 4, but [2 3] three more times by 6: a tree drafts both, a chain only 4."""
-    cache = SuffixCache(max_depth=8, max_spec_tokens=4)
+    cache = SuffixCache(max_depth=8, num_speculative_tokens=4)
     cache.start_request("q", [1, 2, 3, 4, 5, 2, 3, 6, 7, 2, 3, 6, 8, 2, 3, 6, 1, 2, 3])
     chain = cache.speculate("q", tree=False)
     assert chain.token_ids[0] == 4 and chain.is_chain and 6 not in chain.token_ids
@@ -357,23 +358,23 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="already running"):
         cache.start_request(0, [1])
     with pytest.raises(ValueError, match=">= 0"):
-        cache.speculate(0, max_spec_tokens=-1)
+        cache.speculate(0, num_speculative_tokens=-1)
     with pytest.raises(TypeError):
-        cache.speculate(0, max_spec_tokens=2.5)
+        cache.speculate(0, num_speculative_tokens=2.5)
     with pytest.raises(ValueError, match="min_token_prob"):
         cache.speculate(0, min_token_prob=1.5)
     with pytest.raises(ValueError, match="max_tree_nodes"):
         cache.speculate(0, tree=True, max_tree_nodes=0)
-    assert len(cache.speculate(0, max_spec_tokens=0)) == 0
-    assert cache.speculate(0, max_spec_tokens=None).token_ids == [1, 2]      # None: the cache default
-    assert cache.speculate(0, max_spec_tokens=1).token_ids == [1]
+    assert len(cache.speculate(0, num_speculative_tokens=0)) == 0
+    assert cache.speculate(0, num_speculative_tokens=None).token_ids == [1, 2]      # None: the cache default
+    assert cache.speculate(0, num_speculative_tokens=1).token_ids == [1]
     for not_an_int in (True, 1.0):          # equal to the 1 just validated, and still rejected
         with pytest.raises(TypeError):
-            cache.speculate(0, max_spec_tokens=not_an_int)
+            cache.speculate(0, num_speculative_tokens=not_an_int)
     with pytest.raises(ValueError, match="has not finished"):
         cache.start_request(1, [1, 2, 1, 2, 3], extends=0)
     cache.finish_request(0)
-    with pytest.raises(ValueError, match="has finished"):
+    with pytest.raises(KeyError, match="has finished"):
         cache.append(0, [3])
     with pytest.raises(ValueError):
         SuffixCache(max_depth=0)

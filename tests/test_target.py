@@ -7,7 +7,10 @@ import random
 import pytest
 import torch
 
-from hybridspec.target import TargetModel, aux_layer_ids, measure_verify_cost, tree_depths_and_mask
+from bench_verify_cost import measure_verify_cost
+from hybridspec.kv_cache import tree_depths_and_mask
+from hybridspec.speculators import default_aux_layer_ids
+from hybridspec.target import TargetModel
 
 ATOL = 2e-4
 
@@ -134,7 +137,7 @@ def test_hidden_states_are_layer_inputs_and_final_norm(target, tiny_model):
     out = target.step(cache, [tokens[12]], [tokens[13:]], return_hidden=True)
     with torch.no_grad():
         ref = tiny_model(torch.tensor([tokens]), output_hidden_states=True)
-    layers = aux_layer_ids(tiny_model.config.num_hidden_layers)
+    layers = default_aux_layer_ids(tiny_model.config.num_hidden_layers)
     assert layers == (2, 3, 3)
     # hidden_states[i] is the input of layer i; the last entry is the final, normed state
     expected_aux = torch.cat([ref.hidden_states[i][0, 12:] for i in layers], dim=-1)
@@ -150,7 +153,7 @@ def test_prefill_returns_the_hidden_tail_of_each_row(target, tiny_model):
     prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (37, 9, 0)]
     cache = target.new_cache(3)
     out = target.prefill(cache, prompts, chunk_size=8, hidden_tail=12)
-    layers = aux_layer_ids(tiny_model.config.num_hidden_layers)
+    layers = default_aux_layer_ids(tiny_model.config.num_hidden_layers)
     for (aux, final), tokens in zip(out.hidden_tail, prompts):
         assert aux.shape[0] == final.shape[0] == min(12, len(tokens))
         if not tokens:
@@ -203,7 +206,7 @@ def test_measure_verify_cost_reports_every_size(target):
 def test_linear_products_in_a_compute_dtype(rows):
     """Linear(compute_dtype=bfloat16) multiplies in bfloat16 and returns the input's dtype; padding one or two rows to
     MIN_ROWS does not change the result."""
-    from hybridspec.target import Linear
+    from hybridspec.linear import Linear
 
     torch.manual_seed(rows)
     for out_features in (48, 8192):

@@ -17,7 +17,7 @@ from hybridspec.speculators.train import (FeatureStore, Trainer, build_features,
 from hybridspec.speculators.train import data as data_module
 from hybridspec.speculators.train.trainer import make_batch, spread, walk_acceptance
 
-WORKLOADS = Path("/work/shared/workloads")
+WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
 RECIPES = Path(__file__).resolve().parents[1] / "speculators" / "recipes"
 
 
@@ -40,7 +40,8 @@ def tiny_recipe(drafter: str, root: Path, chat_file: Path, **training) -> dict:
         "data": {"sources": [{"kind": "jsonl", "path": str(chat_file), "max_items": 24}], "heldout_fraction": 0.25,
                  "max_prompt_tokens": 24, "max_new_tokens": 40, "shard_size": 6, "generation_batch_size": 6,
                  "cache_dir": str(root / "features")},
-        "architecture": {"num_layers": 1, "draft_vocab_size": 96, "mask_token_id": 127, "dim": 32, "n_predict": 7},
+        "architecture": {"num_layers": 1, "draft_vocab_size": 96, "mask_token_id": 127, "dim": 32,
+                         "num_speculative_tokens": 7},
         "training": {"steps": 40, "tokens_per_step": 192, "lr": 3e-3, "warmup_steps": 4, "eval_every": 0,
                      "save_every": 10, **training},
         "output": {"dir": str(root / f"out-{drafter}"), "state_dir": str(root / f"state-{drafter}"),
@@ -56,10 +57,19 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def features(tmp_path_factory, target, tiny_tokenizer, chat_file) -> Path:
+def engine(target, tiny_tokenizer):
+    """The runtime's engine over the target: what writes the target's responses (the training library takes it)."""
+    from hybridspec.engine import Engine
+    from hybridspec.target import TargetModel
+
+    return Engine(TargetModel(target), tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory, target, tiny_tokenizer, chat_file, engine) -> Path:
     root = tmp_path_factory.mktemp("train")
     recipe = recipe_from_dict(tiny_recipe("peagle", root, chat_file))
-    build_features(recipe, target, tiny_tokenizer, progress=False)
+    build_features(recipe, target, tiny_tokenizer, progress=False, engine=engine)
     return root
 
 
@@ -86,6 +96,8 @@ def test_recipe_errors(tmp_path):
         recipe_from_dict({"drafter": "peagle", "training": {"stpes": 3}})
     with pytest.raises(ValueError, match="unknown top-level"):
         recipe_from_dict({"drafter": "peagle", "optimizer": {}})
+    with pytest.raises(ValueError, match="architecture.num_speculative_tokens"):  # the old name of the key
+        recipe_from_dict({"drafter": "lstm", "architecture": {"n_predict": 7}})
     with pytest.raises(ValueError, match="bad data source"):
         recipe_from_dict({"drafter": "lstm", "data": {"sources": [{"kind": "web", "path": "x"}]}})
     with pytest.raises(ValueError, match="needs a path"):
@@ -146,7 +158,8 @@ def test_train_only_text_never_leaks_a_heldout_prompt(chat_file, tmp_path):
     """Existing text with train_only goes to the training split whole, except answers to held-out prompts."""
     questions = [json.loads(line)["text"] for line in chat_file.read_text().splitlines()]
     answers = tmp_path / "answers.jsonl"
-    answers.write_text("".join(json.dumps({"prompt": q, "text": f"answer {i}"}) + "\n" for i, q in enumerate(questions)))
+    answers.write_text("".join(json.dumps({"prompt": q, "text": f"answer {i}"}) + "\n"
+                               for i, q in enumerate(questions)))
     sources = [{"kind": "jsonl", "path": str(chat_file)}, {"kind": "jsonl", "path": str(answers), "mode": "text"}]
     recipe = recipe_from_dict({"drafter": "peagle", "data": {"sources": sources, "heldout_fraction": 0.2}})
     shared = load_items(recipe)
@@ -229,7 +242,8 @@ def test_feature_cache_holds_the_targets_features(features, target):
     assert torch.equal(tokens[rs:], out.logits[0, rs - 1:-1].argmax(-1))
 
 
-def test_feature_cache_resumes_at_the_first_missing_shard(features, target, tiny_tokenizer, chat_file, monkeypatch):
+def test_feature_cache_resumes_at_the_first_missing_shard(features, target, tiny_tokenizer, chat_file, engine,
+                                                          monkeypatch):
     recipe = recipe_from_dict(tiny_recipe("peagle", features, chat_file))
     assert features_complete(recipe)
     shard = features / "features" / "train-00001.safetensors"
@@ -239,16 +253,18 @@ def test_feature_cache_resumes_at_the_first_missing_shard(features, target, tiny
     calls = []
     real = data_module.generate_responses
     monkeypatch.setattr(data_module, "generate_responses", lambda e, p, *a: calls.append(len(p)) or real(e, p, *a))
-    build_features(recipe, target, tiny_tokenizer, progress=False)
+    build_features(recipe, target, tiny_tokenizer, progress=False, engine=engine)
     assert calls == [] and shard.read_bytes() == before  # the responses were cached: only features recomputed
     shard.unlink()
     for cache in recipe.generated_dir().glob("responses-*.jsonl"):
         cache.unlink()
-    build_features(recipe, target, tiny_tokenizer, progress=False)
+    build_features(recipe, target, tiny_tokenizer, progress=False, engine=engine)
     assert calls == [6]  # only the missing shard's six prompts were generated again
     assert shard.read_bytes() == before and features_complete(recipe)
+    with pytest.raises(ValueError, match="engine="):  # generate-mode sources need the runtime's engine passed in
+        build_features(recipe, target, tiny_tokenizer, progress=False)
     with pytest.raises(ValueError, match="another target"):
-        build_features(recipe, tiny_llama(hidden_size=32), tiny_tokenizer, progress=False)
+        build_features(recipe, tiny_llama(hidden_size=32), tiny_tokenizer, progress=False, engine=engine)
 
 
 def test_batches_align_slots_with_their_targets(features):

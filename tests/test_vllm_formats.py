@@ -119,7 +119,7 @@ def expected_facts(kind: str, config: EagleConfig) -> dict:
     """What vLLM must derive from a checkpoint of `kind` written from `config`."""
     layer = config.layer
     return {
-        "speculative": {"method": "eagle3", "num_speculative_tokens": config.speculative_tokens,
+        "speculative": {"method": "eagle3", "num_speculative_tokens": config.num_speculative_tokens,
                         # vLLM runs P-EAGLE as EAGLE-3 with all K tokens from one pass
                         "parallel_drafting": True if kind == "peagle" else None},
         "draft_config": {
@@ -149,7 +149,7 @@ def shipped_config(config: dict) -> EagleConfig:
         target_vocab_size=layer["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
         aux_layer_ids=config["eagle_aux_hidden_state_layer_ids"], norm_before_residual=config["norm_before_residual"],
         mask_token_id=config.get("mask_token_id"),
-        speculative_tokens=config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+        num_speculative_tokens=config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
 
 
 def fresh_drafter(kind: str, target, draft_vocab: int, seed: int = 0):
@@ -161,7 +161,8 @@ def fresh_drafter(kind: str, target, draft_vocab: int, seed: int = 0):
                          target_hidden_size=c.hidden_size, target_vocab_size=c.vocab_size, draft_vocab_size=draft_vocab,
                          aux_layer_ids=default_aux_layer_ids(c.num_hidden_layers),
                          norm_before_residual=kind == "peagle",
-                         mask_token_id=c.vocab_size - 1 if kind == "peagle" else None, speculative_tokens=K)
+                         mask_token_id=c.vocab_size - 1 if kind == "peagle" else None,
+                         num_speculative_tokens=K)
     torch.manual_seed(seed)
     drafter = (PEagleDrafter if kind == "peagle" else Eagle3Drafter)(
         config, embed_tokens=target.get_input_embeddings().weight)

@@ -53,9 +53,9 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
 def _top_p_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """[..., 1]: the probability of the least likely token in the smallest most-likely set with mass >= top_p.
 
-    A full sort of the vocabulary is slow on CPU (~100 ms for 9 x 49152); LM distributions put top_p of their mass on
-    few tokens, so look at the top 64 first and widen only while some row has not reached top_p. topk and sort give the
-    same descending values, so the threshold does not depend on which width found it.
+    A full sort of the vocabulary is slow on CPU (a step's worth of time at SmolLM2's vocabulary); LM distributions put
+    top_p of their mass on few tokens, so look at the top 64 first and widen only while some row has not reached top_p.
+    topk and sort give the same descending values, so the threshold does not depend on which width found it.
     """
     vocab = probs.shape[-1]
     width = min(vocab, 64)

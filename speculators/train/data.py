@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from hybridspec.speculators.common import default_aux_layer_ids
+from hybridspec.speculators.features import default_aux_layer_ids
 from hybridspec.speculators.train.recipe import PromptSource, Recipe
 
 SPLITS = ("heldout", "train")  # held-out first: a partial cache can already be evaluated on
@@ -305,8 +305,13 @@ def target_meta(model: Any, tokenizer: Any, aux_layer_ids: Sequence[int]) -> dic
             "config": cfg.to_dict()}
 
 
-def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = True) -> Path:
-    """Compute (or finish computing) the recipe's feature cache; returns its directory."""
+def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = True, *, engine: Any = None) -> Path:
+    """Compute (or finish computing) the recipe's feature cache; returns its directory.
+
+    engine: what writes the target's responses when a source is in generate mode: `generate(prompts, **options)`
+    returning results with `token_ids`, and `tokenizer` (the runtime's `Engine` over `model`, which the caller wires:
+    the training library does not import the runtime).
+    """
     root = recipe.feature_dir()
     root.mkdir(parents=True, exist_ok=True)
     num_layers = model.config.num_hidden_layers
@@ -332,10 +337,9 @@ def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = 
     spec = recipe.data
     responses_cache = None  # only generate-mode items (response None) look into it
     if any(s.mode == "generate" for s in spec.sources):
-        from hybridspec.engine import Engine
-        from hybridspec.target import TargetModel
-
-        engine = Engine(TargetModel(model), tokenizer)  # packed weights, KV cache: several times HF generate's speed
+        if engine is None:
+            raise ValueError("the recipe has generate-mode sources: pass engine= (e.g. hybridspec's Engine over the "
+                             "target) to write the target's responses")
         fingerprint = target_fingerprint(model)
         responses_cache = ResponseCache(recipe.generated_dir() / f"responses-{fingerprint}-{spec.max_new_tokens}.jsonl")
         for source in spec.sources:

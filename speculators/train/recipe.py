@@ -1,6 +1,6 @@
 """Training recipes: one YAML file holds the data, the drafter's architecture, the hyper-parameters and the output.
 
-    drafter: peagle            # peagle | eagle3 | lstm
+    drafter: peagle            # a kind of speculators.registry: peagle | lstm | eagle3
     target: smollm2            # "smollm2" or a local Hugging Face model directory
     data: {...}                # DataSpec
     architecture: {...}        # ArchitectureSpec
@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-DRAFTERS = ("peagle", "eagle3", "lstm")
+from hybridspec.speculators.registry import DRAFTER_KINDS
+
 SOURCE_KINDS = ("agent_traces", "mt_bench", "humaneval", "jsonl", "self_instruct")
 
 
@@ -75,7 +76,7 @@ class ArchitectureSpec:
     aux_layer_ids: list[int] | None = None  # default: (2, L//2, L-3)
     norm_before_residual: bool = False
     dim: int = 128                      # LSTM inner/proj/emb dimension
-    n_predict: int = 7                  # LSTM heads trained
+    num_speculative_tokens: int = 7     # LSTM heads trained
     scale_input: bool = True            # LSTM: normalise the target hidden state first
 
 
@@ -99,7 +100,7 @@ class TrainingSpec:
     eval_ks: list[int] = field(default_factory=lambda: [3, 5, 7])
     eval_max_sequences: int | None = None  # held-out sequences evaluated, evenly spaced (None: all)
     seed: int = 0
-    threads: int = 1                    # more OpenMP threads than free cores is many times slower, not faster
+    threads: int = 1                    # more OpenMP threads than free cores slows training down, not up
 
 
 @dataclass
@@ -179,8 +180,11 @@ def recipe_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
     unknown = sorted(set(raw) - allowed)
     if unknown:
         raise ValueError(f"unknown top-level recipe key(s): {unknown}; allowed: {sorted(allowed)}")
-    if raw.get("drafter") not in DRAFTERS:
-        raise ValueError(f"recipe 'drafter' must be one of {DRAFTERS}, got {raw.get('drafter')!r}")
+    if raw.get("drafter") not in DRAFTER_KINDS:
+        raise ValueError(f"recipe 'drafter' must be one of {DRAFTER_KINDS}, got {raw.get('drafter')!r}")
+    if isinstance(raw.get("architecture"), dict) and "n_predict" in raw["architecture"]:
+        raise ValueError("architecture.n_predict is now called architecture.num_speculative_tokens (n_predict remains "
+                         "only the Arctic checkpoint's field)")
     data_raw = dict(raw.get("data") or {})
     sources = [_build(PromptSource, s, "data.sources[]") for s in data_raw.pop("sources", [])]
     for s in sources:

@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from hybridspec.speculators.common import (ChainLayout, EagleBase, EagleConfig, LayerConfig, build_draft_vocab,
-                                           full_chain_origins, sample_chain_origins)
-from hybridspec.speculators.eagle3 import Eagle3Drafter
+from hybridspec.speculators.chains import ChainLayout, full_chain_origins, sample_chain_origins
+from hybridspec.speculators.eagle import EagleBase, EagleConfig
+from hybridspec.speculators.features import build_draft_vocab
 from hybridspec.speculators.formats import save_drafter
-from hybridspec.speculators.lstm import LSTMConfig, LSTMDrafter
-from hybridspec.speculators.peagle import PEagleDrafter
+from hybridspec.speculators.layers import LayerConfig
+from hybridspec.speculators.lstm import LSTMConfig
+from hybridspec.speculators.registry import drafter_kind
 from hybridspec.speculators.train.data import FeatureStore, load_target_head
 from hybridspec.speculators.train.recipe import Recipe
 
@@ -198,9 +199,11 @@ def evaluate_acceptance(drafter: Any, store: FeatureStore, ks: list[int], indice
 
 def build_drafter(recipe: Recipe, meta: dict[str, Any], embed: Tensor) -> Any:
     arch, cfg = recipe.architecture, SimpleNamespace(**meta["config"])
-    if recipe.drafter == "lstm":
-        return LSTMDrafter(LSTMConfig(input_hidden_dim=meta["hidden_size"], dim=arch.dim, vocab_size=meta["vocab_size"],
-                                      n_predict=arch.n_predict, scale_input=arch.scale_input))
+    kind = drafter_kind(recipe.drafter)
+    if kind.config is LSTMConfig:
+        config = LSTMConfig(input_hidden_dim=meta["hidden_size"], dim=arch.dim, vocab_size=meta["vocab_size"],
+                            num_speculative_tokens=arch.num_speculative_tokens, scale_input=arch.scale_input)
+        return kind.drafter(config)
     mask_token = arch.mask_token_id
     if mask_token is None:
         mask_token = meta.get("pad_token_id") or 0
@@ -209,9 +212,8 @@ def build_drafter(recipe: Recipe, meta: dict[str, Any], embed: Tensor) -> Any:
                         draft_vocab_size=arch.draft_vocab_size, aux_layer_ids=tuple(meta["aux_layer_ids"]),
                         norm_before_residual=arch.norm_before_residual,
                         mask_token_id=mask_token if recipe.drafter == "peagle" else None,
-                        speculative_tokens=max(recipe.training.eval_ks))
-    cls = PEagleDrafter if recipe.drafter == "peagle" else Eagle3Drafter
-    return cls(eagle, embed_tokens=embed)
+                        num_speculative_tokens=max(recipe.training.eval_ks))
+    return kind.drafter(eagle, embed_tokens=embed)
 
 
 class Trainer:

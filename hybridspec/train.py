@@ -1,5 +1,8 @@
 """`hybridspec train RECIPE.yaml`: build (or resume) the recipe's feature cache, then train (or resume) its drafter
-and write the checkpoint to the recipe's output directory."""
+and write the checkpoint to the recipe's output directory.
+
+The face of hybridspec.speculators.train: it lives in the runtime because it wires the runtime's model loading and
+Engine into the training library, which imports neither."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +14,7 @@ from hybridspec.speculators.train.recipe import load_recipe
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train a drafter (P-EAGLE, EAGLE-3, LSTM) from a YAML recipe",
-                                   description=__doc__)
+                                   description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", help="path of the recipe YAML")
     parser.add_argument("--data-only", action="store_true", help="build the feature cache and stop")
     parser.add_argument("--max-steps", type=int, default=None,
@@ -39,10 +42,17 @@ def run(args: argparse.Namespace) -> int:
         recipe.training.threads = args.threads
     torch.set_num_threads(recipe.training.threads)
     if not features_complete(recipe):
-        # The face may use the runtime's model resolution; the training library itself takes a model object.
+        # The face wires the runtime (model resolution, the engine that writes responses); the training library takes
+        # them as objects.
+        from hybridspec.engine import Engine
         from hybridspec.models import load_model, load_tokenizer
+        from hybridspec.target import TargetModel
 
-        build_features(recipe, load_model(recipe.target), load_tokenizer(recipe.target), progress=progress)
+        model, tokenizer = load_model(recipe.target), load_tokenizer(recipe.target)
+        # packed weights and a static KV cache: faster than transformers' generate
+        engine = Engine(TargetModel(model), tokenizer) if any(s.mode == "generate" for s in recipe.data.sources) \
+            else None
+        build_features(recipe, model, tokenizer, progress=progress, engine=engine)
     if args.data_only:
         print(f"features ready in {recipe.feature_dir()}")
         return 0

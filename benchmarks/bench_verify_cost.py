@@ -1,0 +1,104 @@
+"""The target's verification cost on this machine: t(1 + k tokens) / t(1 token), per warm context length.
+
+The router's cost gate plans with such a table (`router/cost.py` holds the built-in ones, measured with this script on
+SmolLM2; `Engine(verify_cost=PATH)` takes a table of your own machine). --batch also times a plain step at batch
+1, 2, 4 and 8 (one padded cache, the weights read once per step).
+
+    python benchmarks/bench_verify_cost.py --threads 1 --context 512,2048,4096 --repeats 9 --json out/verify_cost.json
+    python benchmarks/bench_verify_cost.py --batch --no-verify-cost --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from common import machine_info, write_json
+from hybridspec.target import TargetModel
+
+DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
+
+
+def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAULT_COST_DRAFT_TOKENS,
+                        context: int = 512, batch_size: int = 1, repeats: int = 7, seed: int = 0) -> dict:
+    """Time one pass over [last token] + k draft tokens at a warm `context`-token cache, for each k.
+
+    Reports the median wall time of `repeats` passes per k (and the process CPU time, less disturbed by other
+    processes on a shared machine), interleaving the sizes round by round so that load from other processes spreads
+    over all of them alike; `relative[i]` = t(1 + k_i) / t(1).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    cache = target.new_cache(batch_size, capacity=context + max(draft_tokens) + 1)
+    target.prefill(cache, torch.randint(0, target.vocab_size, (batch_size, context), generator=gen).tolist())
+    wall: dict[int, list[float]] = {k: [] for k in draft_tokens}
+    cpu: dict[int, list[float]] = {k: [] for k in draft_tokens}
+    for round_ in range(repeats + 1):
+        for k in draft_tokens:
+            drafts = [torch.randint(0, target.vocab_size, (k,), generator=gen).tolist() for _ in range(batch_size)]
+            start, start_cpu = time.perf_counter(), time.process_time()
+            target.step(cache, [1] * batch_size, drafts)
+            if round_ > 0:  # round 0 warms up every shape
+                wall[k].append(time.perf_counter() - start)
+                cpu[k].append(time.process_time() - start_cpu)
+    ms = [1000 * statistics.median(wall[k]) for k in draft_tokens]
+    cpu_ms = [1000 * statistics.median(cpu[k]) for k in draft_tokens]
+    base = ms[list(draft_tokens).index(0)] if 0 in draft_tokens else ms[0]
+    return {"draft_tokens": list(draft_tokens), "ms": [round(t, 3) for t in ms],
+            "relative": [round(t / base, 4) for t in ms], "cpu_ms": [round(t, 3) for t in cpu_ms],
+            "context": context, "batch_size": batch_size,
+            "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "model": target.config.name_or_path, "machine": machine_info(), "repeats": repeats}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", action="store_true", help="also time a plain step at batch 1, 2, 4, 8")
+    parser.add_argument("--no-verify-cost", action="store_true", help="skip t(1+k)/t(1) (with --batch)")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--context", default="512", help="warm context length(s), comma-separated")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--draft-tokens", default=",".join(map(str, DEFAULT_COST_DRAFT_TOKENS)))
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--no-pack", action="store_true", help="plain F.linear instead of prepacked oneDNN weights")
+    parser.add_argument("--json", type=Path, help="write the measurement here")
+    args = parser.parse_args(argv)
+    if args.no_verify_cost and not args.batch:
+        parser.error("nothing to do: --no-verify-cost without --batch")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = TargetModel.from_pretrained(args.model, dtype=getattr(torch, args.dtype), pack_weights=not args.no_pack)
+    result = {}
+    contexts = [int(c) for c in args.context.split(",")]
+    if not args.no_verify_cost:
+        ks = [int(k) for k in args.draft_tokens.split(",")]
+        by_context = []
+        for context in contexts:
+            cost = measure_verify_cost(target, ks, context=context, repeats=args.repeats)
+            by_context.append(cost)
+            print(f"verify cost at {cost['context']} context, {cost['dtype']}, {cost['threads']} threads")
+            print(f"{'draft tokens k':>15} {'ms':>9} {'t(1+k)/t(1)':>12} {'cpu ms':>9}")
+            for k, t, r, c in zip(cost["draft_tokens"], cost["ms"], cost["relative"], cost["cpu_ms"]):
+                print(f"{k:>15} {t:>9.1f} {r:>12.2f} {c:>9.1f}")
+        # the first context's table at the top level (what readers of one table take), every context under by_context
+        result["verify_cost"] = dict(by_context[0], by_context=by_context) if len(by_context) > 1 else by_context[0]
+    if args.batch:
+        rows = []
+        for bsz in (1, 2, 4, 8):
+            c = measure_verify_cost(target, (0,), context=contexts[0], batch_size=bsz, repeats=args.repeats)
+            rows.append({"batch_size": bsz, "ms": c["ms"][0]})
+        result["batch_step"] = rows
+        print(f"{'batch':>6} {'ms/step':>9} {'ms/token':>9}")
+        for r in rows:
+            print(f"{r['batch_size']:>6} {r['ms']:>9.1f} {r['ms'] / r['batch_size']:>9.1f}")
+    write_json(args.json, result["verify_cost"] if list(result) == ["verify_cost"] else result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

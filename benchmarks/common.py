@@ -1,0 +1,77 @@
+"""What every benchmark needs: where the repository and the shared data are, one timer, the machine record and the
+JSON writer. Benchmarks run as scripts (`python benchmarks/bench_x.py`), so this module is importable as `common`."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Hashable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+TRACES_DIR = SHARED / "agent_traces"
+WORKLOADS_DIR = SHARED / "workloads"
+
+K = TypeVar("K", bound=Hashable)
+
+
+def median_ms_each(calls: Mapping[K, Callable[[], object]], repeats: int, warmup: int = 2,
+                   before: Mapping[K, Callable[[], object]] | None = None,
+                   sync: Callable[[], None] | None = None) -> dict[K, float]:
+    """The median of `repeats` timed calls of each function, in milliseconds, after `warmup` untimed rounds.
+
+    The calls take turns round by round, so that load from other processes falls on all of them alike; `before[key]`
+    runs untimed ahead of each call of `key` (a step's setup), and `sync` (e.g. torch.cuda.synchronize) ends the
+    timed region once the device has finished."""
+    sync = sync or (lambda: None)
+    times: dict[K, list[float]] = {key: [] for key in calls}
+    for round_ in range(warmup + repeats):
+        for key, fn in calls.items():
+            if before is not None:
+                before[key]()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if round_ >= warmup:
+                times[key].append((time.perf_counter() - t0) * 1e3)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2,
+              sync: Callable[[], None] | None = None) -> float:
+    """`median_ms_each` for a single function."""
+    return median_ms_each({0: fn}, repeats, warmup, sync=sync)[0]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a result was measured on. torch's fields only where the benchmark imported torch (the peers'
+    environment has none)."""
+    torch = sys.modules.get("torch")
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": getattr(torch, "__version__", None), "threads": torch.get_num_threads() if torch else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_json(path: Path | str | None, result: dict) -> None:
+    """Writes `result` as indented JSON to `path` (its folder created), and says so; nothing when path is None."""
+    if path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")

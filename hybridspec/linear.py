@@ -1,0 +1,84 @@
+"""Linear layers for small-batch inference on a CPU: weights packed once for oneDNN, a few rows padded to the faster
+kernel; `pack_linears` swaps them into any module (the drafters)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _onednn_available(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class Linear:
+    """y = x @ weight.T (+ bias), with the weight packed once for oneDNN on CPUs.
+
+    Why: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix. torch's default CPU
+    path (MKL sgemm) repacks the weight on every call, so its cost grows with the rows from the second row on; oneDNN
+    with a prepacked weight stays near the one-row cost up to several rows (measured: BENCHMARKS.md, "Verification
+    cost on this CPU"). Elsewhere it is F.linear.
+    """
+
+    __slots__ = ("weight", "bias", "packed", "pad_rows", "compute_dtype")
+    MIN_ROWS = 4
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
+                 compute_dtype: torch.dtype | None = None):
+        # compute_dtype: multiply in this dtype (inputs cast to it, outputs back to the input's dtype)
+        self.compute_dtype = compute_dtype if compute_dtype not in (None, weight.dtype) else None
+        if self.compute_dtype is not None:
+            weight = weight.to(self.compute_dtype)
+            bias = None if bias is None else bias.to(self.compute_dtype)
+        self.bias = bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack and _onednn_available(weight) \
+            else None
+        self.weight = weight if self.packed is None else None  # the packed copy replaces it
+        # oneDNN picks a slower kernel for one or two rows than for three to six once the weights stream from memory
+        # (a model's worth of them): padding to MIN_ROWS makes the plain step faster and small drafts nearly free
+        # (BENCHMARKS.md, "Verification cost on this CPU").
+        self.pad_rows = self.packed is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype is not None and x.dtype != self.compute_dtype:
+            return self(x.to(self.compute_dtype)).to(x.dtype)
+        if self.packed is not None:
+            if self.pad_rows and (n := x.numel() // x.shape[-1]) < self.MIN_ROWS:
+                rows = x.reshape(n, -1)
+                padded = torch.cat([rows, rows[-1:].expand(self.MIN_ROWS - n, -1)])
+                out = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
+                return out[:n].reshape(*x.shape[:-1], -1)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class PackedLinear(torch.nn.Module):
+    """Inference-only stand-in for an nn.Linear, computing with `Linear` (the oneDNN-packed weight); keeps `weight`,
+    `bias`, `in_features` and `out_features` for code that reads them."""
+
+    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.linear = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(),
+                             compute_dtype=compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 / AMX): oneDNN then runs a small-batch bfloat16
+    product faster than float32 (half the weight bytes to read)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linears(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Swap every nn.Linear inside `module` for a `PackedLinear` (a drafter run next to the target at small batch),
+    multiplying in compute_dtype if given."""
+    for name, child in module.named_children():
+        if type(child) is torch.nn.Linear:
+            setattr(module, name, PackedLinear(child, compute_dtype))
+        else:
+            pack_linears(child, compute_dtype)
+    return module

@@ -1,0 +1,120 @@
+"""`DrafterProposer`: a model drafter as a `hybridspec.proposal.FeatureProposer` (the target's features passed in)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from hybridspec.proposal import Proposal
+from hybridspec.speculators.drafter import Drafter, ProbsFn, widen_chain
+from hybridspec.speculators.features import TargetFeatures
+
+
+@dataclass
+class _Track:
+    state: Any       # the drafter's state, None until the first features arrive
+    length: int      # tokens of the sequence seen: features of positions 0..length-2 went in with tokens 1..length-1
+    last_token: int  # the sequence's last token (a request extending this one must continue from it)
+
+
+class DrafterProposer:
+    """The engine's face of a model drafter: a `FeatureProposer` (the contract in `hybridspec.proposal`).
+
+    start_request(rid, tokens, features=F): `tokens` is the whole prompt x_0..x_n; F holds the target's features at
+    the positions before its last token, all of them (0..n-1) or the last len(F) only (the drafter's positions are
+    relative: a shorter context drafts from less). With extends=rid0, a finished request whose tokens this prompt
+    continues, and F starting where rid0's features ended (a session that reused its KV cache), rid0's drafter state
+    is continued instead of rebuilt. append(rid, tokens, features=F): tokens = accepted draft tokens + the verifier's
+    next token, F one row per token (the positions of the last committed token and the accepted drafts).
+    speculate(rid, K) -> Proposal (chain). probs_fn None drafts greedily (temperature 0); for sampling, set it to the
+    verifier's processing (e.g. functools.partial(process_logits, temperature=t, top_k=k, top_p=p)), so drafts come
+    from the distribution the verifier assumes.
+    """
+
+    wants_target_features = True
+    drafts_trees = True
+    prefers_trees = True  # one more guess per depth buys more than the chain's tail
+
+    def __init__(self, drafter: Drafter, num_speculative_tokens: int | None = None, probs_fn: ProbsFn | None = None,
+                 generator: torch.Generator | None = None, max_retained: int = 8, tree_width: int = 3) -> None:
+        self.drafter, self.probs_fn, self.generator = drafter, probs_fn, generator
+        self.num_speculative_tokens = num_speculative_tokens or drafter.num_speculative_tokens
+        if tree_width < 1:
+            raise ValueError(f"tree_width must be >= 1, got {tree_width}")
+        self.tree_width = tree_width
+        self.max_retained = max_retained
+        self.live: dict[Hashable, _Track] = {}
+        self.retained: dict[Hashable, _Track] = {}  # finished requests a later prompt may extend (oldest first)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.drafter.aux_layer_ids
+
+    def set_sampling(self, probs_fn: ProbsFn | None, generator: torch.Generator | None) -> None:
+        self.probs_fn, self.generator = probs_fn, generator
+
+    @torch.inference_mode()
+    def start_request(self, request_id: Hashable, tokens: Sequence[int], *, features: TargetFeatures,
+                      extends: Hashable | None = None) -> None:
+        if request_id in self.live:
+            raise ValueError(f"request {request_id!r} is already running")
+        if len(features) >= len(tokens):
+            raise ValueError(f"{len(features)} feature rows for a prompt of {len(tokens)} tokens: pass one row per "
+                             "position before the prompt's last token")
+        first = len(tokens) - 1 - len(features)  # position of the first feature row
+        previous = self.retained.pop(extends, None) if extends is not None else None
+        if previous is not None and previous.length == first + 1 and tokens[first] == previous.last_token:
+            track = previous
+        else:
+            track = _Track(None, first + 1, int(tokens[first]))
+        self.live[request_id] = track
+        if len(features):
+            self._accept(track, features, list(tokens[first + 1:]))
+
+    def _accept(self, track: _Track, features: TargetFeatures, tokens: Sequence[int]) -> None:
+        if track.state is None:
+            track.state = self.drafter.begin(features, tokens)
+        else:
+            self.drafter.accept(track.state, features, tokens)
+        track.length += len(tokens)
+        track.last_token = int(tokens[-1])
+
+    @torch.inference_mode()
+    def append(self, request_id: Hashable, tokens: Sequence[int], *, features: TargetFeatures) -> None:
+        track = self._track(request_id)
+        if len(tokens):
+            self._accept(track, features, tokens)
+
+    @torch.inference_mode()
+    def speculate(self, request_id: Hashable, num_speculative_tokens: int | None = None, *,
+                  tree: bool = False) -> Proposal:
+        """A chain of num_speculative_tokens drafts; tree=True: a tree of at most that many nodes, the greedy chain
+        with `tree_width - 1` siblings per depth (`widen_chain`), the chain no deeper than the drafter's K nor than
+        num_speculative_tokens / tree_width (the depths a budget of that many nodes fills)."""
+        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        state = self._track(request_id).state
+        if k <= 0 or state is None:  # nothing to draft from yet: a one-token prompt before its first step
+            return Proposal.empty(self.drafter.name)
+        if tree:
+            chain = self.drafter.propose(state, min(-(-k // self.tree_width), self.num_speculative_tokens))
+            return widen_chain(chain, self.tree_width, k)
+        return self.drafter.propose(state, k, self.probs_fn, self.generator)
+
+    def finish_request(self, request_id: Hashable) -> None:
+        track = self._track(request_id)
+        del self.live[request_id]
+        if self.max_retained > 0:
+            self.retained[request_id] = track
+            while len(self.retained) > self.max_retained:
+                del self.retained[next(iter(self.retained))]
+
+    def abort_request(self, request_id: Hashable) -> None:
+        self._track(request_id)
+        del self.live[request_id]
+
+    def _track(self, request_id: Hashable) -> _Track:
+        track = self.live.get(request_id)
+        if track is None:
+            raise KeyError(f"unknown request {request_id!r}: not started, or already finished or aborted")
+        return track
