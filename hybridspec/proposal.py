@@ -1,4 +1,5 @@
-"""The one type every proposer returns and the router and verifier consume.
+"""The one type every proposer returns and the router and verifier consume (`Proposal`), and the contract every proposer
+keeps (`Proposer` for model-free ones, `FeatureProposer` for those that read the target's hidden states).
 
 Kept free of heavy imports (no torch, no numpy) so that `hybridspec.suffix` can depend on it alone.
 """
