@@ -160,6 +160,21 @@ def test_stream_yields_the_generated_text(engine):
     assert len(deltas) > 1 and "".join(deltas) == engine.generate("Hello there", max_new_tokens=30).text
 
 
+def test_a_stream_closed_early_aborts_its_request(engine):
+    """A caller that stops reading a stream leaves nothing behind: the request is aborted on the proposer (not
+    finished: its partial response does not enter the global index), and nothing stays live."""
+    before = engine.suffix_cache.stats()
+    stream = engine.stream("Hello there", max_new_tokens=30)
+    next(stream)
+    stream.close()
+    after = engine.suffix_cache.stats()
+    assert after["live_requests"] == 0
+    assert after["finished_requests"] == before["finished_requests"]
+    assert after["global_tokens"] == before["global_tokens"]
+    list(engine.stream("Hello there", max_new_tokens=30))  # read to the end: finished, its response indexed
+    assert engine.suffix_cache.stats()["finished_requests"] == before["finished_requests"] + 1
+
+
 def test_session_reuses_kv_cache_and_feeds_suffix_cache(engine, tmp_path):
     session = engine.session(system="You are terse.", max_new_tokens=25)
     replies = []
