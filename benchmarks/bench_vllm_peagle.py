@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--drafter {args.drafter}: no config.json there")
     k_arg = args.num_speculative_tokens
     if args.questions <= 0 or args.max_new_tokens <= 0 or (k_arg is not None and k_arg <= 0):
-        parser.error("--questions, --max-new-tokens and --k must be positive")
+        parser.error("--questions, --max-new-tokens and --num-speculative-tokens must be positive")
 
     from hybridspec.engine import Engine
     from hybridspec.models import resolve_model

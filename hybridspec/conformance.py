@@ -12,19 +12,19 @@ from hybridspec.proposal import FeatureProposer, Proposal, Proposer, check_propo
 FeaturesFor = Callable[[int], Any]  # n -> the target's features for n positions (a FeatureProposer's input)
 
 
-def check_proposal(proposal: Proposal, budget: int, *, tree: bool, vocab_size: int | None = None) -> None:
-    """The Proposal invariants: at most `budget` nodes, parents precede children, probabilities in [0, 1], a chain
-    unless a tree was asked for, token ids in the vocabulary."""
+def check_proposal(proposal: Proposal, budget: int, *, tree: bool, vocab_size: int) -> None:
+    """The Proposal invariants: a well-formed tree over the vocabulary (`Proposal.check`: parents precede children),
+    at most `budget` nodes, probabilities in [0, 1], a chain unless a tree was asked for."""
+    try:
+        proposal.check(vocab_size)
+    except ValueError as e:
+        raise AssertionError(f"{e}: {proposal}") from None
     n = len(proposal)
     assert n <= budget, f"{n} tokens proposed for a budget of {budget}"
-    assert len(proposal.parents) == n, f"{len(proposal.parents)} parents for {n} tokens"
-    assert all(-1 <= p < i for i, p in enumerate(proposal.parents)), f"a parent follows its child: {proposal.parents}"
     if proposal.probs is not None:
         assert len(proposal.probs) == n, f"{len(proposal.probs)} probabilities for {n} tokens"
         assert all(-1e-6 <= p <= 1 + 1e-6 for p in proposal.probs), f"probabilities outside [0, 1]: {proposal.probs}"
     assert tree or proposal.is_chain, f"a chain was asked for, got parents {proposal.parents}"
-    if vocab_size is not None:
-        assert all(0 <= t < vocab_size for t in proposal.token_ids), f"token ids outside the vocabulary: {proposal}"
 
 
 def _raises(exc: type[BaseException], fn: Callable, *args: Any, **kwargs: Any) -> None:
@@ -36,7 +36,7 @@ def _raises(exc: type[BaseException], fn: Callable, *args: Any, **kwargs: Any) -
 
 
 def exercise_proposer(proposer: Proposer | FeatureProposer, prompt: Sequence[int], continuation: Sequence[int], *,
-                      vocab_size: int | None = None, features_for: FeaturesFor | None = None,
+                      vocab_size: int, features_for: FeaturesFor | None = None,
                       budgets: Sequence[int] = (1, 3, 8)) -> int:
     """start -> (speculate -> append)* -> finish of one request, a second request that extends it and is aborted,
     and the error rules for request ids. Each step appends the next 1-3 tokens of `continuation` (what a verifier

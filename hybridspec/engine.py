@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -32,9 +32,8 @@ from hybridspec.router import CostGate, FunctionRouter, HybridProposer, Router
 from hybridspec.speculators import Drafter, DrafterProposer, TargetFeatures, load_drafter
 from hybridspec.speculators.registry import DRAFTER_KINDS
 from hybridspec.target import StepOutput, TargetModel
-
-if TYPE_CHECKING:
-    from hybridspec.verifier import VerifyResult
+from hybridspec.verifier import VerifyResult, process_logits, verify_batch
+from hybridspec.verifier.reference import check_sampling_params
 
 Message = Mapping[str, str]
 PromptLike = str | Sequence[int] | Sequence[Message]
@@ -340,8 +339,6 @@ class Engine:
 
     def _options(self, options: Mapping[str, Any]) -> tuple[_Params, Proposer | FeatureProposer | None]:
         """Validated generation parameters and the proposer, from `generate`'s keyword arguments."""
-        from hybridspec.verifier.reference import check_sampling_params
-
         unknown = set(options) - {f.name for f in fields(GenerateOptions)}
         if unknown:
             raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")
@@ -485,8 +482,6 @@ class Engine:
     @staticmethod
     def _set_sampling(call: _Call) -> None:
         """A proposer that reads features drafts from the distribution the verifier will use."""
-        from hybridspec.verifier import process_logits
-
         if call.reads_features:
             p = call.params
             call.proposer.set_sampling(None if p.temperature == 0 else functools.partial(
@@ -550,8 +545,6 @@ class Engine:
 
         Greedy: a draft token is kept while it equals the target's argmax; sampling: x is kept with probability
         min(1, p_target(x) / p_draft(x)), else the target resamples from norm(max(0, p_target - p_draft))."""
-        from hybridspec.verifier import verify_batch
-
         p = call.params
         out = self.target.step(call.cache, [call.seqs[i].tokens[-1] for i in call.live],
                                [r.token_ids for r in routed], [r.parents for r in routed],

@@ -38,6 +38,18 @@ class Proposal:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
+    def check(self, vocab_size: int) -> None:
+        """Raise ValueError unless the proposal is a well-formed tree over [0, vocab_size): one parent per token, every
+        parent before its child."""
+        n = len(self.token_ids)
+        if len(self.parents) != n:
+            raise ValueError(f"{n} token_ids but {len(self.parents)} parents")
+        for i, (token, parent) in enumerate(zip(self.token_ids, self.parents)):
+            if not -1 <= parent < i:
+                raise ValueError(f"parents[{i}] = {parent}; parents must precede their children (-1 <= parents[i] < i)")
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"token_ids[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
+
     @classmethod
     def empty(cls, source: str = "") -> "Proposal":
         return cls(token_ids=[], parents=[], probs=[], score=0.0, source=source)

@@ -117,5 +117,5 @@ def test_a_broken_proposal_fails_the_driver():
                 p.parents = [1, -1] + p.parents[2:]
             return p
 
-    with pytest.raises(AssertionError, match="parent follows its child"):
+    with pytest.raises(AssertionError, match="parents must precede their children"):
         exercise_proposer(Backwards(num_speculative_tokens=8), PROMPT, CONTINUATION, vocab_size=VOCAB)

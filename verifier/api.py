@@ -126,15 +126,11 @@ def _pack(logits: torch.Tensor | Sequence[torch.Tensor], proposals: Sequence[Pro
 
 
 def _check_proposal(proposal: Proposal, vocab: int, b: int) -> None:
-    n = len(proposal.token_ids)
-    if len(proposal.parents) != n:
-        raise ValueError(f"proposal {b}: {n} token_ids but {len(proposal.parents)} parents")
-    for i, (token, parent) in enumerate(zip(proposal.token_ids, proposal.parents)):
-        if not -1 <= parent < i:
-            raise ValueError(f"proposal {b}: parents[{i}] = {parent}; parents must precede their children "
-                             f"(-1 <= parents[i] < i)")
-        if not 0 <= token < vocab:
-            raise ValueError(f"proposal {b}: token_ids[{i}] = {token} is outside the vocabulary [0, {vocab})")
+    try:
+        proposal.check(vocab)
+    except ValueError as e:
+        raise ValueError(f"proposal {b}: {e}") from None
+    n = len(proposal)
     if proposal.draft_logits is not None and tuple(proposal.draft_logits.shape) != (n, vocab):
         raise ValueError(f"proposal {b}: draft_logits must be [{n}, {vocab}] (one row per draft token, over the target "
                          f"vocabulary), got {tuple(proposal.draft_logits.shape)}")
