@@ -18,7 +18,9 @@ import functools
 import itertools
 import numbers
 import os
+import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
@@ -27,6 +29,7 @@ import torch
 
 from hybridspec.kv_cache import KVCache
 from hybridspec.linear import fast_bf16, pack_linears
+from hybridspec.prefix_cache import PrefixCache
 from hybridspec.proposal import FeatureProposer, Proposal, Proposer, check_proposer
 from hybridspec.router import CostGate, FunctionRouter, HybridProposer, Router
 from hybridspec.speculators import Drafter, DrafterProposer, TargetFeatures, load_drafter
@@ -40,7 +43,9 @@ PromptLike = str | Sequence[int] | Sequence[Message]
 
 HYBRID_KINDS = tuple(f"suffix+{kind}" for kind in DRAFTER_KINDS)
 SPECULATE_CHOICES = ("suffix", "ngram", *DRAFTER_KINDS, *HYBRID_KINDS, "none")
-KV_HEADROOM_TOKENS = 64  # cache slots past prompt + max_new_tokens: a session's next short turn needs no regrowth
+KV_HEADROOM_TOKENS = 64  # cache slots past prompt + max_new_tokens: the last step's draft fits without regrowth
+PREFIX_CACHE_BYTES = 2 << 30  # ~46k tokens of SmolLM2-135M's KV in float32 (46 kB per token)
+FEATURE_TAIL_TOKENS = 64  # a drafter starting afresh on a cached prompt gets the target's features at this many tokens
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,7 @@ class _Sequence:
     tokens: list[int]  # committed: prompt + generated; the cache row holds all but the last
     prompt_len: int
     finish_reason: str | None = None
+    extends: Hashable | None = None  # a finished request whose prompt + response this prompt begins with
 
     @property
     def generated(self) -> list[int]:
@@ -181,6 +187,37 @@ class _Call:
         return self.proposer is not None and self.proposer.wants_target_features
 
 
+class TurnLock:
+    """A reentrant lock granted in arrival order: a thread that releases it and asks again queues behind the threads
+    already waiting, so concurrent calls advance a step each in turn (a plain lock lets one call run to its end)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting: deque[int] = deque()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def __enter__(self) -> "TurnLock":
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return self
+            self._waiting.append(me)
+            while self._owner is not None or self._waiting[0] != me:
+                self._cond.wait()
+            self._waiting.popleft()
+            self._owner, self._depth = me, 1
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the engine
 
@@ -195,13 +232,17 @@ class Engine:
     products in bfloat16 on the CPU (default: where the CPU does bfloat16 natively, where it is the faster).
     router: a `Router` (default: the `CostGate` over `verify_cost`), or a plain function (proposals, contexts) ->
     proposals.
+    prefix_cache_bytes: the budget of automatic prefix caching (`hybridspec.prefix_cache`): the KV of recent requests,
+    reused by any later call whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off).
+
+    One Engine may serve several threads: their calls take turns, one step (a prefill or a decode step) at a time.
     """
 
     def __init__(self, target: TargetModel, tokenizer, *, verify_cost: Any = None,
                  router: Router | Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]] | None = None,
                  suffix_cache=None, num_speculative_tokens: int = 16,
                  drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_context: int = 1024,
-                 drafter_bf16: bool | None = None):
+                 drafter_bf16: bool | None = None, prefix_cache_bytes: int | None = None):
         self.target = target
         self.tokenizer = tokenizer
         if router is None:
@@ -221,6 +262,9 @@ class Engine:
         self._request_ids = itertools.count()
         self.eos_token_ids = self._eos_ids()
         self.stats = GenerationStats()  # cumulative over every call
+        budget = PREFIX_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
+        self.prefix_cache: PrefixCache | None = PrefixCache(budget) if budget > 0 else None
+        self._lock = TurnLock()  # every step of every call runs under it
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
@@ -390,7 +434,7 @@ class Engine:
         call = self._start_call(list(prompt_or_messages) if batch else [prompt_or_messages], dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, speculate=speculate,
             num_speculative_tokens=num_speculative_tokens, tree=tree, stop=stop, seed=seed))
-        for _ in self._run(call):
+        for _ in self._steps(call):
             pass
         results = self._results(call)
         return results if batch else results[0]
@@ -399,7 +443,7 @@ class Engine:
         """Generate for one prompt, yielding text deltas as tokens are committed (keyword arguments of `generate`)."""
         call = self._start_call([prompt_or_messages], options)
         seq, sent = call.seqs[0], ""
-        for _ in self._run(call):
+        for _ in self._steps(call):
             text = self._text(seq, call.params.stop)
             if seq.finish_reason is None and text.endswith("\ufffd"):
                 continue  # an incomplete UTF-8 character: wait for the rest of its bytes
@@ -415,38 +459,74 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ the loop
 
-    def _start_call(self, prompts: Sequence[PromptLike], options: Mapping[str, Any],
-                    cache: KVCache | None = None) -> _Call:
-        """A call's validated options, proposer and sequences (one per prompt), on `cache` or a new one sized for it."""
-        params, proposer = self._options(options)
-        seqs = []
-        for prompt in prompts:
-            ids = self.encode(prompt)
-            seqs.append(_Sequence(request_id=f"hs-{next(self._request_ids)}", tokens=ids, prompt_len=len(ids)))
-        if cache is None:
-            capacity = max(len(s.tokens) for s in seqs) + params.max_new_tokens + KV_HEADROOM_TOKENS
-            cache = self.target.new_cache(len(seqs), capacity=capacity)
+    def _start_call(self, prompts: Sequence[PromptLike], options: Mapping[str, Any]) -> _Call:
+        """A call's validated options, proposer and sequences (one per prompt), on a cache that holds the longest
+        prefix of each prompt the prefix cache has."""
+        with self._lock:  # proposers load lazily; the prefix cache is shared
+            params, proposer = self._options(options)
+            seqs = []
+            for prompt in prompts:
+                ids = self.encode(prompt)
+                seqs.append(_Sequence(request_id=f"hs-{next(self._request_ids)}", tokens=ids, prompt_len=len(ids)))
+            capacity = min(max(len(s.tokens) for s in seqs) + params.max_new_tokens + KV_HEADROOM_TOKENS,
+                           self.target.max_seq_len)
+            cache = self._cache_for(seqs, capacity, proposer)
         return _Call(seqs, cache, proposer, params, GenerationStats(), live=list(range(len(seqs))))
 
-    def _run(self, call: _Call, *, held: list[int] | None = None,
-             extends: Hashable | None = None) -> Iterator[None]:
-        """Prefill every sequence's prompt, start it on the proposer, then decode; yields after every step.
+    def _cache_for(self, seqs: list[_Sequence], capacity: int, proposer: Proposer | FeatureProposer | None) -> KVCache:
+        """A cache whose row r holds the KV of the longest cached prefix of seqs[r]'s prompt; sets each sequence's
+        `extends`. A single prompt that continues most of an entry takes that entry's cache (no copy)."""
+        owner = id(proposer) if proposer is not None else None
+        matches = [self.prefix_cache.match(seq.tokens, owner) if self.prefix_cache is not None else None
+                   for seq in seqs]
+        for seq, m in zip(seqs, matches):
+            seq.extends = m.extends if m is not None else None
+            if m is None or proposer is None or not proposer.wants_target_features:
+                continue
+            if m.extends is not None and m.length >= m.extends_length - 1:
+                m.length = m.extends_length - 1  # the drafter continues the extended request's state from here
+            else:  # a drafter starting afresh reads the target's features at the prompt's tail
+                m.length = max(0, min(m.length, len(seq.tokens) - 1 - FEATURE_TAIL_TOKENS))
+        m = matches[0]
+        if len(seqs) == 1 and m is not None and m.length and 2 * m.length >= m.cache.lengths[0]:
+            cache = self.prefix_cache.take(m)
+            cache.truncate(0, m.length)
+            cache.reserve(capacity, exact=True)
+            return cache
+        cache = self.target.new_cache(len(seqs), capacity=capacity)
+        for row, m in enumerate(matches):
+            if m is not None and m.length:
+                cache.copy_prefix(row, m.cache, 0, m.length)
+        return cache
 
-        For a single sequence whose cache row already holds the KV of the tokens `held` (a session's earlier turns),
-        only the prompt's part past their common prefix is run. The proposer sees each sequence as one request;
-        `extends` names an earlier request whose prompt + response this (single) prompt continues.
-        """
+    def _steps(self, call: _Call) -> Iterator[None]:
+        """`_run`, each step under the engine's lock: concurrent callers take turns, one step each."""
+        steps = self._run(call)
+        try:
+            while True:
+                with self._lock:
+                    if next(steps, StopIteration) is StopIteration:
+                        return
+                yield
+        finally:
+            with self._lock:
+                steps.close()  # an abandoned stream: its requests are aborted
+
+    def _run(self, call: _Call) -> Iterator[None]:
+        """Prefill every sequence's prompt past its cached prefix, start it on the proposer, then decode; yields after
+        every step. The proposer sees each sequence as one request, continuing the earlier request it extends."""
         start = time.perf_counter()
-        features = self._prefill(call, held or [])
+        features = self._prefill(call)
         started = []
         try:
             if call.proposer is not None:
                 self._set_sampling(call)
                 for seq, feats in zip(call.seqs, features):
                     if call.reads_features:
-                        call.proposer.start_request(seq.request_id, list(seq.tokens), features=feats, extends=extends)
+                        call.proposer.start_request(seq.request_id, list(seq.tokens), features=feats,
+                                                    extends=seq.extends)
                     else:
-                        call.proposer.start_request(seq.request_id, list(seq.tokens), extends=extends)
+                        call.proposer.start_request(seq.request_id, list(seq.tokens), extends=seq.extends)
                     started.append(seq.request_id)
             yield from self._decode(call)
         finally:
@@ -457,19 +537,18 @@ class Engine:
             call.stats.total_s += time.perf_counter() - start
             self.stats.add(call.stats)
 
-    def _prefill(self, call: _Call, held: list[int]) -> list[TargetFeatures | None]:
+    def _prefill(self, call: _Call) -> list[TargetFeatures | None]:
         """Run each prompt's uncached tokens (all but its last, the first step's input) into the cache; returns the
         target's features at the prompt's last positions when the proposer reads them."""
         with call.stats.timed("prefill_s"):
-            todo = [seq.tokens[self._reusable_prefix(call.cache, row, seq.tokens, held):-1]
-                    for row, seq in enumerate(call.seqs)]
+            todo = [seq.tokens[call.cache.lengths[row]:-1] for row, seq in enumerate(call.seqs)]
             features: list[TargetFeatures | None] = [None] * len(call.seqs)
             if any(todo):
                 out = self.target.prefill(call.cache, todo, hidden_tail=self.drafter_context if call.reads_features
                                           else 0)
                 if call.reads_features:
                     features = [TargetFeatures(aux, final) for aux, final in out.hidden_tail]
-            elif call.reads_features:  # a session turn whose prompt's KV is all cached: the drafter goes on as it was
+            elif call.reads_features:  # the prompt's KV is all cached: the drafter goes on as it was (extends)
                 features = [TargetFeatures(self._no_hidden(len(self.target.aux_layer_ids)), self._no_hidden(1))
                             for _ in call.seqs]
             call.stats.prompt_tokens += sum(seq.prompt_len for seq in call.seqs)
@@ -486,19 +565,6 @@ class Engine:
             p = call.params
             call.proposer.set_sampling(None if p.temperature == 0 else functools.partial(
                 process_logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p), p.generator)
-
-    @staticmethod
-    def _reusable_prefix(cache: KVCache, row: int, tokens: list[int], held: list[int]) -> int:
-        """Truncate the row to the longest prefix of `tokens` whose KV it holds, and return its length.
-
-        The row's first cache.lengths[row] slots hold the KV of `held` (a session's earlier turns), so a conversation
-        that grows turn by turn only runs its new tokens. The last token is never cached: it is the first step's input.
-        """
-        reuse, limit = 0, min(cache.lengths[row], len(tokens) - 1, len(held))
-        while reuse < limit and held[reuse] == tokens[reuse]:
-            reuse += 1
-        cache.truncate(row, reuse)
-        return reuse
 
     def _decode(self, call: _Call) -> Iterator[None]:
         """The decode loop: one pass of the target per step verifies every live sequence's draft."""
@@ -595,11 +661,17 @@ class Engine:
         stats.draft_tokens += len(proposal)
         stats.accepted_tokens += len(result.accepted)
 
-    @staticmethod
-    def _retire(call: _Call, finished_rows: list[int]) -> None:
-        """Finished sequences leave the batch and their cache rows (the last one keeps its row: a session reuses it)."""
+    def _retire(self, call: _Call, finished_rows: list[int]) -> None:
+        """Finished sequences leave the batch; the prefix cache keeps their KV (a one-row cache as it is, others
+        copied out)."""
         if not finished_rows:
             return
+        if self.prefix_cache is not None:
+            for row in finished_rows:
+                seq = call.seqs[call.live[row]]
+                cache = call.cache if call.cache.batch_size == 1 else call.cache.row(row)
+                self.prefix_cache.store(seq.request_id, seq.tokens, cache,
+                                        id(call.proposer) if call.proposer is not None else None)
         if len(finished_rows) == len(call.live):
             call.live = []
             return
@@ -658,8 +730,8 @@ class Session:
 
     The conversation's exact token ids are kept across turns: a turn appends only the chat template's text that
     follows the previous reply (its end tag, the new messages, the generation prompt), tokenised on its own, so the
-    KV cache of every earlier token is reused and the suffix cache indexes only new tokens (`extends=` the previous
-    turn's request).
+    prompt extends the previous turn's prompt + reply token for token: the prefix cache holds its KV (only the new
+    tokens run) and the suffix cache continues the previous turn's request (only new tokens are indexed).
     """
 
     _REPLY = "\x00hybridspec-reply\x00"  # stands for the previous reply when rendering what follows it
@@ -669,8 +741,6 @@ class Session:
         self.defaults = dict(defaults)
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.tokens: list[int] = []  # the conversation so far, as the model saw and wrote it
-        self._cache: KVCache | None = None
-        self._last_request: Hashable | None = None
         self.stats = GenerationStats()
 
     def _render(self, messages: list[dict[str, str]]) -> str:
@@ -703,20 +773,14 @@ class Session:
             new = [dict(m) for m in message]
         if not new or any(not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str) for m in new):
             raise ValueError("messages need a string 'role' and 'content'")
-        call = self.engine._start_call([self.prompt_tokens(new)], {**self.defaults, **kwargs}, cache=self._cache)
-        self._cache = call.cache
-        try:
-            for _ in self.engine._run(call, held=self.tokens, extends=self._last_request):
-                pass
-        except BaseException:
-            self._cache.truncate(0, 0)  # the row's content is unknown now
-            raise
+        call = self.engine._start_call([self.prompt_tokens(new)], {**self.defaults, **kwargs})
+        for _ in self.engine._steps(call):
+            pass
         result = self.engine._results(call)[0]
         seq = call.seqs[0]
         # The reply stays in the conversation as the model wrote it (up to the stop string's end, if any).
         self.tokens = seq.tokens
         self.messages += new + [{"role": "assistant",
                                  "content": self.engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)}]
-        self._last_request = seq.request_id
         self.stats.add(call.stats)
         return result

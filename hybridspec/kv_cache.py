@@ -31,12 +31,17 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys.shape[3]
 
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
     @torch.inference_mode()
-    def reserve(self, capacity: int) -> None:
-        """Grow every row to hold at least `capacity` tokens (doubling, to amortise the copy)."""
+    def reserve(self, capacity: int, *, exact: bool = False) -> None:
+        """Grow every row to hold at least `capacity` tokens (doubling, to amortise the copy; `exact`: no more than
+        that, for a cache that is kept after its call)."""
         if capacity <= self.capacity:
             return
-        new_capacity = max(capacity, 2 * self.capacity)
+        new_capacity = capacity if exact else max(capacity, 2 * self.capacity)
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_zeros(old.shape[:3] + (new_capacity,) + old.shape[4:])
@@ -64,6 +69,25 @@ class KVCache:
         if not 0 <= length <= self.lengths[row]:
             raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}")
         self.lengths[row] = length
+
+    @torch.inference_mode()
+    def copy_prefix(self, row: int, source: "KVCache", source_row: int, length: int) -> None:
+        """Make this row the first `length` tokens of `source`'s row `source_row` (a prefix cache hit)."""
+        if length > min(source.lengths[source_row], self.capacity):
+            raise ValueError(f"cannot copy {length} tokens: the source row holds {source.lengths[source_row]}, this "
+                             f"cache {self.capacity}")
+        self.keys[:, row, :, :length] = source.keys[:, source_row, :, :length]
+        self.values[:, row, :, :length] = source.values[:, source_row, :, :length]
+        self.lengths[row] = length
+
+    @torch.inference_mode()
+    def row(self, row: int) -> "KVCache":
+        """A one-row cache with a copy of this row's tokens, sized to them."""
+        length = self.lengths[row]
+        shape = self.keys.shape
+        copy = KVCache(shape[0], 1, shape[2], shape[4], max(length, 1), self.keys.dtype, self.keys.device)
+        copy.copy_prefix(0, self, row, length)
+        return copy
 
     @torch.inference_mode()
     def select_rows(self, rows: Sequence[int]) -> None:

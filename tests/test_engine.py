@@ -1,6 +1,7 @@
 """Engine guarantees on a tiny random Llama: greedy speculative decoding is token-identical to plain greedy decoding
 (chains, trees, batches, every kind of proposer), speculative sampling keeps the target's distribution, sessions reuse
-their KV cache and feed the suffix cache, and bad input gives clear errors."""
+their KV cache and feed the suffix cache, and bad input gives clear errors. Prefix caching and concurrent callers:
+tests/test_prefix_cache.py."""
 from __future__ import annotations
 
 import math
@@ -188,7 +189,8 @@ def test_session_reuses_kv_cache_and_feeds_suffix_cache(engine, tmp_path):
     # prompt (with the exact same tokens) gives the same reply
     last = replies[-1]
     assert session.tokens == last.prompt_token_ids + last.token_ids
-    fresh = engine.generate(last.prompt_token_ids, max_new_tokens=25, speculate="none")
+    uncached = Engine(engine.target, engine.tokenizer, prefix_cache_bytes=0)
+    fresh = uncached.generate(last.prompt_token_ids, max_new_tokens=25, speculate="none")
     assert fresh.token_ids == last.token_ids
     assert session.messages[-1] == {"role": "assistant", "content": last.text}
     assert engine.suffix_cache.stats()["session_hits"] >= 2  # turns extend the previous one

@@ -1,6 +1,7 @@
 """The exactness guarantee on the real SmolLM2-135M-Instruct (converted from the embedded GGUF on first use): greedy
 speculative decoding returns the same tokens as plain greedy decoding on an agent-like prompt and a chat prompt, with
-chains and trees, at batch 1 and 2, and with each shipped drafter head (P-EAGLE, LSTM, EAGLE-3)."""
+chains and trees, at batch 1 and 2, with each shipped drafter head (P-EAGLE, LSTM, EAGLE-3), and for stateless calls
+served from the prefix cache. References come from an engine without speculation or prefix cache."""
 from __future__ import annotations
 
 import pytest
@@ -42,9 +43,30 @@ def agent_prompt(engine):
 
 
 @pytest.fixture(scope="module")
-def references(engine, agent_prompt):
-    return {name: engine.generate(prompt, max_new_tokens=MAX_NEW, speculate="none").token_ids
-            for name, prompt in (("agent", agent_prompt), ("chat", engine.encode(CHAT)))}
+def uncached(engine):
+    """Plain greedy decoding of whole prompts: no speculation, no prefix cache."""
+    from hybridspec.engine import Engine
+
+    return Engine(engine.target, engine.tokenizer, prefix_cache_bytes=0)
+
+
+@pytest.fixture(scope="module")
+def references(uncached, agent_prompt):
+    return {name: uncached.generate(prompt, max_new_tokens=MAX_NEW, speculate="none").token_ids
+            for name, prompt in (("agent", agent_prompt), ("chat", uncached.encode(CHAT)))}
+
+
+def test_stateless_calls_reuse_the_prefix_cache_and_stay_exact(engine, uncached, agent_prompt, references):
+    """An agent's next call re-sends the conversation: with the prefix cache warm it runs only the new tokens and
+    returns what an uncached run of the whole prompt returns."""
+    first = engine.generate(agent_prompt, max_new_tokens=MAX_NEW)
+    assert first.token_ids == references["agent"]
+    follow = agent_prompt + first.token_ids + engine.tokenizer.encode(
+        "\n<|im_start|>user\n<returncode>0</returncode>\n<output>ok</output><|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False)
+    second = engine.generate(follow, max_new_tokens=MAX_NEW)
+    assert second.stats.prefill_tokens < 40
+    assert second.token_ids == uncached.generate(follow, max_new_tokens=MAX_NEW, speculate="none").token_ids
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

@@ -1,0 +1,270 @@
+"""Automatic prefix caching and concurrent callers, on a tiny random Llama.
+
+Prefix caching never changes outputs (greedy tokens identical with the cache on and off over random prompts that share
+random prefixes, cut mid-prompt and mid-response, alone and in batches; seeded sampling draws the same tokens), runs
+only the uncached tokens, stays under its byte budget, and lets the suffix cache continue an earlier request without
+`extends=`. Several threads sharing one Engine get exactly what each would get alone, a cancelled stream included.
+"""
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hybridspec.engine import Engine
+from hybridspec.kv_cache import KVCache
+from hybridspec.prefix_cache import PrefixCache
+from hybridspec.target import TargetModel
+
+VOCAB = 128
+KV_BYTES_PER_TOKEN = 6 * 2 * 2 * 16 * 4  # tiny_llama: 6 layers, keys + values, 2 KV heads of 16 dims, float32
+
+
+def make_engine(tiny_model, tiny_tokenizer, **kwargs) -> Engine:
+    return Engine(TargetModel(tiny_model), tiny_tokenizer, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_model, tiny_tokenizer):
+    return make_engine(tiny_model, tiny_tokenizer, prefix_cache_bytes=0)
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def conversation_prompts(seed: int, n: int) -> list[list[int]]:
+    """Prompts as an agent's calls make them: each one begins with an earlier prompt cut at a random point (often its
+    whole length, as a re-sent conversation) followed by new tokens; generate() adds responses to the mix below."""
+    rng = random.Random(seed)
+    prompts = [tokens(rng, rng.randint(5, 40))]
+    for _ in range(n - 1):
+        base = rng.choice(prompts)
+        cut = len(base) if rng.random() < 0.5 else rng.randint(1, len(base))
+        prompts.append(base[:cut] + tokens(rng, rng.randint(1, 20)))
+    return prompts
+
+
+@pytest.mark.parametrize("speculate", ["none", "suffix"])
+def test_prefix_cache_never_changes_greedy_outputs(tiny_model, tiny_tokenizer, uncached, speculate):
+    """Stateless calls that re-send earlier prompts + (part of) their responses + new tokens, one at a time and in
+    batches: the same tokens as with the cache off, and fewer tokens prefilled."""
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    rng = random.Random(7)
+    history: list[list[int]] = []  # prompt + response of every call so far
+    prefilled = prompt_tokens = 0
+    for step, prompt in enumerate(conversation_prompts(seed=3, n=24)):
+        if history and rng.random() < 0.6:  # continue an earlier call after its response, cut anywhere in it
+            earlier = rng.choice(history)
+            prompt = earlier[:rng.randint(len(earlier) // 2, len(earlier))] + tokens(rng, rng.randint(1, 6))
+        if step % 6 == 5:  # a batch of continuations of the last calls
+            batch = [h + tokens(rng, 3) for h in history[-3:]]
+            got = engine.generate(batch, max_new_tokens=12, speculate=speculate)
+            want = uncached.generate(batch, max_new_tokens=12, speculate="none")
+            assert [r.token_ids for r in got] == [r.token_ids for r in want]
+            history += [p + r.token_ids for p, r in zip(batch, got)]
+            continue
+        got = engine.generate(prompt, max_new_tokens=12, speculate=speculate)
+        want = uncached.generate(prompt, max_new_tokens=12, speculate="none")
+        assert got.token_ids == want.token_ids, step
+        history.append(prompt + got.token_ids)
+        prefilled += got.stats.prefill_tokens
+        prompt_tokens += got.stats.prompt_tokens
+    assert engine.prefix_cache.counters["hits"] > 10
+    assert prefilled < prompt_tokens / 2
+
+
+def test_a_continued_call_runs_only_its_new_tokens(tiny_model, tiny_tokenizer, uncached):
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    prompt = tokens(random.Random(1), 30)
+    first = engine.generate(prompt, max_new_tokens=10, speculate="none")
+    assert first.stats.prefill_tokens == len(prompt) - 1
+    follow = prompt + first.token_ids + [5, 6, 7]
+    second = engine.generate(follow, max_new_tokens=10, speculate="none")
+    assert second.stats.prefill_tokens == 3  # the response's last token (never run) and the new ones, less the last
+    assert second.token_ids == uncached.generate(follow, max_new_tokens=10, speculate="none").token_ids
+    # the same prompt again: all of it is cached but the last token, which is the first step's input
+    again = engine.generate(follow, max_new_tokens=10, speculate="none")
+    assert again.stats.prefill_tokens == 0 and again.token_ids == second.token_ids
+
+
+def test_a_prompt_that_diverges_one_token_before_the_end(tiny_model, tiny_tokenizer, uncached):
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    prompt = tokens(random.Random(2), 25)
+    done = engine.generate(prompt, max_new_tokens=8, speculate="suffix")
+    cached = prompt + done.token_ids
+    diverging = cached[:-2] + [(cached[-2] + 1) % VOCAB or 3, cached[-1]]
+    result = engine.generate(diverging, max_new_tokens=8, speculate="suffix")
+    assert result.stats.prefill_tokens == 1  # everything up to the changed token was reused
+    assert result.token_ids == uncached.generate(diverging, max_new_tokens=8, speculate="none").token_ids
+
+
+def test_memory_stays_under_the_budget_and_evicted_prefixes_recompute(tiny_model, tiny_tokenizer, uncached):
+    budget = 200 * KV_BYTES_PER_TOKEN  # a few requests' worth
+    engine = make_engine(tiny_model, tiny_tokenizer, prefix_cache_bytes=budget)
+    rng = random.Random(4)
+    first_prompt = tokens(rng, 30)
+    first = engine.generate(first_prompt, max_new_tokens=8, speculate="suffix")
+    for i in range(30):  # a long run of unrelated calls pushes the first one out
+        engine.generate(tokens(rng, rng.randint(10, 60)), max_new_tokens=rng.randint(1, 16), speculate="suffix")
+        pool = engine.prefix_cache
+        assert pool.nbytes <= budget
+        assert pool.nbytes == sum(e.cache.nbytes for e in pool._entries.values() if e.cache is not None)
+    assert engine.prefix_cache.counters["evicted_bytes"] > 0
+    follow = first_prompt + first.token_ids + [9, 9]
+    after = engine.generate(follow, max_new_tokens=8, speculate="suffix")
+    assert after.stats.prefill_tokens == len(follow) - 1  # its KV was evicted: prefilled again, and right
+    assert after.token_ids == uncached.generate(follow, max_new_tokens=8, speculate="none").token_ids
+    again = engine.generate(follow + after.token_ids + [4], max_new_tokens=8, speculate="suffix")
+    assert again.stats.prefill_tokens == 1  # cached again: only the response's last token runs
+
+
+def test_the_suffix_cache_continues_an_extended_request_without_extends(tiny_model, tiny_tokenizer):
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    prompt = tokens(random.Random(5), 40)
+    first = engine.generate(prompt, max_new_tokens=10)
+    before = engine.suffix_cache.stats()
+    engine.generate(prompt + first.token_ids + [7, 8, 9], max_new_tokens=10)
+    after = engine.suffix_cache.stats()
+    assert after["session_hits"] == before["session_hits"] + 1
+    # a prompt that does not extend it is indexed afresh
+    engine.generate(prompt[:20] + [7], max_new_tokens=4)
+    assert engine.suffix_cache.stats()["session_hits"] == after["session_hits"]
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_the_cache(tiny_model, tiny_tokenizer, uncached):
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    prompt = tokens(random.Random(6), 30)
+    first = engine.generate(prompt, max_new_tokens=10, temperature=0.8, seed=1)
+    follow = prompt + first.token_ids + [11, 12]
+    for seed in range(4):
+        got = engine.generate(follow, max_new_tokens=16, temperature=0.8, top_p=0.9, seed=seed)
+        want = uncached.generate(follow, max_new_tokens=16, temperature=0.8, top_p=0.9, seed=seed)
+        assert got.stats.prefill_tokens < len(follow) - 1
+        assert got.token_ids == want.token_ids
+
+
+def test_sessions_and_streams_use_the_prefix_cache(tiny_model, tiny_tokenizer):
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    session = engine.session(system="sys", max_new_tokens=10)
+    session.send("hello")
+    reply = session.send("again")
+    assert reply.stats.prefill_tokens < reply.stats.prompt_tokens // 2
+    prompt = list(session.tokens) + [20, 21]
+    streamed = "".join(engine.stream(prompt, max_new_tokens=10))
+    assert engine.prefix_cache.counters["hits"] >= 2
+    assert streamed == make_engine(tiny_model, tiny_tokenizer, prefix_cache_bytes=0).generate(
+        prompt, max_new_tokens=10).text
+
+
+def test_prefix_cache_entries():
+    """The pool itself: longest prefix, never the last token, supersession, take and store, LRU eviction."""
+    def cache_of(n: int) -> KVCache:
+        c = KVCache(1, 1, 1, 2, n, torch.float32)
+        c.lengths[0] = n - 1
+        return c
+
+    pool = PrefixCache(budget_bytes=3 * cache_of(10).nbytes)
+    pool.store("a", list(range(10)), cache_of(10))
+    m = pool.match(list(range(10)))
+    assert m.length == 9 and m.extends == "a" and m.extends_length == 10
+    assert pool.match(list(range(5)) + [99]).length == 5
+    assert pool.match(list(range(4))).length == 3  # the last token is a step's input, never cached
+    assert pool.match([99, 1, 2]).length == 0
+    pool.store("b", list(range(12)), cache_of(12))  # extends a: a's KV is superseded, its tokens stay
+    assert len(pool) == 1 and pool.match(list(range(11)) + [0]).extends == "a"
+    taken = pool.take(pool.match(list(range(12)) + [5]))
+    assert pool.nbytes == 0 and pool.match(list(range(12))).length == 0
+    pool.store("c", list(range(12)), taken)
+    for i, rid in enumerate("defg"):
+        pool.store(rid, [50 + i] * 10, cache_of(10))
+        assert pool.nbytes <= pool.budget_bytes
+    assert pool.match(list(range(12)) + [5]).length == 0  # c was least recently used: evicted
+    assert pool.match([53] * 10 + [1]).length == 9
+    with pytest.raises(ValueError, match="one-row cache"):
+        pool.store("h", [1, 2, 3], cache_of(10))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# concurrent callers
+
+
+def test_concurrent_callers_get_what_they_would_alone(tiny_model, tiny_tokenizer, uncached):
+    """Six threads on one engine (generate, batches and streams of mixed lengths; one stream cancelled mid-way) get
+    the tokens they get alone; afterwards nothing is live and the pool is consistent."""
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    rng = random.Random(8)
+    shared = tokens(rng, 20)  # a system prompt several callers share
+    jobs = [(shared + tokens(rng, rng.randint(1, 30)), rng.choice([4, 16, 40]), speculate)
+            for speculate in ["suffix", "none", "suffix", "ngram", "suffix", "none"]]
+    want = [uncached.generate(p, max_new_tokens=n, speculate="none").token_ids for p, n, _ in jobs]
+    got: dict[int, object] = {}
+    start = threading.Barrier(len(jobs) + 1)
+
+    def caller(i: int) -> None:
+        prompt, n, speculate = jobs[i]
+        start.wait()
+        for turn in range(2):  # a second call continues the first, as an agent's next call does
+            if i == 1:
+                got[i] = engine.generate([prompt, prompt[:5]], max_new_tokens=n, speculate=speculate)[0].token_ids
+            elif i == 2:
+                stream = engine.stream(prompt, max_new_tokens=n, speculate=speculate)
+                got[i] = [next(stream), next(stream)]
+                stream.close()  # cancelled mid-way
+                return
+            else:
+                got[i] = engine.generate(prompt, max_new_tokens=n, speculate=speculate).token_ids
+            if turn == 0 and got[i] != want[i]:
+                return
+            prompt = prompt + got[i] + [3]
+        got[i] = (got[i], prompt)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    start.wait()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(got[2]) == 2 and all(got[2])  # the cancelled stream yielded its first deltas
+    for i, (_, n, _) in enumerate(jobs):  # every other caller's second call equals an uncached run of its prompt
+        if i == 2:
+            continue
+        assert isinstance(got[i], tuple), f"caller {i}'s first call differed from its solo run"
+        second, follow = got[i]
+        prompt_of_second = follow[:len(follow) - len(second) - 1]
+        assert second == uncached.generate(prompt_of_second, max_new_tokens=n, speculate="none").token_ids
+    assert engine.suffix_cache.stats()["live_requests"] == 0
+    assert engine.prefix_cache.nbytes == sum(
+        e.cache.nbytes for e in engine.prefix_cache._entries.values() if e.cache is not None)
+
+
+def test_calls_take_turns_step_by_step(tiny_model, tiny_tokenizer):
+    """Two long calls started together finish close together: the lock is granted in arrival order, step by step,
+    not to one call until its end."""
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    order: list[int] = []
+    start = threading.Barrier(2)
+
+    def caller(i: int) -> None:
+        start.wait()
+        for _ in engine.stream(tokens(random.Random(i), 10), max_new_tokens=40, speculate="none"):
+            order.append(i)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    switches = sum(a != b for a, b in zip(order, order[1:]))
+    assert len(order) > 40 and switches > len(order) / 4
+
+
+def test_common_prefix_helper():
+    from hybridspec.prefix_cache import common_prefix
+
+    assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
+    assert common_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2
+    assert common_prefix(np.array([], dtype=np.int64), np.array([1])) == 0
