@@ -6,9 +6,9 @@
     session = engine.session(system="You are an agent.")                                     # agent loops
     reply = session.send("ls -la")                  # later turns reuse the KV cache and the suffix cache
 
-Every step of `Engine._decode` is propose -> route -> verify -> update, one method each. Outputs are exact: greedy
-speculative decoding returns the target's greedy tokens and sampling keeps the target's distribution (the verifier's
-rules); speculation only changes how many tokens one forward pass of the target commits.
+Every decode step (`Engine._decode_step`) is propose -> route -> verify -> update, one method each. Outputs are
+exact: greedy speculative decoding returns the target's greedy tokens and sampling keeps the target's distribution
+(the verifier's rules); speculation only changes how many tokens one forward pass of the target commits.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
@@ -170,7 +170,7 @@ class _Sequence:
         return self.tokens[self.prompt_len:]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
     """What one generate / stream / send call works on. Cache row r belongs to seqs[live[r]]."""
 
@@ -180,6 +180,8 @@ class _Call:
     params: _Params
     stats: GenerationStats
     live: list[int]
+    started: list[Hashable] = field(default_factory=list)  # request ids started on the proposer
+    error: Exception | None = None  # what ended the call in a step another thread ran
 
     @property
     def reads_features(self) -> bool:
@@ -235,7 +237,8 @@ class Engine:
     prefix_cache_bytes: the budget of automatic prefix caching (`hybridspec.prefix_cache`): the KV of recent requests,
     reused by any later call whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off).
 
-    One Engine may serve several threads: their calls take turns, one step (a prefill or a decode step) at a time.
+    One Engine may serve several threads. A call's prefill runs alone; its decode steps join those of the calls that
+    are decoding then (continuous batching): one pass of the target verifies every sequence's draft.
     """
 
     def __init__(self, target: TargetModel, tokenizer, *, verify_cost: Any = None,
@@ -265,6 +268,8 @@ class Engine:
         budget = PREFIX_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
         self.prefix_cache: PrefixCache | None = PrefixCache(budget) if budget > 0 else None
         self._lock = TurnLock()  # every step of every call runs under it
+        self._waiting: list[_Call] = []  # calls whose thread waits for their next decode step
+        self._waiting_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
@@ -500,42 +505,57 @@ class Engine:
         return cache
 
     def _steps(self, call: _Call) -> Iterator[None]:
-        """`_run`, each step under the engine's lock: concurrent callers take turns, one step each."""
-        steps = self._run(call)
-        try:
-            while True:
-                with self._lock:
-                    if next(steps, StopIteration) is StopIteration:
-                        return
-                yield
-        finally:
-            with self._lock:
-                steps.close()  # an abandoned stream: its requests are aborted
-
-    def _run(self, call: _Call) -> Iterator[None]:
-        """Prefill every sequence's prompt past its cached prefix, start it on the proposer, then decode; yields after
-        every step. The proposer sees each sequence as one request, continuing the earlier request it extends."""
+        """Run a call: prefill, start its requests on the proposer, then decode steps until every sequence finished;
+        yields after each step. Calls from other threads share the decode steps (continuous batching): a step runs
+        every call that is waiting for one, in one pass of the target."""
         start = time.perf_counter()
-        features = self._prefill(call)
-        started = []
         try:
-            if call.proposer is not None:
-                self._set_sampling(call)
-                for seq, feats in zip(call.seqs, features):
-                    if call.reads_features:
-                        call.proposer.start_request(seq.request_id, list(seq.tokens), features=feats,
-                                                    extends=seq.extends)
-                    else:
-                        call.proposer.start_request(seq.request_id, list(seq.tokens), extends=seq.extends)
-                    started.append(seq.request_id)
-            yield from self._decode(call)
-        finally:
-            done = all(s.finish_reason is not None for s in call.seqs)
-            for rid in started:
-                (call.proposer.finish_request if done else call.proposer.abort_request)(rid)
-            call.stats.calls += 1
-            call.stats.total_s += time.perf_counter() - start
-            self.stats.add(call.stats)
+            with self._lock:
+                self._begin(call)
+            while call.live:
+                self._join_step(call)
+                if call.error is not None:
+                    raise call.error
+                yield
+        finally:  # also when a caller abandons its stream: its requests are aborted
+            with self._lock:
+                self._end(call, start)
+
+    def _begin(self, call: _Call) -> None:
+        """Prefill every prompt past its cached prefix and start each sequence on the proposer as one request (which
+        continues the earlier request it extends)."""
+        features = self._prefill(call)
+        if call.proposer is None:
+            return
+        self._set_sampling(call)
+        for seq, feats in zip(call.seqs, features):
+            if call.reads_features:
+                call.proposer.start_request(seq.request_id, list(seq.tokens), features=feats, extends=seq.extends)
+            else:
+                call.proposer.start_request(seq.request_id, list(seq.tokens), extends=seq.extends)
+            call.started.append(seq.request_id)
+
+    def _join_step(self, call: _Call) -> None:
+        """Wait for the next decode step of `call`: run it, together with every call waiting then, or find that
+        another thread ran it."""
+        with self._waiting_lock:
+            self._waiting.append(call)
+        with self._lock:
+            with self._waiting_lock:
+                batch = self._waiting if any(c is call for c in self._waiting) else []
+                if batch:
+                    self._waiting = []
+            if batch:
+                self._decode_step(batch)
+
+    def _end(self, call: _Call, start: float) -> None:
+        done = all(s.finish_reason is not None for s in call.seqs)
+        for rid in call.started:
+            (call.proposer.finish_request if done else call.proposer.abort_request)(rid)
+        call.started = []
+        call.stats.calls += 1
+        call.stats.total_s += time.perf_counter() - start
+        self.stats.add(call.stats)
 
     def _prefill(self, call: _Call) -> list[TargetFeatures | None]:
         """Run each prompt's uncached tokens (all but its last, the first step's input) into the cache; returns the
@@ -566,17 +586,39 @@ class Engine:
             call.proposer.set_sampling(None if p.temperature == 0 else functools.partial(
                 process_logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p), p.generator)
 
-    def _decode(self, call: _Call) -> Iterator[None]:
-        """The decode loop: one pass of the target per step verifies every live sequence's draft."""
-        while call.live:
-            with call.stats.timed("propose_s"):
-                proposals = self._propose(call)
-                routed = self._route(call, proposals)
-            with call.stats.timed("verify_s"):
-                out, results = self._verify(call, routed)
-            with call.stats.timed("update_s"):
-                self._update(call, routed, out, results)
+    def _decode_step(self, calls: list[_Call]) -> None:
+        """One decode step of every live sequence of `calls`: propose -> route -> verify (one pass of the target over
+        all of them) -> update. A call whose proposer or update fails gets the error (its thread raises it); the
+        others go on."""
+        routed: dict[int, list[Proposal]] = {}
+        for call in calls:
+            with call.stats.timed("propose_s"), self._failing(call):
+                self._set_sampling(call)  # the proposer may serve other calls' sequences with other settings
+                routed[id(call)] = self._route(call, self._propose(call))
+        calls = [c for c in calls if c.error is None]
+        if not calls:
+            return
+        start = time.perf_counter()
+        try:
+            verified = self._verify(calls, [routed[id(c)] for c in calls])
+        except Exception as e:
+            for call in calls:
+                call.error, call.live = e, []
+            return
+        elapsed = time.perf_counter() - start
+        for call, (out, results) in zip(calls, verified):
+            call.stats.verify_s += elapsed
+            with call.stats.timed("update_s"), self._failing(call):
+                self._update(call, routed[id(call)], out, results)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _failing(call: _Call) -> Iterator[None]:
+        """An exception in the block ends `call` with that error instead of propagating to the step's other calls."""
+        try:
             yield
+        except Exception as e:
+            call.error, call.live = e, []
 
     def _propose(self, call: _Call) -> list[Proposal]:
         """Each live sequence's draft: no longer than the budget, the context left, or the tokens still wanted."""
@@ -606,16 +648,17 @@ class Engine:
         call.stats.skipped_proposals += sum(1 for p, r in zip(proposals, routed) if len(p) and not len(r))
         return routed
 
-    def _verify(self, call: _Call, routed: list[Proposal]) -> tuple[StepOutput, list[VerifyResult]]:
-        """One pass of the target over [last token] + draft for every live sequence, and the acceptance rule.
+    def _verify(self, calls: list[_Call], routed: list[list[Proposal]]) -> list[tuple[StepOutput, list[VerifyResult]]]:
+        """One pass of the target over [last token] + draft for every live sequence of every call, then each call's
+        acceptance rule.
 
         Greedy: a draft token is kept while it equals the target's argmax; sampling: x is kept with probability
         min(1, p_target(x) / p_draft(x)), else the target resamples from norm(max(0, p_target - p_draft))."""
-        p = call.params
-        out = self.target.step(call.cache, [call.seqs[i].tokens[-1] for i in call.live],
-                               [r.token_ids for r in routed], [r.parents for r in routed],
-                               return_hidden=call.reads_features)
-        return out, verify_batch(out.logits, routed, p.temperature, p.top_k, p.top_p, p.generator)
+        outs = self.target.step_many(
+            [(c.cache, [c.seqs[i].tokens[-1] for i in c.live], [r.token_ids for r in rs], [r.parents for r in rs])
+             for c, rs in zip(calls, routed)], return_hidden=any(c.reads_features for c in calls))
+        return [(out, verify_batch(out.logits, rs, c.params.temperature, c.params.top_k, c.params.top_p,
+                                   c.params.generator)) for c, rs, out in zip(calls, routed, outs)]
 
     def _update(self, call: _Call, routed: list[Proposal], out: StepOutput, results: list[VerifyResult]) -> None:
         """Commit each sequence's accepted tokens: the KV cache, the stop rules, the proposer, the statistics; then

@@ -59,6 +59,25 @@ class StepOutput:
         return StepOutput(pick(self.logits, other.logits), pick(self.aux_hidden, other.aux_hidden),
                           pick(self.final_hidden, other.final_hidden))
 
+    def rows(self, begin: int, end: int) -> "StepOutput":
+        """Rows begin..end-1 of this output."""
+        def cut(t):
+            return None if t is None else t[begin:end]
+
+        return StepOutput(cut(self.logits), cut(self.aux_hidden), cut(self.final_hidden))
+
+
+@dataclass
+class _Attention:
+    """How one cache's rows of a forward pass attend: their positions' rotary rows, their mask over the cache."""
+
+    cache: KVCache
+    rows: slice  # of the pass's [B, q] inputs
+    kv_len: int
+    mask: torch.Tensor  # [b, 1, q, kv_len]
+    slots: torch.Tensor  # [b, q]: where each input's key and value go
+    start: int | None  # every row has this length: the inputs go to one slice of slots
+
 
 class _Layer:
     """One decoder layer's weights in the layout the fused forward uses."""
@@ -131,35 +150,65 @@ class TargetModel:
         variance = x.float().pow(2).mean(-1, keepdim=True)
         return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * weight
 
-    @torch.inference_mode()
-    def forward(self, cache: KVCache, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
-                *, output_index: torch.Tensor | None = None, return_hidden: bool = False,
-                hidden_at_every_input: bool = False) -> StepOutput:
-        """Run [B, q] input tokens written at slots lengths[b] + i of each row; does not change the rows' lengths.
-
-        depths [B, q]: position offset of each input from the row's length (a chain: 0..q-1; a tree: node depth).
-        tree_mask [B, q, q] bool: input i attends to input j of the same row (ancestor-or-self; padding: self only).
-        output_index [B]: compute the outputs (logits, hidden states) only at this input of each row (prefill);
-        hidden_at_every_input keeps the hidden states at every input all the same (what a drafter reads of a prompt).
-        """
-        bsz, q = tokens.shape
+    def _attention(self, cache: KVCache, rows: slice, depths: torch.Tensor, tree_mask: torch.Tensor) -> _Attention:
+        """The attention mask and KV slots of one cache's rows in a pass (grows the cache if the inputs need it)."""
+        bsz, q = depths.shape
         lengths = torch.tensor(cache.lengths, dtype=torch.long, device=self.device)
         kv_len = max(cache.lengths) + q
         if kv_len > self.max_seq_len:
             raise ValueError(f"sequence length {kv_len} exceeds the model's context of {self.max_seq_len} tokens")
         cache.reserve(kv_len)
-        positions = lengths[:, None] + depths  # [B, q]
         slots = lengths[:, None] + torch.arange(q, device=self.device)  # [B, q]
-        cos = self.rope_cos[positions][:, None]  # [B, 1, q, D]
-        sin = self.rope_sin[positions][:, None]
         # mask[b, 0, i, j]: committed prefix of row b, then the row's own tree block at its slots.
         mask = torch.arange(kv_len, device=self.device)[None, None, :] < lengths[:, None, None]
         mask = mask.expand(bsz, q, kv_len).clone()
-        rows = torch.arange(bsz, device=self.device)[:, None, None]
-        mask[rows, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = tree_mask
-        mask = mask[:, None]
+        row_ids = torch.arange(bsz, device=self.device)[:, None, None]
+        mask[row_ids, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = tree_mask
         same_length = all(n == cache.lengths[0] for n in cache.lengths)
-        start = cache.lengths[0]
+        return _Attention(cache, rows, kv_len, mask[:, None], slots, cache.lengths[0] if same_length else None)
+
+    def _attend(self, g: _Attention, layer_id: int, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> torch.Tensor:
+        """Write one cache's new keys and values ([b, kv_heads, q, D]) at their slots, and attend over the cache."""
+        keys, values = g.cache.keys[layer_id], g.cache.values[layer_id]
+        q = key.shape[2]
+        if g.start is not None:
+            keys[:, :, g.start:g.start + q] = key
+            values[:, :, g.start:g.start + q] = value
+        else:
+            # Advanced indices split by a slice put their dims first: the target view is [B, q, kv_heads, D].
+            row_ids = torch.arange(key.shape[0], device=self.device)[:, None]
+            keys[row_ids, :, g.slots] = key.transpose(1, 2)
+            values[row_ids, :, g.slots] = value.transpose(1, 2)
+        return F.scaled_dot_product_attention(query, keys[:, :, :g.kv_len], values[:, :, :g.kv_len],
+                                              attn_mask=g.mask, enable_gqa=self.num_heads != self.num_kv_heads)
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache | Sequence[KVCache], tokens: torch.Tensor, depths: torch.Tensor,
+                tree_mask: torch.Tensor, *, output_index: torch.Tensor | None = None, return_hidden: bool = False,
+                hidden_at_every_input: bool = False) -> StepOutput:
+        """Run [B, q] input tokens written at slots lengths[b] + i of each row; does not change the rows' lengths.
+
+        cache: one cache of B rows, or several whose rows, in order, are the B rows (concurrent calls in one pass:
+        the linear layers, where a decode step spends its time reading weights, run once for all of them).
+        depths [B, q]: position offset of each input from the row's length (a chain: 0..q-1; a tree: node depth).
+        tree_mask [B, q, q] bool: input i attends to input j of the same row (ancestor-or-self; padding: self only).
+        output_index [B]: compute the outputs (logits, hidden states) only at this input of each row (prefill);
+        hidden_at_every_input keeps the hidden states at every input all the same (what a drafter reads of a prompt).
+        """
+        caches = [cache] if isinstance(cache, KVCache) else list(cache)
+        bsz, q = tokens.shape
+        if sum(c.batch_size for c in caches) != bsz:
+            raise ValueError(f"{bsz} input rows for caches of {[c.batch_size for c in caches]} rows")
+        groups, positions, begin = [], [], 0
+        for c in caches:
+            rows = slice(begin, begin + c.batch_size)
+            groups.append(self._attention(c, rows, depths[rows], tree_mask[rows]))
+            positions.append(torch.tensor(c.lengths, dtype=torch.long, device=self.device)[:, None] + depths[rows])
+            begin = rows.stop
+        positions = torch.cat(positions)  # [B, q]
+        cos = self.rope_cos[positions][:, None]  # [B, 1, q, D]
+        sin = self.rope_sin[positions][:, None]
 
         hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed[tokens]  # [B, q, H]
@@ -173,16 +222,8 @@ class TargetModel:
             query = apply_rotary(query.view(bsz, q, hq, hd).transpose(1, 2), cos, sin)
             key = apply_rotary(key.view(bsz, q, hk, hd).transpose(1, 2), cos, sin)
             value = value.view(bsz, q, hk, hd).transpose(1, 2)
-            keys, values = cache.keys[layer_id], cache.values[layer_id]
-            if same_length:
-                keys[:, :, start:start + q] = key
-                values[:, :, start:start + q] = value
-            else:
-                # Advanced indices split by a slice put their dims first: the target view is [B, q, kv_heads, D].
-                keys[rows[:, :, 0], :, slots] = key.transpose(1, 2)
-                values[rows[:, :, 0], :, slots] = value.transpose(1, 2)
-            attn = F.scaled_dot_product_attention(query, keys[:, :, :kv_len], values[:, :, :kv_len], attn_mask=mask,
-                                                  enable_gqa=hq != hk)
+            attn = [self._attend(g, layer_id, query[g.rows], key[g.rows], value[g.rows]) for g in groups]
+            attn = attn[0] if len(attn) == 1 else torch.cat(attn)
             x = x + layer.o(attn.transpose(1, 2).reshape(bsz, q, hq * hd))
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
@@ -256,7 +297,7 @@ class TargetModel:
         return out
 
     def step(self, cache: KVCache, last_tokens: Sequence[int], drafts: Sequence[Sequence[int]] | None = None,
-             parents: Sequence[Sequence[int]] | None = None, *, return_hidden: bool = False) -> StepOutput:
+             parents: Sequence[Sequence[int] | None] | None = None, *, return_hidden: bool = False) -> StepOutput:
         """One verification pass: row b gets [last_tokens[b]] + drafts[b] (a tree when parents[b] is given).
 
         Returns logits [B, q, V] where q = 1 + the longest draft; rows with shorter drafts are padded (padding slots
@@ -264,25 +305,38 @@ class TargetModel:
         verification with the slots to keep.
         """
         bsz = len(last_tokens)
-        if bsz != cache.batch_size:
-            raise ValueError(f"got {bsz} rows for a cache of {cache.batch_size}")
         drafts = drafts if drafts is not None else [[]] * bsz
-        parents = parents if parents is not None else [None] * bsz
-        q = 1 + max(len(d) for d in drafts)
-        tokens = torch.zeros(bsz, q, dtype=torch.long)
-        depths = torch.zeros(bsz, q, dtype=torch.long)
-        tree_mask = torch.eye(q, dtype=torch.bool).repeat(bsz, 1, 1)
-        for b in range(bsz):
-            n = len(drafts[b])
-            row_parents = list(parents[b]) if parents[b] is not None else list(range(-1, n - 1))
+        return self.step_many([(cache, last_tokens, drafts, parents or [None] * bsz)], return_hidden=return_hidden)[0]
+
+    def step_many(self, batches: Sequence[tuple[KVCache, Sequence[int], Sequence[Sequence[int]],
+                                                Sequence[Sequence[int] | None]]],
+                  *, return_hidden: bool = False) -> list[StepOutput]:
+        """`step` for several caches (cache, last_tokens, drafts, parents) in one pass; an output per cache."""
+        rows = [(b, last, list(draft), row_parents) for b, (cache, last_tokens, drafts, parents) in enumerate(batches)
+                for last, draft, row_parents in zip(last_tokens, drafts, parents, strict=True)]
+        for cache, last_tokens, _, _ in batches:
+            if len(last_tokens) != cache.batch_size:
+                raise ValueError(f"got {len(last_tokens)} rows for a cache of {cache.batch_size}")
+        q = 1 + max(len(draft) for _, _, draft, _ in rows)
+        tokens = torch.zeros(len(rows), q, dtype=torch.long)
+        depths = torch.zeros(len(rows), q, dtype=torch.long)
+        tree_mask = torch.eye(q, dtype=torch.bool).repeat(len(rows), 1, 1)
+        for b, (_, last, draft, row_parents) in enumerate(rows):
+            n = len(draft)
+            row_parents = list(row_parents) if row_parents is not None else list(range(-1, n - 1))
             if len(row_parents) != n:
                 raise ValueError(f"row {b}: {n} draft tokens but {len(row_parents)} parents")
             depth, mask = tree_depths_and_mask(row_parents)
-            tokens[b, 0] = int(last_tokens[b])
-            tokens[b, 1:n + 1] = torch.as_tensor(list(drafts[b]), dtype=torch.long)
+            tokens[b, 0] = int(last)
+            tokens[b, 1:n + 1] = torch.as_tensor(draft, dtype=torch.long)
             depths[b, :n + 1] = torch.as_tensor(depth)
             tree_mask[b, :n + 1, :n + 1] = mask
         if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
-        return self.forward(cache, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
-                            return_hidden=return_hidden)
+        caches = [cache for cache, *_ in batches]
+        out = self.forward(caches, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
+                           return_hidden=return_hidden)
+        if len(caches) == 1:
+            return [out]
+        bounds = torch.tensor([0] + [c.batch_size for c in caches]).cumsum(0).tolist()
+        return [out.rows(begin, end) for begin, end in zip(bounds, bounds[1:])]

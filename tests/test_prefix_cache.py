@@ -3,7 +3,8 @@
 Prefix caching never changes outputs (greedy tokens identical with the cache on and off over random prompts that share
 random prefixes, cut mid-prompt and mid-response, alone and in batches; seeded sampling draws the same tokens), runs
 only the uncached tokens, stays under its byte budget, and lets the suffix cache continue an earlier request without
-`extends=`. Several threads sharing one Engine get exactly what each would get alone, a cancelled stream included.
+`extends=`. Several threads sharing one Engine get exactly what each would get alone, a cancelled stream included,
+and their decode steps share passes of the target (continuous batching).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from hybridspec.engine import Engine
 from hybridspec.kv_cache import KVCache
 from hybridspec.prefix_cache import PrefixCache
+from hybridspec.proposal import Proposal
 from hybridspec.target import TargetModel
 
 VOCAB = 128
@@ -239,6 +241,65 @@ def test_concurrent_callers_get_what_they_would_alone(tiny_model, tiny_tokenizer
     assert engine.suffix_cache.stats()["live_requests"] == 0
     assert engine.prefix_cache.nbytes == sum(
         e.cache.nbytes for e in engine.prefix_cache._entries.values() if e.cache is not None)
+
+
+def test_concurrent_calls_share_decode_steps(tiny_model, tiny_tokenizer, uncached):
+    """Continuous batching: calls decoding at the same time are verified in the same passes of the target (fewer
+    passes than steps), and a call whose proposer fails ends with its error while the others finish unharmed."""
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    passes: list[int] = []
+    step_many = engine.target.step_many
+
+    def counting(batches, **kwargs):
+        passes.append(len(batches))
+        return step_many(batches, **kwargs)
+
+    engine.target.step_many = counting
+
+    class Failing:
+        num_speculative_tokens, drafts_trees, prefers_trees, wants_target_features = 4, False, False, False
+
+        def start_request(self, request_id, prompt, *, extends=None):
+            self.steps = 0
+
+        def append(self, request_id, tokens):
+            pass
+
+        def speculate(self, request_id, num_speculative_tokens=None, *, tree=False):
+            self.steps += 1
+            if self.steps == 5:
+                raise RuntimeError("proposer broke")
+            return Proposal.empty("failing")
+
+        def finish_request(self, request_id):
+            pass
+
+        def abort_request(self, request_id):
+            pass
+
+    rng = random.Random(9)
+    prompts = [tokens(rng, 12) for _ in range(4)]
+    got: dict[int, object] = {}
+    start = threading.Barrier(4)
+
+    def caller(i: int) -> None:
+        start.wait()
+        try:
+            speculate = Failing() if i == 3 else ("suffix" if i % 2 else "none")
+            got[i] = engine.generate(prompts[i], max_new_tokens=30, speculate=speculate).token_ids
+        except RuntimeError as e:
+            got[i] = e
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert isinstance(got[3], RuntimeError) and "proposer broke" in str(got[3])
+    for i in range(3):
+        assert got[i] == uncached.generate(prompts[i], max_new_tokens=30, speculate="none").token_ids
+    assert max(passes) >= 2  # some passes verified several calls at once
+    assert engine.suffix_cache.stats()["live_requests"] == 0
 
 
 def test_calls_take_turns_step_by_step(tiny_model, tiny_tokenizer):
