@@ -39,6 +39,22 @@ from hybridspec.speculators.features import default_aux_layer_ids
 from hybridspec.speculators.layers import apply_rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# PyTorch's CPU flash attention, which also returns the log-sum-exp of each query's scores (GQA without repeats).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefix_then_causal(query: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
+                        keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Attention of a prefill chunk: over the cached prefix (no mask) and causally over the chunk itself, merged by
+    their log-sum-exps. Twice as fast on a CPU as one pass with a [q, prefix + q] mask at 4k tokens of context, where
+    the masked kernel can skip no block and reads the mask."""
+    out, lse = _FLASH_CPU(query, keys, values, is_causal=True)
+    if prefix_keys.shape[2] == 0:
+        return out
+    prefix_out, prefix_lse = _FLASH_CPU(query, prefix_keys, prefix_values)
+    total = torch.logaddexp(lse, prefix_lse)
+    merged = out * torch.exp(lse - total)[..., None] + prefix_out * torch.exp(prefix_lse - total)[..., None]
+    return merged.to(query.dtype)
 
 
 @dataclass
@@ -77,6 +93,7 @@ class _Attention:
     mask: torch.Tensor  # [b, 1, q, kv_len]
     slots: torch.Tensor  # [b, q]: where each input's key and value go
     start: int | None  # every row has this length: the inputs go to one slice of slots
+    causal_chunk: bool  # rows of equal length whose q inputs are consecutive: attend in two mask-free parts
 
 
 class _Layer:
@@ -150,7 +167,8 @@ class TargetModel:
         variance = x.float().pow(2).mean(-1, keepdim=True)
         return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * weight
 
-    def _attention(self, cache: KVCache, rows: slice, depths: torch.Tensor, tree_mask: torch.Tensor) -> _Attention:
+    def _attention(self, cache: KVCache, rows: slice, depths: torch.Tensor, tree_mask: torch.Tensor,
+                   causal: bool) -> _Attention:
         """The attention mask and KV slots of one cache's rows in a pass (grows the cache if the inputs need it)."""
         bsz, q = depths.shape
         lengths = torch.tensor(cache.lengths, dtype=torch.long, device=self.device)
@@ -165,7 +183,8 @@ class TargetModel:
         row_ids = torch.arange(bsz, device=self.device)[:, None, None]
         mask[row_ids, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = tree_mask
         same_length = all(n == cache.lengths[0] for n in cache.lengths)
-        return _Attention(cache, rows, kv_len, mask[:, None], slots, cache.lengths[0] if same_length else None)
+        return _Attention(cache, rows, kv_len, mask[:, None], slots, cache.lengths[0] if same_length else None,
+                          causal and same_length and _FLASH_CPU is not None and self.device.type == "cpu")
 
     def _attend(self, g: _Attention, layer_id: int, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> torch.Tensor:
@@ -180,13 +199,15 @@ class TargetModel:
             row_ids = torch.arange(key.shape[0], device=self.device)[:, None]
             keys[row_ids, :, g.slots] = key.transpose(1, 2)
             values[row_ids, :, g.slots] = value.transpose(1, 2)
+        if g.causal_chunk:
+            return _prefix_then_causal(query, keys[:, :, :g.start], values[:, :, :g.start], key, value)
         return F.scaled_dot_product_attention(query, keys[:, :, :g.kv_len], values[:, :, :g.kv_len],
                                               attn_mask=g.mask, enable_gqa=self.num_heads != self.num_kv_heads)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache | Sequence[KVCache], tokens: torch.Tensor, depths: torch.Tensor,
                 tree_mask: torch.Tensor, *, output_index: torch.Tensor | None = None, return_hidden: bool = False,
-                hidden_at_every_input: bool = False) -> StepOutput:
+                hidden_at_every_input: bool = False, causal: bool = False) -> StepOutput:
         """Run [B, q] input tokens written at slots lengths[b] + i of each row; does not change the rows' lengths.
 
         cache: one cache of B rows, or several whose rows, in order, are the B rows (concurrent calls in one pass:
@@ -195,6 +216,7 @@ class TargetModel:
         tree_mask [B, q, q] bool: input i attends to input j of the same row (ancestor-or-self; padding: self only).
         output_index [B]: compute the outputs (logits, hidden states) only at this input of each row (prefill);
         hidden_at_every_input keeps the hidden states at every input all the same (what a drafter reads of a prompt).
+        causal: every row's inputs are q consecutive tokens (a prefill chunk, no padding): tree_mask is causal.
         """
         caches = [cache] if isinstance(cache, KVCache) else list(cache)
         bsz, q = tokens.shape
@@ -203,7 +225,7 @@ class TargetModel:
         groups, positions, begin = [], [], 0
         for c in caches:
             rows = slice(begin, begin + c.batch_size)
-            groups.append(self._attention(c, rows, depths[rows], tree_mask[rows]))
+            groups.append(self._attention(c, rows, depths[rows], tree_mask[rows], causal))
             positions.append(torch.tensor(c.lengths, dtype=torch.long, device=self.device)[:, None] + depths[rows])
             begin = rows.stop
         positions = torch.cat(positions)  # [B, q]
@@ -276,7 +298,8 @@ class TargetModel:
                     last[b] = len(chunk) - 1
             step = self.forward(cache, ids.to(self.device), torch.arange(q, device=self.device).expand(bsz, q),
                                 mask.to(self.device), output_index=last.to(self.device),
-                                return_hidden=return_hidden or hidden_tail > 0, hidden_at_every_input=hidden_tail > 0)
+                                return_hidden=return_hidden or hidden_tail > 0, hidden_at_every_input=hidden_tail > 0,
+                                causal=all(len(c) == q for c in chunks))
             if hidden_tail > 0:
                 for b, chunk in enumerate(chunks):
                     skip = max(0, counts[b] - hidden_tail - begin)  # row b's inputs begin.. in this chunk
