@@ -89,6 +89,7 @@ class GenerationStats:
     verify_s: float = 0.0  # target forward pass and acceptance rule
     update_s: float = 0.0  # KV cache commit, proposer update, stop rules
     total_s: float = 0.0
+    first_token_s: float = 0.0  # from the call until its first generated token was committed (time to first token)
 
     @property
     def tokens_per_step(self) -> float:
@@ -182,6 +183,7 @@ class _Call:
     live: list[int]
     started: list[Hashable] = field(default_factory=list)  # request ids started on the proposer
     error: Exception | None = None  # what ended the call in a step another thread ran
+    start: float = field(default_factory=time.perf_counter)
 
     @property
     def reads_features(self) -> bool:
@@ -508,7 +510,7 @@ class Engine:
         """Run a call: prefill, start its requests on the proposer, then decode steps until every sequence finished;
         yields after each step. Calls from other threads share the decode steps (continuous batching): a step runs
         every call that is waiting for one, in one pass of the target."""
-        start = time.perf_counter()
+        call.start = time.perf_counter()
         try:
             with self._lock:
                 self._begin(call)
@@ -519,7 +521,7 @@ class Engine:
                 yield
         finally:  # also when a caller abandons its stream: its requests are aborted
             with self._lock:
-                self._end(call, start)
+                self._end(call)
 
     def _begin(self, call: _Call) -> None:
         """Prefill every prompt past its cached prefix and start each sequence on the proposer as one request (which
@@ -548,13 +550,13 @@ class Engine:
             if batch:
                 self._decode_step(batch)
 
-    def _end(self, call: _Call, start: float) -> None:
+    def _end(self, call: _Call) -> None:
         done = all(s.finish_reason is not None for s in call.seqs)
         for rid in call.started:
             (call.proposer.finish_request if done else call.proposer.abort_request)(rid)
         call.started = []
         call.stats.calls += 1
-        call.stats.total_s += time.perf_counter() - start
+        call.stats.total_s += time.perf_counter() - call.start
         self.stats.add(call.stats)
 
     def _prefill(self, call: _Call) -> list[TargetFeatures | None]:
@@ -610,6 +612,8 @@ class Engine:
             call.stats.verify_s += elapsed
             with call.stats.timed("update_s"), self._failing(call):
                 self._update(call, routed[id(call)], out, results)
+            if not call.stats.first_token_s and call.stats.new_tokens:
+                call.stats.first_token_s = time.perf_counter() - call.start
 
     @staticmethod
     @contextlib.contextmanager

@@ -87,6 +87,7 @@ def test_a_continued_call_runs_only_its_new_tokens(tiny_model, tiny_tokenizer, u
     follow = prompt + first.token_ids + [5, 6, 7]
     second = engine.generate(follow, max_new_tokens=10, speculate="none")
     assert second.stats.prefill_tokens == 3  # the response's last token (never run) and the new ones, less the last
+    assert 0 < second.stats.prefill_s < second.stats.first_token_s < second.stats.total_s
     assert second.token_ids == uncached.generate(follow, max_new_tokens=10, speculate="none").token_ids
     # the same prompt again: all of it is cached but the last token, which is the first step's input
     again = engine.generate(follow, max_new_tokens=10, speculate="none")
