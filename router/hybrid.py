@@ -15,6 +15,27 @@ from typing import Any, Callable, Hashable, Sequence
 from hybridspec.proposal import FeatureProposer, Proposal, Proposer, check_proposer
 
 
+def suffix_suffices(suffix: Proposal, suffix_threshold: float, expected: Callable[[Proposal], float]) -> bool:
+    """The suffix draft is used without asking the drafter: it is expected to yield at least `suffix_threshold`
+    accepted tokens."""
+    return len(suffix) > 0 and expected(suffix) >= suffix_threshold
+
+
+def choose_draft(suffix: Proposal, drafted: Proposal | None, suffix_threshold: float,
+                 expected: Callable[[Proposal], float], sampling: bool = False) -> Proposal:
+    """The hybrid's choice for one sequence, shared by `HybridProposer` and the vLLM plugin's hybrid.
+
+    drafted: the model drafter's draft, or None where it was not run (`suffix_suffices`). The suffix draft wins when
+    it suffices; else the drafter's when it has tokens and, greedy, a larger expectation (a sampled draft is taken as
+    drawn, see the module docstring).
+    """
+    if drafted is None or suffix_suffices(suffix, suffix_threshold, expected) or not len(drafted):
+        return suffix
+    if sampling or not len(suffix) or expected(drafted) > expected(suffix):
+        return drafted
+    return suffix
+
+
 class HybridProposer:
     """A `FeatureProposer` over a model-free proposer (`suffix`) and a model drafter (`drafter`, a `DrafterProposer`).
 
@@ -58,12 +79,12 @@ class HybridProposer:
                   tree: bool = False) -> Proposal:
         """tree=True: both draft trees of at most num_speculative_tokens nodes (the drafter's no deeper than its K)."""
         budget = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        best = self.suffix.speculate(request_id, budget, tree=tree)
-        if not len(best) or self.expected(best) < self.suffix_threshold:
+        suffix = self.suffix.speculate(request_id, budget, tree=tree)
+        drafted = None
+        if not suffix_suffices(suffix, self.suffix_threshold, self.expected):
             drafted = self.drafter.speculate(
                 request_id, budget if tree else min(budget, self.drafter.num_speculative_tokens), tree=tree)
-            if len(drafted) and (self.sampling or not len(best) or self.expected(drafted) > self.expected(best)):
-                best = drafted
+        best = choose_draft(suffix, drafted, self.suffix_threshold, self.expected, sampling=self.sampling)
         self.chosen[best.source if len(best) else ""] += 1
         return best
 

