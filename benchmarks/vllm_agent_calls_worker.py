@@ -70,6 +70,14 @@ def replay(engine, params, trajectories: list[list[list[int]]], concurrency: int
     return {"calls": results, "wall_s": time.perf_counter() - started}
 
 
+def set_threads(torch, n: int) -> None:
+    """torch's intra-op threads, for real: vLLM's CPU worker replaces `torch.set_num_threads` with a no-op once it
+    starts, and its n-gram proposer (numba) leaves torch at 2 threads here; the C++ setter still works."""
+    torch._C.set_num_threads(n)
+    if torch.get_num_threads() != n:
+        raise RuntimeError(f"torch runs {torch.get_num_threads()} threads, {n} were asked for")
+
+
 def main() -> int:
     config = json.loads(sys.argv[1])
     started = time.perf_counter()
@@ -77,12 +85,12 @@ def main() -> int:
         import torch
         from vllm import LLM, SamplingParams
 
-        torch.set_num_threads(config.get("threads", 1))  # one thread, as every other method of the benchmark
+        set_threads(torch, config.get("threads", 1))  # one thread, as every other method of the benchmark
 
         llm = LLM(model=config["model"], dtype="float32", enforce_eager=True, max_model_len=config["max_model_len"],
                   enable_prefix_caching=True, speculative_config=config.get("speculative_config"), seed=0)
         engine = llm.llm_engine
-        torch.set_num_threads(config.get("threads", 1))  # vLLM's CPU worker sets its own count while it starts
+        set_threads(torch, config.get("threads", 1))  # vLLM's CPU worker sets its own count while it starts
         # a short untimed request whose prompt repeats, so that the proposers draft: first-call costs (kernels, the
         # n-gram proposer's numba compilation) stay out of the timings
         llm.generate([{"prompt_token_ids": list(range(100, 132)) * 3}], SamplingParams(temperature=0.0, max_tokens=16),
@@ -95,7 +103,7 @@ def main() -> int:
         if not line.strip():
             continue
         request = json.loads(line)
-        torch.set_num_threads(config.get("threads", 1))  # again: a proposer's numba/OpenMP setup may have changed it
+        set_threads(torch, config.get("threads", 1))  # again: the n-gram proposer's numba set-up changes it
         params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
         result = replay(engine, params, request["trajectories"], request.get("concurrency", 1))
         reply("result", {**result, "threads": torch.get_num_threads()})
