@@ -90,7 +90,7 @@ class _Attention:
     cache: KVCache
     rows: slice  # of the pass's [B, q] inputs
     kv_len: int
-    mask: torch.Tensor  # [b, 1, q, kv_len]
+    mask: torch.Tensor | None  # [b, 1, heads per KV head * q, kv_len] (additive on a CPU); None: every input sees all
     slots: torch.Tensor  # [b, q]: where each input's key and value go
     start: int | None  # every row has this length: the inputs go to one slice of slots
     causal_chunk: bool  # rows of equal length whose q inputs are consecutive: attend in two mask-free parts
@@ -139,6 +139,7 @@ class TargetModel:
         decoder = model.model
         self.dtype = decoder.embed_tokens.weight.dtype
         self.device = decoder.embed_tokens.weight.device
+        self._cpu_flash = _FLASH_CPU is not None and self.device.type == "cpu"
         with torch.no_grad():
             self.embed = decoder.embed_tokens.weight
             self.layers = [_Layer(layer, pack_weights) for layer in decoder.layers]
@@ -183,8 +184,15 @@ class TargetModel:
         row_ids = torch.arange(bsz, device=self.device)[:, None, None]
         mask[row_ids, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = tree_mask
         same_length = all(n == cache.lengths[0] for n in cache.lengths)
-        return _Attention(cache, rows, kv_len, mask[:, None], slots, cache.lengths[0] if same_length else None,
-                          causal and same_length and _FLASH_CPU is not None and self.device.type == "cpu")
+        causal_chunk = causal and same_length and self._cpu_flash
+        folded_mask = None
+        if not causal_chunk and not bool(mask.all()):
+            # Row r of a folded head is input r % q (see _attend); CPU flash attention takes an additive mask.
+            folded = mask[:, None].repeat(1, 1, self.num_heads // self.num_kv_heads, 1)
+            folded_mask = folded if not self._cpu_flash else \
+                torch.zeros(folded.shape, dtype=self.dtype, device=self.device).masked_fill_(~folded, float("-inf"))
+        return _Attention(cache, rows, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None,
+                          causal_chunk)
 
     def _attend(self, g: _Attention, layer_id: int, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> torch.Tensor:
@@ -201,8 +209,16 @@ class TargetModel:
             values[row_ids, :, g.slots] = value.transpose(1, 2)
         if g.causal_chunk:
             return _prefix_then_causal(query, keys[:, :, :g.start], values[:, :, :g.start], key, value)
-        return F.scaled_dot_product_attention(query, keys[:, :, :g.kv_len], values[:, :, :g.kv_len],
-                                              attn_mask=g.mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        # The query heads that share a KV head attend as the rows of one head, so each KV head is read once per step
+        # rather than once per query head: at 3k tokens of context a third less attention time on a CPU.
+        bsz, _, q, head_dim = query.shape
+        folded = query.reshape(bsz, self.num_kv_heads, self.num_heads // self.num_kv_heads * q, head_dim)
+        keys, values = keys[:, :, :g.kv_len], values[:, :, :g.kv_len]
+        if self._cpu_flash:
+            out = _FLASH_CPU(folded, keys, values, attn_mask=g.mask)[0]
+        else:
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=g.mask)
+        return out.view(bsz, self.num_heads, q, head_dim)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache | Sequence[KVCache], tokens: torch.Tensor, depths: torch.Tensor,
