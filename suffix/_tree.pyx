@@ -902,20 +902,11 @@ cdef inline double backoff_floor(Draft* d, SpecArgs* a) noexcept nogil:
         return a.min_prob
     return d.prob[d.n - 1] if d.prob[d.n - 1] < 1.0 else 2.0
 
-cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, Draft* tmp, Draft* mix,
-                        int32_t* idx, Item* heap, Draft* extra) noexcept nogil:
-    """Draft from the request's own tree and from the global tree. Chains: keep the higher score (ties: the
-    request's). Trees: their union, each tree's draft joined with the one from its longest shorter match that occurs
-    more often, cut to max_nodes by path probability. `extra` is scratch for those."""
-    cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, m2, lo, hi, i, v, cap, u, d, bu = ROOT
-    cdef int64_t c
-    cdef double floor
-    best.n = 0
-    best.score = 0.0
-    best.match_len = 0
-    # own context: the active suffix of length m ends at a node; count >= 2 means an earlier occurrence exists, and
-    # then one exists for every shorter suffix too, so the longest such m is found by bisection
-    lo = 0
+cdef int32_t longest_repeat(Tree* R) noexcept nogil:
+    """Length of the longest suffix of an open tree's sequence that occurred earlier in it. The active suffix of
+    length m ends at a node; count >= 2 means an earlier occurrence exists, and then one exists for every shorter
+    suffix too, so bisection finds it."""
+    cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, lo = 0, hi
     hi = D if L >= D else L
     while lo < hi:
         m = (lo + hi + 1) // 2
@@ -923,7 +914,21 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
             lo = m
         else:
             hi = m - 1
-    m = lo
+    return lo
+
+cdef void speculate_one(Tree* R, Tree* O, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, Draft* tmp, Draft* mix,
+                        int32_t* idx, Item* heap, Draft* extra) noexcept nogil:
+    """Draft from the request's own tree (R: prompt and output), from the global tree, and for chains from the
+    request's output alone (O). Chains: keep the highest score (ties: the earlier of own, global, output). Trees:
+    the union of own and global, each tree's draft joined with the one from its longest shorter match that occurs
+    more often, cut to max_nodes by path probability. `extra` is scratch for those."""
+    cdef int32_t D = R.max_depth, L = <int32_t> R.tok_end, m, m2, lo, hi, i, v, cap, u, d, bu = ROOT
+    cdef int64_t c
+    cdef double floor
+    best.n = 0
+    best.score = 0.0
+    best.match_len = 0
+    m = longest_repeat(R)
     if m >= 1:
         i = (L - m) % D
         v = R.act_node[i]
@@ -980,6 +985,17 @@ cdef void speculate_one(Tree* R, GMatch* gm, Tree* G, SpecArgs* a, Draft* best, 
                     merge_trees(best, tmp, a.max_nodes, mix, idx, best)
             elif tmp.score > best.score:
                 draft_copy(best, tmp)
+    # The output alone: where a response repeats itself (a loop, a list), its own continuation is drafted even when
+    # the prompt's occurrences of the same string outvote it in R.
+    m = longest_repeat(O) if not a.tree else 0
+    if m >= 1:
+        L = <int32_t> O.tok_end
+        i = (L - m) % D
+        cap = draft_cap(a, m)
+        draft_tree(O, O.act_node[i], m, m == D, O.act_prev[i], cap, cap, a.min_prob, False, tmp, heap)
+        tmp.match_len = m
+        if tmp.score > best.score:
+            draft_copy(best, tmp)
 
 # ---------------------------------------------------------------- Python-facing objects
 
@@ -1248,6 +1264,7 @@ cdef class RequestState:
     """A request's own suffix tree (one open sequence: its prompt and output so far) and its match state in the
     global tree."""
     cdef readonly SuffixTree tree
+    cdef readonly SuffixTree output  # the request's output alone (an open sequence)
     cdef GMatch gm
     cdef public int prompt_len      # where this request's response starts
     cdef public int indexed_from    # tokens before this came with the tree from an earlier request (a session)
@@ -1255,6 +1272,8 @@ cdef class RequestState:
 
     def __cinit__(self, SuffixTree tree, int prompt_len, int indexed_from=0):
         self.tree = tree
+        self.output = SuffixTree(tree.max_depth)
+        self.output.add_sequence(np.empty(0, dtype=np.int32), keep_open=True)
         self.prompt_len = prompt_len
         self.indexed_from = indexed_from
         self.finished = False
@@ -1270,6 +1289,14 @@ cdef class RequestState:
 
     def tokens(self, int start=0):
         return self.tree.tokens(start)
+
+    def extend(self, const int32_t[::1] tokens):
+        """Append output tokens (to the request's tree and to its output's)."""
+        self.tree.extend(tokens)
+        self.output.extend(tokens)
+
+    def memory_bytes(self) -> int:
+        return self.tree.memory_bytes() + self.output.memory_bytes()
 
 
 cdef object to_proposal(Draft* d):
@@ -1313,7 +1340,7 @@ def speculate_request(RequestState r, SuffixTree glob, int max_tokens, int max_n
     cdef SpecArgs a = spec_args(max_tokens, max_nodes, factor, offset, min_prob, tree)
     cdef _Scratch sc = glob.scratch_for((max_nodes if tree else max_tokens) + 1)
     with nogil:
-        speculate_one(&r.tree.T, &r.gm, &glob.T, &a, &sc.a, &sc.b, &sc.mix, sc.idx, sc.heap, &sc.extra)
+        speculate_one(&r.tree.T, &r.output.T, &r.gm, &glob.T, &a, &sc.a, &sc.b, &sc.mix, sc.idx, sc.heap, &sc.extra)
     return to_proposal(&sc.a)
 
 
@@ -1335,27 +1362,29 @@ def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, dou
             raise ValueError("a request's tree must be open")
     cdef Draft* drafts = <Draft*> PyMem_Malloc(nreq * sizeof(Draft))
     cdef Tree** trees = <Tree**> PyMem_Malloc(nreq * sizeof(Tree*))
+    cdef Tree** outputs = <Tree**> PyMem_Malloc(nreq * sizeof(Tree*))
     cdef GMatch** gms = <GMatch**> PyMem_Malloc(nreq * sizeof(GMatch*))
     cdef int32_t* buf_t = <int32_t*> PyMem_Malloc(nreq * need * sizeof(int32_t))
     cdef int32_t* buf_p = <int32_t*> PyMem_Malloc(nreq * need * sizeof(int32_t))
     cdef double* buf_q = <double*> PyMem_Malloc(nreq * need * sizeof(double))
     cdef list out = []
     try:
-        if drafts == NULL or trees == NULL or gms == NULL or buf_t == NULL or buf_p == NULL or buf_q == NULL:
+        if drafts == NULL or trees == NULL or outputs == NULL or gms == NULL or buf_t == NULL or buf_p == NULL or buf_q == NULL:
             raise MemoryError()
         for k in range(nreq):
             r = requests[k]
             trees[k] = &r.tree.T
+            outputs[k] = &r.output.T
             gms[k] = &r.gm
             drafts[k].tok = buf_t + k * need
             drafts[k].par = buf_p + k * need
             drafts[k].prob = buf_q + k * need
         with nogil:
             for k in range(nreq):
-                speculate_one(trees[k], gms[k], G, &a, &drafts[k], &sc.b, &sc.mix, sc.idx, sc.heap, &sc.extra)
+                speculate_one(trees[k], outputs[k], gms[k], G, &a, &drafts[k], &sc.b, &sc.mix, sc.idx, sc.heap, &sc.extra)
         for k in range(nreq):
             out.append(to_proposal(&drafts[k]))
     finally:
-        PyMem_Free(drafts); PyMem_Free(trees); PyMem_Free(gms)
+        PyMem_Free(drafts); PyMem_Free(trees); PyMem_Free(outputs); PyMem_Free(gms)
         PyMem_Free(buf_t); PyMem_Free(buf_p); PyMem_Free(buf_q)
     return out

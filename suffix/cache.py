@@ -2,8 +2,9 @@
 
 Two levels, as in SuffixDecoding: every request has its own tree over its prompt and output so far, and one global tree
 holds finished responses, each after the last `prompt_tail_tokens` tokens of its prompt (all of the prompt with
-`index_prompts_globally`). `speculate` drafts from both: a chain keeps the higher-scoring draft; a tree is the union of
-the two trees' drafts (a path drafted twice at the higher of its probabilities), where each tree also drafts from its
+`index_prompts_globally`). `speculate` drafts from both, and a chain also from the request's output alone (where a
+response repeats itself, its own continuation, which the prompt's occurrences of the same string could outvote in the
+request's tree): a chain keeps the highest-scoring draft; a tree is the union of the two trees' drafts (a path drafted twice at the higher of its probabilities), where each tree also drafts from its
 longest shorter match that occurs more often than the longest (a backoff: continuations the long match does not
 reach), cut to the node budget by probability.
 
@@ -145,7 +146,7 @@ class SuffixCache:
     def append(self, request_id: Hashable, tokens: Sequence[int] | np.ndarray) -> None:
         toks = as_token_array(tokens, self.vocab_size)
         with self._lock:
-            self._state(request_id).tree.extend(toks)
+            self._state(request_id).extend(toks)
             self._evict_global(self.evict_per_call // APPEND_EVICT_DIVISOR)
 
     def finish_request(self, request_id: Hashable) -> None:
@@ -213,7 +214,7 @@ class SuffixCache:
 
     def memory_bytes(self) -> int:
         with self._lock:
-            return self._global.memory_bytes() + sum(s.tree.memory_bytes() for s in self._states())
+            return self._global.memory_bytes() + sum(s.memory_bytes() for s in self._states())
 
     def indexed_tokens(self) -> int:
         with self._lock:

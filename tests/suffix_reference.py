@@ -138,11 +138,26 @@ def _cap(m: int, max_tokens: int, factor: float, offset: float) -> int:
     return max(0, min(max_tokens, int(m * factor + offset + 1e-6)))
 
 
-def ref_speculate(ctx: list[int], glob: RefCorpus, D: int, max_tokens: int, max_nodes: int, factor: float,
-                  offset: float, min_prob: float, tree: bool):
-    """(tokens, parents, probs, score, match_len) as SuffixCache.speculate returns them."""
+def _own_draft(ctx: list[int], D: int, max_tokens: int, max_nodes: int, factor: float, offset: float,
+               min_prob: float, tree: bool):
+    """The draft from the longest suffix of ctx that occurred earlier in it, and the corpus of ctx."""
     own = RefCorpus(D)
     own.seqs, own.starts = [list(ctx)], [0]
+    L = len(ctx)
+    for m in range(min(D, L), 0, -1):
+        q = tuple(ctx[L - m:])
+        if len(own.occurrences(q)) >= 2:
+            cap = _cap(m, max_tokens, factor, offset)
+            start = (0, _most_recent(own, q, before_end=L)[1]) if m == D else None
+            t, p, pr, s = ref_draft(own, q, start, 0, cap, max_nodes if tree else cap, min_prob, tree)
+            return (t, p, pr, s, m), own
+    return None, own
+
+
+def ref_speculate(ctx: list[int], glob: RefCorpus, D: int, max_tokens: int, max_nodes: int, factor: float,
+                  offset: float, min_prob: float, tree: bool, prompt_len: int | None = None):
+    """(tokens, parents, probs, score, match_len) as SuffixCache.speculate returns them; ctx[prompt_len:] is the
+    request's output (none by default)."""
     L = len(ctx)
     def with_shorter_match(corpus, self_seq, m, draft):
         """Tree mode: the draft joined with the one from the longest shorter suffix that occurs more often."""
@@ -156,16 +171,9 @@ def ref_speculate(ctx: list[int], glob: RefCorpus, D: int, max_tokens: int, max_
         return draft
 
     best = ([], [], [], 0.0, 0)
-    for m in range(min(D, L), 0, -1):
-        q = tuple(ctx[L - m:])
-        if len(own.occurrences(q)) >= 2:
-            cap = _cap(m, max_tokens, factor, offset)
-            start = (0, _most_recent(own, q, before_end=L)[1]) if m == D else None
-            t, p, pr, s = ref_draft(own, q, start, 0, cap, max_nodes if tree else cap, min_prob, tree)
-            best = (t, p, pr, s, m)
-            if tree:
-                best = with_shorter_match(own, 0, m, best)
-            break
+    found, own = _own_draft(ctx, D, max_tokens, max_nodes, factor, offset, min_prob, tree)
+    if found is not None:
+        best = with_shorter_match(own, 0, found[4], found) if tree else found
     if glob.n_tokens() > 0:
         for m in range(min(D, L), 0, -1):
             q = tuple(ctx[L - m:])
@@ -178,6 +186,10 @@ def ref_speculate(ctx: list[int], glob: RefCorpus, D: int, max_tokens: int, max_
                 first, second = (other, best) if other[3] > best[3] else (best, other)
                 best = _merge(first, second, max_nodes) if tree and second[0] else first
                 break
+    if not tree and prompt_len is not None and prompt_len < L:  # chains: also the output alone
+        found, _ = _own_draft(ctx[prompt_len:], D, max_tokens, max_nodes, factor, offset, min_prob, False)
+        if found is not None and found[3] > best[3]:
+            best = found
     t, p, pr, s, m = best
     return t, p, pr, s, (m if t else 0)
 
@@ -248,4 +260,5 @@ class RefCache:
 
     def speculate(self, rid, max_tokens, factor=1.0, offset=0.0, min_prob=0.1, tree=False, max_nodes=None):
         return ref_speculate(self.live[rid]["ctx"], self.glob, self.D, max_tokens,
-                             max_tokens if max_nodes is None else max_nodes, factor, offset, min_prob, tree)
+                             max_tokens if max_nodes is None else max_nodes, factor, offset, min_prob, tree,
+                             self.live[rid]["prompt_len"])

@@ -178,6 +178,18 @@ def test_saturated_ending_counts_stay_exact():
     cache._global.check()
 
 
+def test_a_chain_follows_the_output_where_it_repeats_itself():
+    cache = SuffixCache(max_depth=16)
+    # the prompt has "1 2" followed by 3 three times; the output so far has "1 2" followed by 4, then "1 2" again
+    cache.start_request(0, [1, 2, 3, 1, 2, 3, 1, 2, 3])
+    cache.append(0, [1, 2, 4, 1, 2])
+    got = cache.speculate(0, num_speculative_tokens=2)
+    # the request's tree alone drafts 3 (3 of the 4 continuations of "1 2"); the output alone drafts 4, 1, surely
+    assert got.token_ids == [4, 1] and got.probs == [1.0, 1.0] and got.match_len == 2
+    # trees keep the union of the request's and the global tree's drafts, as before
+    assert cache.speculate(0, num_speculative_tokens=2, tree=True).token_ids[0] == 3
+
+
 def test_tree_mode_branches_and_respects_limits():
     cache = SuffixCache(max_depth=16)
     # "1 2" is followed by 3 twice and by 4 once
