@@ -2,19 +2,21 @@
 
 Two levels, as in SuffixDecoding: every request has its own tree over its prompt and output so far, and one global tree
 holds finished responses, each after the last `prompt_tail_tokens` tokens of its prompt (all of the prompt with
-`index_prompts_globally`). `speculate` drafts from both, and a chain also from the request's output alone (where a
-response repeats itself, its own continuation, which the prompt's occurrences of the same string could outvote in the
-request's tree): a chain keeps the highest-scoring draft; a tree is the union of the two trees' drafts (a path drafted twice at the higher of its probabilities), where each tree also drafts from its
-longest shorter match that occurs more often than the longest (a backoff: continuations the long match does not
-reach), cut to the node budget by probability.
+`index_prompts_globally`). `speculate` drafts from both. A chain also drafts from the request's output alone, which
+catches a response repeating itself where the prompt's occurrences of the same string would outvote it in the
+request's tree; it keeps the highest-scoring of the three (ties: own, global, output). A tree is the union of the two
+trees' drafts (a path drafted twice at the higher of its probabilities), where each tree also drafts from its longest
+shorter match that occurs more often than the longest (a backoff: continuations the long match does not reach), cut to
+the node budget by probability.
 
 Semantics (the brute-force reference in tests/suffix_reference.py implements exactly these):
 - counts are exact occurrence counts of strings up to `max_depth` tokens; a token's probability is its share among the
   continuations of the matched string (occurrences with no next token, like the context's own end, do not vote);
   ties go to the most recent occurrence; a draft's probabilities are cumulative along its path and it stops below
   `min_token_prob`; score = sum of probabilities (expected accepted tokens);
-- the match is the longest suffix of the context (at most `max_depth`) with an earlier occurrence (own tree) or any
-  occurrence (global tree); the draft may be at most `max_spec_factor * match_len + max_spec_offset` tokens long;
+- the match is the longest suffix of the context (at most `max_depth`) with an earlier occurrence (own tree; for the
+  output draft, the longest suffix of the output with an earlier occurrence in it) or any occurrence (global tree); the
+  draft may be at most `max_spec_factor * match_len + max_spec_offset` tokens long;
 - past `max_depth` the tree knows no more, and the draft continues by copying from the most recent occurrence of the
   last `max_depth` tokens; copies may overlap the draft itself (periodic text), as in LZ77.
 
