@@ -17,11 +17,11 @@ class Linear:
     Why: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix. torch's default CPU
     path (MKL sgemm) repacks the weight on every call, so its cost grows with the rows from the second row on; oneDNN
     with a prepacked weight stays near the one-row cost up to several rows (measured: BENCHMARKS.md, "Verification
-    cost on this CPU"). Elsewhere it is F.linear.
+    cost on this CPU"). Elsewhere it is F.linear. Rows are not padded: padding one or two rows to four won on the CPU
+    of an earlier session (a faster kernel) and lost 10-20% of a plain step on this one (BENCHMARKS.md, same section).
     """
 
-    __slots__ = ("weight", "bias", "packed", "pad_rows", "compute_dtype")
-    MIN_ROWS = 4
+    __slots__ = ("weight", "bias", "packed", "compute_dtype")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  compute_dtype: torch.dtype | None = None):
@@ -34,20 +34,11 @@ class Linear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack and _onednn_available(weight) \
             else None
         self.weight = weight if self.packed is None else None  # the packed copy replaces it
-        # oneDNN picks a slower kernel for one or two rows than for three to six once the weights stream from memory
-        # (a model's worth of them): padding to MIN_ROWS makes the plain step faster and small drafts nearly free
-        # (BENCHMARKS.md, "Verification cost on this CPU").
-        self.pad_rows = self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is not None and x.dtype != self.compute_dtype:
             return self(x.to(self.compute_dtype)).to(x.dtype)
         if self.packed is not None:
-            if self.pad_rows and (n := x.numel() // x.shape[-1]) < self.MIN_ROWS:
-                rows = x.reshape(n, -1)
-                padded = torch.cat([rows, rows[-1:].expand(self.MIN_ROWS - n, -1)])
-                out = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
-                return out[:n].reshape(*x.shape[:-1], -1)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -17,14 +17,14 @@ from typing import Mapping
 import numpy as np
 
 # The built-in tables: t(k) in ms of SmolLM2-135M fp32, 1 thread, on this project's CPU, at three context lengths
-# (`python benchmarks/bench_verify_cost.py --threads 1 --context 512,2048,4096`; BENCHMARKS.md, "Verification cost on
-# this CPU"). The 512 row is the default table; the router interpolates between contexts.
+# (`python benchmarks/bench_verify_cost.py --threads 1 --context 512,2048,4096 --repeats 9`; BENCHMARKS.md,
+# "Verification cost on this CPU"). The 512 row is the default table; the router interpolates between contexts.
 DEFAULT_VERIFY_MS: dict[int, float] = {
-    0: 44.3, 1: 45.9, 2: 46.9, 3: 45.8, 4: 47.5, 5: 47.5, 6: 56.2, 8: 59.9, 12: 71.9, 16: 80.6, 32: 130.2}
+    0: 55.6, 1: 57.5, 2: 60.5, 3: 63.2, 4: 66.3, 5: 68.0, 6: 71.5, 8: 75.6, 12: 85.1, 16: 93.1, 32: 128.7}
 DEFAULT_VERIFY_MS_BY_CONTEXT: dict[int, dict[int, float]] = {
     512: DEFAULT_VERIFY_MS,
-    2048: {0: 52.3, 1: 58.7, 2: 64.4, 3: 63.9, 4: 69.1, 5: 69.9, 6: 82.0, 8: 86.1, 12: 104.6, 16: 119.2, 32: 191.7},
-    4096: {0: 65.0, 1: 77.2, 2: 89.1, 3: 91.8, 4: 102.1, 5: 103.1, 6: 120.4, 8: 125.6, 12: 151.9, 16: 175.1, 32: 277.1},
+    2048: {0: 64.1, 1: 67.9, 2: 72.2, 3: 75.1, 4: 78.2, 5: 81.6, 6: 85.1, 8: 90.4, 12: 105.7, 16: 116.5, 32: 168.8},
+    4096: {0: 75.6, 1: 80.7, 2: 87.4, 3: 91.1, 4: 95.2, 5: 99.9, 6: 105.1, 8: 112.7, 12: 141.6, 16: 159.8, 32: 245.5},
 }
 
 
