@@ -1,5 +1,5 @@
-"""Linear layers for small-batch inference on a CPU: weights packed once for oneDNN, a few rows padded to the faster
-kernel; `pack_linears` swaps them into any module (the drafters)."""
+"""Linear layers for small-batch inference on a CPU: weights packed once for oneDNN; `pack_linears` swaps them into any
+module (the drafters)."""
 from __future__ import annotations
 
 import torch
