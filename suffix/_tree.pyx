@@ -1340,7 +1340,8 @@ def speculate_request(RequestState r, SuffixTree glob, int max_tokens, int max_n
     cdef SpecArgs a = spec_args(max_tokens, max_nodes, factor, offset, min_prob, tree)
     cdef _Scratch sc = glob.scratch_for((max_nodes if tree else max_tokens) + 1)
     with nogil:
-        speculate_one(&r.tree.T, &r.output.T, &r.gm, &glob.T, &a, &sc.a, &sc.b, &sc.mix, sc.idx, sc.heap, &sc.extra)
+        speculate_one(&r.tree.T, &r.output.T, &r.gm, &glob.T, &a, &sc.a, &sc.b, &sc.mix, sc.idx, sc.heap,
+                      &sc.extra)
     return to_proposal(&sc.a)
 
 
@@ -1369,7 +1370,8 @@ def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, dou
     cdef double* buf_q = <double*> PyMem_Malloc(nreq * need * sizeof(double))
     cdef list out = []
     try:
-        if drafts == NULL or trees == NULL or outputs == NULL or gms == NULL or buf_t == NULL or buf_p == NULL or buf_q == NULL:
+        if (drafts == NULL or trees == NULL or outputs == NULL or gms == NULL or buf_t == NULL or buf_p == NULL
+                or buf_q == NULL):
             raise MemoryError()
         for k in range(nreq):
             r = requests[k]
@@ -1381,7 +1383,8 @@ def speculate(list requests, SuffixTree glob, int max_tokens, int max_nodes, dou
             drafts[k].prob = buf_q + k * need
         with nogil:
             for k in range(nreq):
-                speculate_one(trees[k], outputs[k], gms[k], G, &a, &drafts[k], &sc.b, &sc.mix, sc.idx, sc.heap, &sc.extra)
+                speculate_one(trees[k], outputs[k], gms[k], G, &a, &drafts[k], &sc.b, &sc.mix, sc.idx, sc.heap,
+                              &sc.extra)
         for k in range(nreq):
             out.append(to_proposal(&drafts[k]))
     finally:
