@@ -18,7 +18,7 @@ class Linear:
     path (MKL sgemm) repacks the weight on every call, so its cost grows with the rows from the second row on; oneDNN
     with a prepacked weight stays near the one-row cost up to several rows (measured: BENCHMARKS.md, "Verification
     cost on this CPU"). Elsewhere it is F.linear. Rows are not padded: padding one or two rows to four won on the CPU
-    of an earlier session (a faster kernel) and lost 10-20% of a plain step on this one (BENCHMARKS.md, same section).
+    of an earlier session (a faster kernel) and lost on this one (BENCHMARKS.md, same section).
     """
 
     __slots__ = ("weight", "bias", "packed", "compute_dtype")

@@ -210,7 +210,7 @@ class TargetModel:
         if g.causal_chunk:
             return _prefix_then_causal(query, keys[:, :, :g.start], values[:, :, :g.start], key, value)
         # The query heads that share a KV head attend as the rows of one head, so each KV head is read once per step
-        # rather than once per query head (a fifth less attention time at 3k tokens of context on a CPU).
+        # rather than once per query head (BENCHMARKS.md, "Verification cost on this CPU").
         bsz, _, q, head_dim = query.shape
         folded = query.reshape(bsz, self.num_kv_heads, self.num_heads // self.num_kv_heads * q, head_dim)
         keys, values = keys[:, :, :g.kv_len], values[:, :, :g.kv_len]
