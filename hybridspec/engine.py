@@ -660,7 +660,8 @@ class Engine:
         min(1, p_target(x) / p_draft(x)), else the target resamples from norm(max(0, p_target - p_draft))."""
         outs = self.target.step_many(
             [(c.cache, [c.seqs[i].tokens[-1] for i in c.live], [r.token_ids for r in rs], [r.parents for r in rs])
-             for c, rs in zip(calls, routed)], return_hidden=any(c.reads_features for c in calls))
+             for c, rs in zip(calls, routed)], return_hidden=any(c.reads_features for c in calls),
+            argmax_only=all(c.params.temperature == 0 for c in calls))
         return [(out, verify_batch(out.logits, rs, c.params.temperature, c.params.top_k, c.params.top_p,
                                    c.params.generator)) for c, rs, out in zip(calls, routed, outs)]
 

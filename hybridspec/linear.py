@@ -42,6 +42,12 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), the addition fused into oneDNN's product (a residual connection: one pass less)."""
+        if self.packed is not None and self.compute_dtype is None and residual.shape[:-1] == x.shape[:-1]:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), self.packed, self.bias, "add")
+        return residual + self(x)
+
 
 class PackedLinear(torch.nn.Module):
     """Inference-only stand-in for an nn.Linear, computing with `Linear` (the oneDNN-packed weight); keeps `weight`,

@@ -34,13 +34,24 @@ import torch
 import torch.nn.functional as F
 
 from hybridspec.kv_cache import KVCache, tree_depths_and_mask
-from hybridspec.linear import Linear
+from hybridspec.linear import Linear, fast_bf16
 from hybridspec.speculators.features import default_aux_layer_ids
-from hybridspec.speculators.layers import apply_rotary
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # PyTorch's CPU flash attention, which also returns the log-sum-exp of each query's scores (GQA without repeats).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Prefill chunks: long where the chunk attends causally without a mask (the causal kernel skips more of the blocks
+# above the diagonal in one long chunk than in several short ones), short where a mask is needed (its memory).
+CAUSAL_CHUNK, MASKED_CHUNK = 2048, 512
+
+
+def _interleave_rotary_pairs(rows: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """A query or key projection's output rows (weight or bias) reordered within each head from Llama's halves
+    (x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}) to pairs (x_0, y_0, x_1, y_1, ...): RoPE then rotates each pair as one
+    complex number, one multiplication for all heads. Queries and keys are permuted alike, so their dot products,
+    and attention, are unchanged."""
+    order = torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)
+    return rows.reshape(heads, head_dim, -1)[:, order].reshape(rows.shape)
 
 
 def _prefix_then_causal(query: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
@@ -55,6 +66,35 @@ def _prefix_then_causal(query: torch.Tensor, prefix_keys: torch.Tensor, prefix_v
     total = torch.logaddexp(lse, prefix_lse)
     merged = out * torch.exp(lse - total)[..., None] + prefix_out * torch.exp(prefix_lse - total)[..., None]
     return merged.to(query.dtype)
+
+
+class _GreedyHead:
+    """The output layer of a greedy step, whose logits matter only where they are a row's maximum: the product in
+    bfloat16, then exact float32 logits for every token that could be the maximum.
+
+    Why: a decode step reads every weight once, and the output layer is a fifth of SmolLM2's bytes; in bfloat16 it is
+    half as many. Exact: a bfloat16 logit differs from the float32 one by at most err_i = C |h| |w_i| (C covers the
+    roundings of h, w_i and the output to bfloat16 and the float32 accumulation; |h| |w_i| bounds sum_j |h_j w_ij|),
+    so the float32 argmax is among the tokens whose bfloat16 logit + err_i reaches the row's bfloat16 maximum less its
+    error (on SmolLM2, a few dozen). Those logits are recomputed in float32; the rest stay below the maximum.
+    """
+
+    C = 3 * 2.0 ** -8 + 1e-4  # three bfloat16 roundings (unit roundoff 2^-8) + float32 accumulation, with margin
+    MAX_ROWS = 4  # beyond: no faster than the float32 product on this CPU (plain steps gain 3-7%; bench_verify_cost)
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight  # [V, H] float32, the model's own (no copy)
+        self.bf16 = Linear(weight, compute_dtype=torch.bfloat16)
+        self.row_norms = weight.norm(dim=-1)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = hidden.reshape(-1, hidden.shape[-1])
+        logits = self.bf16(h).float()
+        err = torch.outer(self.C * h.norm(dim=-1), self.row_norms).add_(1e-6)
+        top = logits.max(-1, keepdim=True)
+        rows, cols = (logits + err >= top.values - err.gather(-1, top.indices)).nonzero(as_tuple=True)
+        logits[rows, cols] = (h[rows] * self.weight[cols]).sum(-1)
+        return logits.view(*hidden.shape[:-1], -1)
 
 
 @dataclass
@@ -101,14 +141,19 @@ class _Layer:
 
     __slots__ = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
 
-    def __init__(self, layer, pack: bool):
+    def __init__(self, layer, pack: bool, heads: int, kv_heads: int, head_dim: int):
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
         # One matrix for Q, K and V (and one for gate and up): fewer, larger matmuls per layer.
+        q_rows = [_interleave_rotary_pairs(attn.q_proj.weight, heads, head_dim),
+                  _interleave_rotary_pairs(attn.k_proj.weight, kv_heads, head_dim), attn.v_proj.weight]
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        self.qkv = Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                          torch.cat(biases) if all(b is not None for b in biases) else None, pack)
+        bias = None
+        if all(b is not None for b in biases):
+            bias = torch.cat([_interleave_rotary_pairs(biases[0], heads, head_dim),
+                              _interleave_rotary_pairs(biases[1], kv_heads, head_dim), biases[2]])
+        self.qkv = Linear(torch.cat(q_rows), bias, pack)
         self.o = Linear(attn.o_proj.weight, pack=pack)
         self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), pack=pack)
         self.down = Linear(mlp.down_proj.weight, pack=pack)
@@ -142,13 +187,20 @@ class TargetModel:
         self._cpu_flash = _FLASH_CPU is not None and self.device.type == "cpu"
         with torch.no_grad():
             self.embed = decoder.embed_tokens.weight
-            self.layers = [_Layer(layer, pack_weights) for layer in decoder.layers]
+            self.layers = [_Layer(layer, pack_weights, self.num_heads, self.num_kv_heads, self.head_dim)
+                           for layer in decoder.layers]
             self.final_norm = decoder.norm.weight
             self.lm_head = Linear(model.get_output_embeddings().weight, pack=pack_weights)
-            # The rotary table for every position, computed once by the model's own rotary module (any RoPE scaling).
+            self.greedy_head = _GreedyHead(model.get_output_embeddings().weight) \
+                if pack_weights and self.dtype == torch.float32 and self.device.type == "cpu" and fast_bf16() else None
+            # The rotary table for every position, computed once by the model's own rotary module (any RoPE scaling),
+            # as one complex number per pair of dimensions (see _interleave_rotary_pairs).
             positions = torch.arange(self.max_seq_len, device=self.device)[None]
-            cos, sin = decoder.rotary_emb(self.embed[:1][None], positions)
-            self.rope_cos, self.rope_sin = cos[0].contiguous(), sin[0].contiguous()  # [max_seq_len, head_dim]
+            cos, sin = (t[0].float() for t in decoder.rotary_emb(self.embed[:1][None], positions))
+            half = self.head_dim // 2
+            if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+                raise ValueError("rotary tables whose two halves differ are not supported")
+            self.rope = torch.complex(cos[:, :half], sin[:, :half])  # [max_seq_len, head_dim / 2]
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
@@ -165,8 +217,14 @@ class TargetModel:
     # forward
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * weight
+        inverse_rms = x.float().pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return (x.float() * inverse_rms).to(x.dtype) * weight
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """RoPE on x [..., head_dim] in pair order (see _interleave_rotary_pairs); rope [..., head_dim / 2] complex."""
+        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        return torch.view_as_real(pairs * rope).flatten(-2).to(x.dtype)
 
     def _attention(self, cache: KVCache, rows: slice, depths: torch.Tensor, tree_mask: torch.Tensor,
                    causal: bool) -> _Attention:
@@ -223,7 +281,7 @@ class TargetModel:
     @torch.inference_mode()
     def forward(self, cache: KVCache | Sequence[KVCache], tokens: torch.Tensor, depths: torch.Tensor,
                 tree_mask: torch.Tensor, *, output_index: torch.Tensor | None = None, return_hidden: bool = False,
-                hidden_at_every_input: bool = False, causal: bool = False) -> StepOutput:
+                hidden_at_every_input: bool = False, causal: bool = False, argmax_only: bool = False) -> StepOutput:
         """Run [B, q] input tokens written at slots lengths[b] + i of each row; does not change the rows' lengths.
 
         cache: one cache of B rows, or several whose rows, in order, are the B rows (concurrent calls in one pass:
@@ -233,6 +291,8 @@ class TargetModel:
         output_index [B]: compute the outputs (logits, hidden states) only at this input of each row (prefill);
         hidden_at_every_input keeps the hidden states at every input all the same (what a drafter reads of a prompt).
         causal: every row's inputs are q consecutive tokens (a prefill chunk, no padding): tree_mask is causal.
+        argmax_only: the logits need to be right only where they are their row's maximum (greedy verification), which
+        a small pass gets sooner (`_GreedyHead`).
         """
         caches = [cache] if isinstance(cache, KVCache) else list(cache)
         bsz, q = tokens.shape
@@ -244,9 +304,7 @@ class TargetModel:
             groups.append(self._attention(c, rows, depths[rows], tree_mask[rows], causal))
             positions.append(torch.tensor(c.lengths, dtype=torch.long, device=self.device)[:, None] + depths[rows])
             begin = rows.stop
-        positions = torch.cat(positions)  # [B, q]
-        cos = self.rope_cos[positions][:, None]  # [B, 1, q, D]
-        sin = self.rope_sin[positions][:, None]
+        rope = self.rope[torch.cat(positions)][:, :, None]  # [B, q, 1, D / 2]
 
         hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed[tokens]  # [B, q, H]
@@ -254,22 +312,23 @@ class TargetModel:
         for layer_id, layer in enumerate(self.layers):
             if return_hidden and layer_id in self.aux_layer_ids:
                 layer_inputs[layer_id] = x
-            h = self._rms_norm(x, layer.input_norm)
-            qkv = layer.qkv(h)
-            query, key, value = qkv.split((hq * hd, hk * hd, hk * hd), dim=-1)
-            query = apply_rotary(query.view(bsz, q, hq, hd).transpose(1, 2), cos, sin)
-            key = apply_rotary(key.view(bsz, q, hk, hd).transpose(1, 2), cos, sin)
-            value = value.view(bsz, q, hk, hd).transpose(1, 2)
+            qkv = layer.qkv(self._rms_norm(x, layer.input_norm))
+            query_key = self._rotate(qkv[..., :(hq + hk) * hd].view(bsz, q, hq + hk, hd), rope)
+            query, key = query_key[:, :, :hq].transpose(1, 2), query_key[:, :, hq:].transpose(1, 2)
+            value = qkv[..., (hq + hk) * hd:].view(bsz, q, hk, hd).transpose(1, 2)
             attn = [self._attend(g, layer_id, query[g.rows], key[g.rows], value[g.rows]) for g in groups]
             attn = attn[0] if len(attn) == 1 else torch.cat(attn)
-            x = x + layer.o(attn.transpose(1, 2).reshape(bsz, q, hq * hd))
+            x = layer.o.plus(attn.transpose(1, 2).reshape(bsz, q, hq * hd), x)
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = layer.down.plus(F.silu(gate) * up, x)
         pick = (lambda h: h) if output_index is None else (
             lambda h: h[torch.arange(bsz, device=self.device), output_index][:, None])
         hidden_pick = (lambda h: h) if hidden_at_every_input else pick
         final = self._rms_norm(hidden_pick(x), self.final_norm)
-        logits = self.lm_head(pick(final) if hidden_at_every_input else final)
+        final_out = pick(final) if hidden_at_every_input else final
+        head = self.greedy_head if argmax_only and final_out.shape[0] * final_out.shape[1] <= _GreedyHead.MAX_ROWS \
+            else None
+        logits = (head or self.lm_head)(final_out)
         if not return_hidden:
             return StepOutput(logits)
         aux = [hidden_pick(layer_inputs[i]) for i in self.aux_layer_ids]
@@ -278,13 +337,14 @@ class TargetModel:
     # ------------------------------------------------------------------------------------------------------------
     # prefill and verification steps
 
-    def prefill(self, cache: KVCache, tokens: Sequence[Sequence[int]], *, chunk_size: int = 512,
+    def prefill(self, cache: KVCache, tokens: Sequence[Sequence[int]], *, chunk_size: int | None = None,
                 return_hidden: bool = False, hidden_tail: int = 0) -> StepOutput:
         """Append tokens[b] to row b of the cache, for all rows in one batched pass per chunk; a row may get none.
 
         Returns the output at each row's last new token ([B, 1, ...]; meaningless for rows that got none), and with
         hidden_tail=n the hidden states at each row's last min(n, len(tokens[b])) new tokens (a drafter's context).
-        Rows are padded to the longest; chunks bound the attention mask's memory for long prompts.
+        Rows are padded to the longest; chunks (of chunk_size tokens; default CAUSAL_CHUNK where every row has the
+        same length and gets as many tokens, else MASKED_CHUNK) bound the attention mask's memory for long prompts.
         """
         if len(tokens) != cache.batch_size:
             raise ValueError(f"got tokens for {len(tokens)} rows for a cache of {cache.batch_size}")
@@ -298,6 +358,9 @@ class TargetModel:
             if t and not 0 <= min(t) <= max(t) < self.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         cache.reserve(longest)
+        if chunk_size is None:
+            uniform = len(set(counts)) == 1 and len(set(cache.lengths)) == 1
+            chunk_size = CAUSAL_CHUNK if uniform else MASKED_CHUNK
         bsz, out = cache.batch_size, None
         last = torch.zeros(bsz, dtype=torch.long)
         tails: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bsz)]
@@ -336,20 +399,22 @@ class TargetModel:
         return out
 
     def step(self, cache: KVCache, last_tokens: Sequence[int], drafts: Sequence[Sequence[int]] | None = None,
-             parents: Sequence[Sequence[int] | None] | None = None, *, return_hidden: bool = False) -> StepOutput:
+             parents: Sequence[Sequence[int] | None] | None = None, *, return_hidden: bool = False,
+             argmax_only: bool = False) -> StepOutput:
         """One verification pass: row b gets [last_tokens[b]] + drafts[b] (a tree when parents[b] is given).
 
         Returns logits [B, q, V] where q = 1 + the longest draft; rows with shorter drafts are padded (padding slots
         see only themselves and their outputs are meaningless). Lengths are unchanged: call `cache.commit` after
-        verification with the slots to keep.
+        verification with the slots to keep. argmax_only: only each row's argmax of the logits is needed (greedy).
         """
         bsz = len(last_tokens)
         drafts = drafts if drafts is not None else [[]] * bsz
-        return self.step_many([(cache, last_tokens, drafts, parents or [None] * bsz)], return_hidden=return_hidden)[0]
+        return self.step_many([(cache, last_tokens, drafts, parents or [None] * bsz)], return_hidden=return_hidden,
+                              argmax_only=argmax_only)[0]
 
     def step_many(self, batches: Sequence[tuple[KVCache, Sequence[int], Sequence[Sequence[int]],
                                                 Sequence[Sequence[int] | None]]],
-                  *, return_hidden: bool = False) -> list[StepOutput]:
+                  *, return_hidden: bool = False, argmax_only: bool = False) -> list[StepOutput]:
         """`step` for several caches (cache, last_tokens, drafts, parents) in one pass; an output per cache."""
         rows = [(b, last, list(draft), row_parents) for b, (cache, last_tokens, drafts, parents) in enumerate(batches)
                 for last, draft, row_parents in zip(last_tokens, drafts, parents, strict=True)]
@@ -374,7 +439,7 @@ class TargetModel:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         caches = [cache for cache, *_ in batches]
         out = self.forward(caches, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
-                           return_hidden=return_hidden)
+                           return_hidden=return_hidden, argmax_only=argmax_only)
         if len(caches) == 1:
             return [out]
         bounds = torch.tensor([0] + [c.batch_size for c in caches]).cumsum(0).tolist()

@@ -217,3 +217,52 @@ def test_linear_products_in_a_compute_dtype(rows):
         torch.testing.assert_close(y, want, atol=0.1, rtol=2e-2)
         assert not torch.allclose(y, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=0)  # really bfloat16
         torch.testing.assert_close(Linear(w, b)(x), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+    # plus: the residual added inside the product is the sum of the two
+    w, x, residual = torch.randn(48, 64), torch.randn(1, rows, 64), torch.randn(1, rows, 48)
+    torch.testing.assert_close(Linear(w).plus(x, residual), residual + x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_head_finds_the_float32_argmax_in_near_ties():
+    """_GreedyHead's argmax is the exact one wherever the top two logits differ by more than float32 noise, also where
+    they differ by far less than bfloat16's error (where the bfloat16 product alone picks the wrong token)."""
+    from hybridspec.target import _GreedyHead
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden = 4096, 576
+    weight = torch.randn(vocab, hidden, generator=gen) * 0.1
+    head, bf16_wrong = _GreedyHead(weight), 0
+    for trial in range(64):
+        h = torch.randn(1, 3, hidden, generator=gen)
+        exact = (h.double() @ weight.double().T)[0]
+        for row in range(3):
+            # the runner-up gets within 1e-4 of the top logit, above or below it
+            a, b = exact[row].topk(2).indices.tolist()
+            direction = h[0, row].double() / h[0, row].double().norm() ** 2
+            gap = exact[row, a] - exact[row, b] + (1e-4 if trial % 2 else -1e-4)
+            weight[b] = (weight[b].double() + gap * direction).float()
+        head = _GreedyHead(weight)
+        exact = (h.double() @ weight.double().T)[0]
+        want = exact.argmax(-1)
+        assert torch.equal(head(h)[0].argmax(-1), want)
+        bf16_wrong += int((head.bf16(h)[0].argmax(-1) != want).sum())
+    assert bf16_wrong > 0  # the ties were close enough to need the float32 recheck
+
+
+def test_argmax_only_steps_pick_the_tokens_of_full_steps(target):
+    """Greedy steps with argmax_only (the bfloat16 head where the CPU multiplies bfloat16 natively) choose the same
+    tokens as steps with full logits, for a batch of rows with drafts up to the head's row limit."""
+    from hybridspec.linear import fast_bf16
+    from hybridspec.target import _GreedyHead
+
+    assert (target.greedy_head is not None) == fast_bf16()
+    rng = random.Random(3)
+    for draft_len in range(_GreedyHead.MAX_ROWS):
+        cache = target.new_cache(1, 64)
+        target.prefill(cache, [[rng.randrange(128) for _ in range(40)]])
+        draft = [[rng.randrange(128) for _ in range(draft_len)]]
+        full = target.step(cache, [7], draft).logits
+        fast = target.step(cache, [7], draft, argmax_only=True).logits
+        assert torch.equal(fast.argmax(-1), full.argmax(-1))
+        if target.greedy_head is not None:
+            assert not torch.equal(fast, full)  # really the bfloat16 head
