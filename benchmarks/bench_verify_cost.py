@@ -25,8 +25,10 @@ DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 
 
 def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAULT_COST_DRAFT_TOKENS,
-                        context: int = 512, batch_size: int = 1, repeats: int = 7, seed: int = 0) -> dict:
-    """Time one pass over [last token] + k draft tokens at a warm `context`-token cache, for each k.
+                        context: int = 512, batch_size: int = 1, repeats: int = 7, seed: int = 0,
+                        greedy: bool = True) -> dict:
+    """Time one pass over [last token] + k draft tokens at a warm `context`-token cache, for each k; greedy: as the
+    engine runs a greedy step (only the logits' argmax needed), else with full logits (sampling).
 
     Reports the median wall time of `repeats` passes per k (and the process CPU time, less disturbed by other
     processes on a shared machine), interleaving the sizes round by round so that load from other processes spreads
@@ -41,7 +43,7 @@ def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAU
         for k in draft_tokens:
             drafts = [torch.randint(0, target.vocab_size, (k,), generator=gen).tolist() for _ in range(batch_size)]
             start, start_cpu = time.perf_counter(), time.process_time()
-            target.step(cache, [1] * batch_size, drafts)
+            target.step(cache, [1] * batch_size, drafts, argmax_only=greedy)
             if round_ > 0:  # round 0 warms up every shape
                 wall[k].append(time.perf_counter() - start)
                 cpu[k].append(time.process_time() - start_cpu)
@@ -50,7 +52,7 @@ def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAU
     base = ms[list(draft_tokens).index(0)] if 0 in draft_tokens else ms[0]
     return {"draft_tokens": list(draft_tokens), "ms": [round(t, 3) for t in ms],
             "relative": [round(t / base, 4) for t in ms], "cpu_ms": [round(t, 3) for t in cpu_ms],
-            "context": context, "batch_size": batch_size,
+            "context": context, "batch_size": batch_size, "greedy": greedy,
             "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "model": target.config.name_or_path, "machine": machine_info(), "repeats": repeats}
 
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-tokens", default=",".join(map(str, DEFAULT_COST_DRAFT_TOKENS)))
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-pack", action="store_true", help="plain F.linear instead of prepacked oneDNN weights")
+    parser.add_argument("--sampling", action="store_true", help="steps with full logits (default: greedy steps)")
     parser.add_argument("--json", type=Path, help="write the measurement here")
     args = parser.parse_args(argv)
     if args.no_verify_cost and not args.batch:
@@ -79,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         ks = [int(k) for k in args.draft_tokens.split(",")]
         by_context = []
         for context in contexts:
-            cost = measure_verify_cost(target, ks, context=context, repeats=args.repeats)
+            cost = measure_verify_cost(target, ks, context=context, repeats=args.repeats, greedy=not args.sampling)
             by_context.append(cost)
-            print(f"verify cost at {cost['context']} context, {cost['dtype']}, {cost['threads']} threads")
+            print(f"verify cost at {cost['context']} context, {cost['dtype']}, {cost['threads']} threads, "
+                  f"{'greedy' if cost['greedy'] else 'sampling'} steps")
             print(f"{'draft tokens k':>15} {'ms':>9} {'t(1+k)/t(1)':>12} {'cpu ms':>9}")
             for k, t, r, c in zip(cost["draft_tokens"], cost["ms"], cost["relative"], cost["cpu_ms"]):
                 print(f"{k:>15} {t:>9.1f} {r:>12.2f} {c:>9.1f}")

@@ -10,6 +10,8 @@ weights of the loaded transformers model, with a preallocated KV cache of B rows
   rejected suffix); for a tree the accepted nodes' keys and values are gathered into consecutive slots (compaction).
 - Hidden states that drafters read (inputs of layers 2, L//2 and L-3, and the final normed state) are returned on
   request.
+- A greedy step needs only each row's argmax: its output layer runs in bfloat16, with the tokens that could be the
+  maximum recomputed in float32 (`_GreedyHead`; the argmax is the float32 one).
 
 Why not `model(..., past_key_values=DynamicCache)`: a DynamicCache grows by `torch.cat` of every layer's keys and
 values at every step, and `crop` leaves strided views behind; measured here, transformers' own forward spent more time

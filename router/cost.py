@@ -16,15 +16,15 @@ from typing import Mapping
 
 import numpy as np
 
-# The built-in tables: t(k) in ms of SmolLM2-135M fp32, 1 thread, on this project's CPU, at three context lengths
-# (`python benchmarks/bench_verify_cost.py --threads 1 --context 512,2048,4096 --repeats 9`; BENCHMARKS.md,
+# The built-in tables: t(k) in ms of greedy steps of SmolLM2-135M fp32, 1 thread, on this project's CPU, at three
+# contexts (`python benchmarks/bench_verify_cost.py --threads 1 --context 512,2048,4096 --repeats 9`; BENCHMARKS.md,
 # "Verification cost on this CPU"). The 512 row is the default table; the router interpolates between contexts.
 DEFAULT_VERIFY_MS: dict[int, float] = {
-    0: 55.6, 1: 57.5, 2: 60.5, 3: 63.2, 4: 66.3, 5: 68.0, 6: 71.5, 8: 75.6, 12: 85.1, 16: 93.1, 32: 128.7}
+    0: 53.8, 1: 56.5, 2: 60.7, 3: 63.6, 4: 67.4, 5: 69.7, 6: 73.1, 8: 76.9, 12: 86.8, 16: 94.0, 32: 130.4}
 DEFAULT_VERIFY_MS_BY_CONTEXT: dict[int, dict[int, float]] = {
     512: DEFAULT_VERIFY_MS,
-    2048: {0: 64.1, 1: 67.9, 2: 72.2, 3: 75.1, 4: 78.2, 5: 81.6, 6: 85.1, 8: 90.4, 12: 105.7, 16: 116.5, 32: 168.8},
-    4096: {0: 75.6, 1: 80.7, 2: 87.4, 3: 91.1, 4: 95.2, 5: 99.9, 6: 105.1, 8: 112.7, 12: 141.6, 16: 159.8, 32: 245.5},
+    2048: {0: 63.4, 1: 67.2, 2: 73.3, 3: 77.5, 4: 81.5, 5: 84.4, 6: 88.4, 8: 93.3, 12: 109.6, 16: 121.5, 32: 175.9},
+    4096: {0: 75.6, 1: 82.2, 2: 89.7, 3: 95.0, 4: 98.3, 5: 103.0, 6: 109.6, 8: 116.4, 12: 146.0, 16: 162.5, 32: 251.9},
 }
 
 
