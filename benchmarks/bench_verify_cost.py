@@ -2,10 +2,12 @@
 
 The router's cost gate plans with such a table (`router/cost.py` holds the built-in ones, measured with this script on
 SmolLM2; `Engine(verify_cost=PATH)` takes a table of your own machine). --batch also times a plain step at batch
-1, 2, 4 and 8 (one padded cache, the weights read once per step).
+1, 2, 4 and 8 (one padded cache, the weights read once per step); --prefill P+N,... times a prefill of N new tokens
+after P cached ones (a cold call: 0+N; an agent's next call: its earlier calls cached, the rest new).
 
     python benchmarks/bench_verify_cost.py --threads 1 --context 512,2048,4096 --repeats 9 --json out/verify_cost.json
     python benchmarks/bench_verify_cost.py --batch --no-verify-cost --threads 1
+    python benchmarks/bench_verify_cost.py --prefill 0+455,0+1490,0+2853,2989+1274 --no-verify-cost --threads 1
 """
 from __future__ import annotations
 
@@ -57,10 +59,27 @@ def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAU
             "model": target.config.name_or_path, "machine": machine_info(), "repeats": repeats}
 
 
+def measure_prefill(target: TargetModel, cached: int, new: int, repeats: int = 3, seed: int = 0) -> dict:
+    """Median wall time of prefilling `new` tokens into a cache already holding `cached` (random token ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.vocab_size, (cached + new,), generator=gen).tolist()
+    times = []
+    for _ in range(repeats):
+        cache = target.new_cache(1, capacity=cached + new)
+        if cached:
+            target.prefill(cache, [tokens[:cached]])
+        start = time.perf_counter()
+        target.prefill(cache, [tokens[cached:]])
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return {"cached": cached, "new": new, "s": round(seconds, 4), "ms_per_token": round(1000 * seconds / new, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", action="store_true", help="also time a plain step at batch 1, 2, 4, 8")
-    parser.add_argument("--no-verify-cost", action="store_true", help="skip t(1+k)/t(1) (with --batch)")
+    parser.add_argument("--no-verify-cost", action="store_true", help="skip t(1+k)/t(1) (with --batch or --prefill)")
+    parser.add_argument("--prefill", help="time prefills of N new tokens after P cached ones: P+N, comma-separated")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--context", default="512", help="warm context length(s), comma-separated")
@@ -71,8 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sampling", action="store_true", help="steps with full logits (default: greedy steps)")
     parser.add_argument("--json", type=Path, help="write the measurement here")
     args = parser.parse_args(argv)
-    if args.no_verify_cost and not args.batch:
-        parser.error("nothing to do: --no-verify-cost without --batch")
+    if args.no_verify_cost and not (args.batch or args.prefill):
+        parser.error("nothing to do: --no-verify-cost without --batch or --prefill")
+    try:
+        prefills = [tuple(int(n) for n in spec.split("+")) for spec in args.prefill.split(",")] if args.prefill else []
+    except ValueError:
+        parser.error(f"--prefill takes P+N pairs (cached + new tokens), got {args.prefill!r}")
+    if any(len(p) != 2 or p[0] < 0 or p[1] < 1 for p in prefills):
+        parser.error(f"--prefill takes P+N pairs with P >= 0 and N >= 1, got {args.prefill!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     target = TargetModel.from_pretrained(args.model, dtype=getattr(torch, args.dtype), pack_weights=not args.no_pack)
@@ -100,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'batch':>6} {'ms/step':>9} {'ms/token':>9}")
         for r in rows:
             print(f"{r['batch_size']:>6} {r['ms']:>9.1f} {r['ms'] / r['batch_size']:>9.1f}")
+    if prefills:
+        result["prefill"] = [measure_prefill(target, cached, new) for cached, new in prefills]  # 3 runs each
+        print(f"{'cached':>7} {'new':>6} {'s':>8} {'ms/token':>9}")
+        for r in result["prefill"]:
+            print(f"{r['cached']:>7} {r['new']:>6} {r['s']:>8.3f} {r['ms_per_token']:>9.2f}")
     write_json(args.json, result["verify_cost"] if list(result) == ["verify_cost"] else result)
     return 0
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from bench_verify_cost import measure_verify_cost
+from bench_verify_cost import measure_prefill, measure_verify_cost
 from hybridspec.kv_cache import tree_depths_and_mask
 from hybridspec.speculators import default_aux_layer_ids
 from hybridspec.target import TargetModel
@@ -200,6 +200,12 @@ def test_measure_verify_cost_reports_every_size(target):
     cost = measure_verify_cost(target, (0, 2, 5), context=16, repeats=1)
     assert cost["draft_tokens"] == [0, 2, 5] and len(cost["ms"]) == 3
     assert cost["relative"][0] == 1.0 and all(t > 0 for t in cost["ms"])
+
+
+def test_measure_prefill_times_the_new_tokens_after_the_cached_ones(target):
+    result = measure_prefill(target, cached=20, new=12, repeats=1)
+    assert (result["cached"], result["new"]) == (20, 12) and result["s"] > 0
+    assert result["ms_per_token"] == pytest.approx(1000 * result["s"] / 12, abs=0.01)  # both rounded
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7])
