@@ -81,18 +81,21 @@ class _GreedyHead:
     error (on SmolLM2, a few dozen). Those logits are recomputed in float32; the rest stay below the maximum.
     """
 
-    C = 3 * 2.0 ** -8 + 1e-4  # three bfloat16 roundings (unit roundoff 2^-8) + float32 accumulation, with margin
     MAX_ROWS = 4  # beyond: no faster than the float32 product on this CPU (plain steps gain 3-7%; bench_verify_cost)
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight  # [V, H] float32, the model's own (no copy)
         self.bf16 = Linear(weight, compute_dtype=torch.bfloat16)
         self.row_norms = weight.norm(dim=-1)
+        # |bf16 logit - logit| <= C |h| |w_i|: three bfloat16 roundings (unit roundoff u = 2^-8: 3u + 3u^2 + u^3) and
+        # a float32 sum of H products (H 2^-24); all but the first-order term doubled for margin
+        u = 2.0 ** -8
+        self.C = 3 * u + 2 * (3 * u * u + u ** 3 + weight.shape[1] * 2.0 ** -24)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])
         logits = self.bf16(h).float()
-        err = torch.outer(self.C * h.norm(dim=-1), self.row_norms).add_(1e-6)
+        err = torch.outer(self.C * h.norm(dim=-1), self.row_norms).add_(1e-6)  # 1e-6: products flushed to zero
         top = logits.max(-1, keepdim=True)
         rows, cols = (logits + err >= top.values - err.gather(-1, top.indices)).nonzero(as_tuple=True)
         logits[rows, cols] = (h[rows] * self.weight[cols]).sum(-1)
@@ -148,14 +151,14 @@ class _Layer:
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
         # One matrix for Q, K and V (and one for gate and up): fewer, larger matmuls per layer.
-        q_rows = [_interleave_rotary_pairs(attn.q_proj.weight, heads, head_dim),
-                  _interleave_rotary_pairs(attn.k_proj.weight, kv_heads, head_dim), attn.v_proj.weight]
+        weights = [_interleave_rotary_pairs(attn.q_proj.weight, heads, head_dim),
+                   _interleave_rotary_pairs(attn.k_proj.weight, kv_heads, head_dim), attn.v_proj.weight]
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
         bias = None
         if all(b is not None for b in biases):
             bias = torch.cat([_interleave_rotary_pairs(biases[0], heads, head_dim),
                               _interleave_rotary_pairs(biases[1], kv_heads, head_dim), biases[2]])
-        self.qkv = Linear(torch.cat(q_rows), bias, pack)
+        self.qkv = Linear(torch.cat(weights), bias, pack)
         self.o = Linear(attn.o_proj.weight, pack=pack)
         self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), pack=pack)
         self.down = Linear(mlp.down_proj.weight, pack=pack)
@@ -346,7 +349,7 @@ class TargetModel:
         Returns the output at each row's last new token ([B, 1, ...]; meaningless for rows that got none), and with
         hidden_tail=n the hidden states at each row's last min(n, len(tokens[b])) new tokens (a drafter's context).
         Rows are padded to the longest; chunks (of chunk_size tokens; default CAUSAL_CHUNK where every row has the
-        same length and gets as many tokens, else MASKED_CHUNK) bound the attention mask's memory for long prompts.
+        same length and gets as many tokens on a CPU, else MASKED_CHUNK) bound the attention mask's memory.
         """
         if len(tokens) != cache.batch_size:
             raise ValueError(f"got tokens for {len(tokens)} rows for a cache of {cache.batch_size}")
@@ -362,7 +365,7 @@ class TargetModel:
         cache.reserve(longest)
         if chunk_size is None:
             uniform = len(set(counts)) == 1 and len(set(cache.lengths)) == 1
-            chunk_size = CAUSAL_CHUNK if uniform else MASKED_CHUNK
+            chunk_size = CAUSAL_CHUNK if uniform and self._cpu_flash else MASKED_CHUNK
         bsz, out = cache.batch_size, None
         last = torch.zeros(bsz, dtype=torch.long)
         tails: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bsz)]
