@@ -331,9 +331,8 @@ class TargetModel:
         hidden_pick = (lambda h: h) if hidden_at_every_input else pick
         final = self._rms_norm(hidden_pick(x), self.final_norm)
         final_out = pick(final) if hidden_at_every_input else final
-        head = self.greedy_head if argmax_only and final_out.shape[0] * final_out.shape[1] <= _GreedyHead.MAX_ROWS \
-            else None
-        logits = (head or self.lm_head)(final_out)
+        greedy = argmax_only and self.greedy_head is not None and final_out.shape[:2].numel() <= _GreedyHead.MAX_ROWS
+        logits = (self.greedy_head if greedy else self.lm_head)(final_out)
         if not return_hidden:
             return StepOutput(logits)
         aux = [hidden_pick(layer_inputs[i]) for i in self.aux_layer_ids]
