@@ -44,8 +44,9 @@ class KVCache:
         new_capacity = capacity if exact else max(capacity, 2 * self.capacity)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_zeros(old.shape[:3] + (new_capacity,) + old.shape[4:])
+            new = old.new_empty(old.shape[:3] + (new_capacity,) + old.shape[4:])
             new[:, :, :, : old.shape[3]] = old
+            new[:, :, :, old.shape[3]:] = 0  # scratch slots are read under a mask: zeros, never NaN (no zeros first)
             setattr(self, name, new)
 
     @torch.inference_mode()

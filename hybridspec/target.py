@@ -222,14 +222,17 @@ class TargetModel:
     # forward
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel, bitwise equal to the formula below (tests/test_target.py)
+            return torch.rms_norm(x, weight.shape, weight, self.eps)
         inverse_rms = x.float().pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return (x.float() * inverse_rms).to(x.dtype) * weight
 
     @staticmethod
     def _rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """RoPE on x [..., head_dim] in pair order (see _interleave_rotary_pairs); rope [..., head_dim / 2] complex."""
-        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-        return torch.view_as_real(pairs * rope).flatten(-2).to(x.dtype)
+        if x.dtype != torch.float32:
+            return TargetModel._rotate(x.float(), rope).to(x.dtype)
+        return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rope).flatten(-2)
 
     def _attention(self, cache: KVCache, rows: slice, depths: torch.Tensor, tree_mask: torch.Tensor,
                    causal: bool) -> _Attention:

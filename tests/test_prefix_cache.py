@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridspec.engine import Engine
+from hybridspec.engine import KV_HEADROOM_TOKENS, KV_SLACK, Engine
 from hybridspec.kv_cache import KVCache
 from hybridspec.prefix_cache import PrefixCache
 from hybridspec.proposal import Proposal
@@ -92,6 +92,36 @@ def test_a_continued_call_runs_only_its_new_tokens(tiny_model, tiny_tokenizer, u
     # the same prompt again: all of it is cached but the last token, which is the first step's input
     again = engine.generate(follow, max_new_tokens=10, speculate="none")
     assert again.stats.prefill_tokens == 0 and again.token_ids == second.token_ids
+
+
+def test_a_continued_call_grows_no_cache(tiny_model, tiny_tokenizer, uncached):
+    """A call's cache has slack (KV_SLACK): an agent's next call, a few tokens longer, continues the same storage
+    instead of copying all its KV into a larger one; without prefix caching there is no slack."""
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    prompt = tokens(random.Random(3), 40)
+    first = engine.generate(prompt, max_new_tokens=8, speculate="none")
+    (entry,) = [e for e in engine.prefix_cache._entries.values() if e.cache is not None]
+    storage, capacity = entry.cache.keys.data_ptr(), entry.cache.capacity
+    assert capacity >= (len(prompt) + 8 + KV_HEADROOM_TOKENS) * (1 + KV_SLACK) - 1
+    follow = prompt + first.token_ids + tokens(random.Random(4), 5)
+    second = engine.generate(follow, max_new_tokens=8, speculate="none")
+    (entry,) = [e for e in engine.prefix_cache._entries.values() if e.cache is not None]
+    assert entry.cache.keys.data_ptr() == storage and entry.cache.capacity == capacity
+    assert second.token_ids == uncached.generate(follow, max_new_tokens=8, speculate="none").token_ids
+    uncached.generate(prompt, max_new_tokens=8, speculate="none")
+    assert len(uncached.prefix_cache or []) == 0
+
+
+def test_a_grown_cache_keeps_its_tokens_and_zeroes_the_new_slots():
+    cache = KVCache(2, 1, 2, 4, 5, torch.float32)
+    with torch.inference_mode():
+        cache.keys.fill_(float("nan"))
+        cache.values.normal_()
+    keys, values = cache.keys.clone(), cache.values.clone()
+    cache.reserve(9, exact=True)
+    assert cache.capacity == 9
+    assert torch.equal(cache.values[..., :5, :], values) and torch.equal(cache.keys[..., :5, :].isnan(), keys.isnan())
+    assert not cache.keys[..., 5:, :].any() and not cache.values[..., 5:, :].any()
 
 
 def test_a_prompt_that_diverges_one_token_before_the_end(tiny_model, tiny_tokenizer, uncached):

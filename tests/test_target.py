@@ -272,3 +272,29 @@ def test_argmax_only_steps_pick_the_tokens_of_full_steps(target):
         assert torch.equal(fast.argmax(-1), full.argmax(-1))
         if target.greedy_head is not None:
             assert not torch.equal(fast, full)  # really the bfloat16 head
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm_is_bitwise_the_models_formula(target, tiny_model, rows):
+    """The fused float32 norm gives exactly the Llama formula's bits (the outputs stay transformers' own)."""
+    torch.manual_seed(rows)
+    x = torch.randn(2, rows, target.hidden_size) * 3
+    weight = tiny_model.model.norm.weight
+    expected = (x * x.pow(2).mean(-1, keepdim=True).add(target.eps).rsqrt()) * weight
+    assert torch.equal(target._rms_norm(x, weight), expected)
+    assert torch.equal(target._rms_norm(x, weight), tiny_model.model.norm(x))
+
+
+def test_a_bfloat16_model_follows_its_reference(tiny_model):
+    """Norms and rotary embeddings in a bfloat16 model compute in float32 and return bfloat16, as transformers' do."""
+    import copy
+
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    target = TargetModel(model)
+    tokens = [random.Random(7).randrange(3, 128) for _ in range(20)]
+    cache = target.new_cache(1, 32)
+    target.prefill(cache, [tokens[:-4]])
+    out = target.step(cache, [tokens[-4]], [tokens[-3:]])
+    assert out.logits.dtype == torch.bfloat16
+    want = reference_logits(model, tokens)[-4:].float()
+    assert (out.logits[0].float() - want).abs().max() < 0.05 * want.abs().max()
