@@ -186,6 +186,7 @@ class _Call:
     stats: GenerationStats
     live: list[int]
     started: list[Hashable] = field(default_factory=list)  # request ids started on the proposer
+    pending: list[int] | None = None  # uncached prompt tokens left to the first step's pass (Engine._prefill)
     error: Exception | None = None  # what ended the call in a step another thread ran
     start: float = field(default_factory=time.perf_counter)
 
@@ -243,9 +244,13 @@ class Engine:
     prefix_cache_bytes: the budget of automatic prefix caching (`hybridspec.prefix_cache`): the KV of recent requests,
     reused by any later call whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off).
 
-    One Engine may serve several threads. A call's prefill runs alone; its decode steps join those of the calls that
-    are decoding then (continuous batching): one pass of the target verifies every sequence's draft.
+    One Engine may serve several threads. A call's prefill runs alone (a single prompt's, with its first step); its
+    decode steps join those of the calls that are decoding then (continuous batching): one pass of the target
+    verifies every sequence's draft.
     """
+
+    # A single prompt's uncached tokens run in its first step's pass (see _prefill); False: in a pass of their own.
+    fuse_prefill_with_first_step = True
 
     def __init__(self, target: TargetModel, tokenizer, *, verify_cost: Any = None,
                  router: Router | Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]] | None = None,
@@ -568,11 +573,17 @@ class Engine:
 
     def _prefill(self, call: _Call) -> list[TargetFeatures | None]:
         """Run each prompt's uncached tokens (all but its last, the first step's input) into the cache; returns the
-        target's features at the prompt's last positions when the proposer reads them."""
+        target's features at the prompt's last positions when the proposer reads them.
+
+        A single prompt whose proposer reads no features leaves them to its first step instead: that pass runs them,
+        the last token and a chain draft causally in one (`TargetModel.prefill_and_step`), reading the weights once
+        rather than twice."""
         with call.stats.timed("prefill_s"):
             todo = [seq.tokens[call.cache.lengths[row]:-1] for row, seq in enumerate(call.seqs)]
             features: list[TargetFeatures | None] = [None] * len(call.seqs)
-            if any(todo):
+            if len(todo) == 1 and todo[0] and not call.reads_features and self.fuse_prefill_with_first_step:
+                call.pending = todo[0]
+            elif any(todo):
                 out = self.target.prefill(call.cache, todo, hidden_tail=self.drafter_context if call.reads_features
                                           else 0)
                 if call.reads_features:
@@ -608,6 +619,7 @@ class Engine:
         if not calls:
             return
         start = time.perf_counter()
+        prefill_s = {id(c): c.stats.prefill_s for c in calls}
         try:
             verified = self._verify(calls, [routed[id(c)] for c in calls])
         except Exception as e:
@@ -616,7 +628,8 @@ class Engine:
             return
         elapsed = time.perf_counter() - start
         for call, (out, results) in zip(calls, verified):
-            call.stats.verify_s += elapsed
+            call.stats.verify_s += elapsed - (call.stats.prefill_s - prefill_s[id(call)])  # a deferred prefill's time
+            # counts as prefill
             with call.stats.timed("update_s"), self._failing(call):
                 self._update(call, routed[id(call)], out, results)
             if not call.stats.first_token_s and call.stats.new_tokens:
@@ -660,17 +673,30 @@ class Engine:
         return routed
 
     def _verify(self, calls: list[_Call], routed: list[list[Proposal]]) -> list[tuple[StepOutput, list[VerifyResult]]]:
-        """One pass of the target over [last token] + draft for every live sequence of every call, then each call's
-        acceptance rule.
+        """One pass of the target over [last token] + draft for every live sequence of every call (a call with a
+        deferred prefill: its own pass, see _prefill), then each call's acceptance rule.
 
         Greedy: a draft token is kept while it equals the target's argmax; sampling: x is kept with probability
         min(1, p_target(x) / p_draft(x)), else the target resamples from norm(max(0, p_target - p_draft))."""
-        outs = self.target.step_many(
-            [(c.cache, [c.seqs[i].tokens[-1] for i in c.live], [r.token_ids for r in rs], [r.parents for r in rs])
-             for c, rs in zip(calls, routed)], return_hidden=any(c.reads_features for c in calls),
-            argmax_only=all(c.params.temperature == 0 for c in calls))
-        return [(out, verify_batch(out.logits, rs, c.params.temperature, c.params.top_k, c.params.top_p,
-                                   c.params.generator)) for c, rs, out in zip(calls, routed, outs)]
+        outs: dict[int, StepOutput] = {}
+        for call, (proposal,) in ((c, rs) for c, rs in zip(calls, routed) if c.pending is not None):
+            pending, call.pending = call.pending, None
+            with call.stats.timed("prefill_s"):
+                if proposal.parents == list(range(-1, len(proposal) - 1)):  # a chain: one causal pass
+                    outs[id(call)] = self.target.prefill_and_step(
+                        call.cache, pending, call.seqs[0].tokens[-1], proposal.token_ids,
+                        argmax_only=call.params.temperature == 0)
+                else:  # a tree attends by its own mask: the prompt first, the tree with the others
+                    self.target.prefill(call.cache, [pending])
+        stepped = [(c, rs) for c, rs in zip(calls, routed) if id(c) not in outs]
+        if stepped:
+            step_outs = self.target.step_many(
+                [(c.cache, [c.seqs[i].tokens[-1] for i in c.live], [r.token_ids for r in rs], [r.parents for r in rs])
+                 for c, rs in stepped], return_hidden=any(c.reads_features for c, _ in stepped),
+                argmax_only=all(c.params.temperature == 0 for c, _ in stepped))
+            outs.update((id(c), out) for (c, _), out in zip(stepped, step_outs))
+        return [(outs[id(c)], verify_batch(outs[id(c)].logits, rs, c.params.temperature, c.params.top_k,
+                                           c.params.top_p, c.params.generator)) for c, rs in zip(calls, routed)]
 
     def _update(self, call: _Call, routed: list[Proposal], out: StepOutput, results: list[VerifyResult]) -> None:
         """Commit each sequence's accepted tokens: the KV cache, the stop rules, the proposer, the statistics; then

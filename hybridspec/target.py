@@ -296,7 +296,8 @@ class TargetModel:
         the linear layers, where a decode step spends its time reading weights, run once for all of them).
         depths [B, q]: position offset of each input from the row's length (a chain: 0..q-1; a tree: node depth).
         tree_mask [B, q, q] bool: input i attends to input j of the same row (ancestor-or-self; padding: self only).
-        output_index [B]: compute the outputs (logits, hidden states) only at this input of each row (prefill);
+        output_index [B] or [B, n]: compute the outputs (logits, hidden states) only at this input (these n inputs) of
+        each row (prefill);
         hidden_at_every_input keeps the hidden states at every input all the same (what a drafter reads of a prompt).
         causal: every row's inputs are q consecutive tokens (a prefill chunk, no padding): tree_mask is causal.
         argmax_only: the logits need to be right only where they are their row's maximum (greedy verification), which
@@ -329,8 +330,12 @@ class TargetModel:
             x = layer.o.plus(attn.transpose(1, 2).reshape(bsz, q, hq * hd), x)
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = layer.down.plus(F.silu(gate) * up, x)
-        pick = (lambda h: h) if output_index is None else (
-            lambda h: h[torch.arange(bsz, device=self.device), output_index][:, None])
+        if output_index is None:
+            pick = lambda h: h  # noqa: E731
+        elif output_index.dim() == 1:
+            pick = lambda h: h[torch.arange(bsz, device=self.device), output_index][:, None]  # noqa: E731
+        else:
+            pick = lambda h: h[torch.arange(bsz, device=self.device)[:, None], output_index]  # noqa: E731
         hidden_pick = (lambda h: h) if hidden_at_every_input else pick
         final = self._rms_norm(hidden_pick(x), self.final_norm)
         final_out = pick(final) if hidden_at_every_input else final
@@ -345,13 +350,15 @@ class TargetModel:
     # prefill and verification steps
 
     def prefill(self, cache: KVCache, tokens: Sequence[Sequence[int]], *, chunk_size: int | None = None,
-                return_hidden: bool = False, hidden_tail: int = 0) -> StepOutput:
+                return_hidden: bool = False, hidden_tail: int = 0, logits_tail: int = 1,
+                argmax_only: bool = False) -> StepOutput:
         """Append tokens[b] to row b of the cache, for all rows in one batched pass per chunk; a row may get none.
 
-        Returns the output at each row's last new token ([B, 1, ...]; meaningless for rows that got none), and with
-        hidden_tail=n the hidden states at each row's last min(n, len(tokens[b])) new tokens (a drafter's context).
-        Rows are padded to the longest; chunks (of chunk_size tokens; default CAUSAL_CHUNK where every row has the
-        same length and gets as many tokens on a CPU, else MASKED_CHUNK) bound the attention mask's memory.
+        Returns the output at each row's last new token ([B, 1, ...]; meaningless for rows that got none; one row
+        only: logits_tail=n gives the logits at its last n tokens, [1, n, V]), and with hidden_tail=n the hidden
+        states at each row's last min(n, len(tokens[b])) new tokens (a drafter's context). Rows are padded to the
+        longest; chunks (of chunk_size tokens; default CAUSAL_CHUNK where every row has the same length and gets as
+        many tokens on a CPU, else MASKED_CHUNK) bound the attention mask's memory. argmax_only: as in `forward`.
         """
         if len(tokens) != cache.batch_size:
             raise ValueError(f"got tokens for {len(tokens)} rows for a cache of {cache.batch_size}")
@@ -364,6 +371,8 @@ class TargetModel:
         for t in tokens:
             if t and not 0 <= min(t) <= max(t) < self.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        if logits_tail != 1 and (len(tokens) != 1 or not 1 <= logits_tail <= counts[0] or hidden_tail or return_hidden):
+            raise ValueError("logits_tail needs one row of at least that many tokens, and no hidden states")
         cache.reserve(longest)
         if chunk_size is None:
             uniform = len(set(counts)) == 1 and len(set(cache.lengths)) == 1
@@ -371,8 +380,11 @@ class TargetModel:
         bsz, out = cache.batch_size, None
         last = torch.zeros(bsz, dtype=torch.long)
         tails: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bsz)]
-        for begin in range(0, max(counts), chunk_size):
-            chunks = [list(t[begin:begin + chunk_size]) for t in tokens]
+        begins = list(range(0, max(counts), chunk_size))
+        if len(begins) > 1 and max(counts) - begins[-1] < logits_tail:
+            del begins[-1]  # the logits' tokens share the last chunk (a little longer than chunk_size)
+        for begin, end in zip(begins, begins[1:] + [max(counts)]):
+            chunks = [list(t[begin:end]) for t in tokens]
             q = max(len(c) for c in chunks)
             ids = torch.zeros(bsz, q, dtype=torch.long)
             # causal within each row's chunk; padding slots see only themselves
@@ -382,10 +394,11 @@ class TargetModel:
                 mask[b, :len(chunk), :len(chunk)] = torch.ones(len(chunk), len(chunk), dtype=torch.bool).tril()
                 if chunk:
                     last[b] = len(chunk) - 1
+            index = last if logits_tail == 1 else last[:, None] + torch.arange(1 - logits_tail, 1)
             step = self.forward(cache, ids.to(self.device), torch.arange(q, device=self.device).expand(bsz, q),
-                                mask.to(self.device), output_index=last.to(self.device),
+                                mask.to(self.device), output_index=index.to(self.device),
                                 return_hidden=return_hidden or hidden_tail > 0, hidden_at_every_input=hidden_tail > 0,
-                                causal=all(len(c) == q for c in chunks))
+                                causal=all(len(c) == q for c in chunks), argmax_only=argmax_only)
             if hidden_tail > 0:
                 for b, chunk in enumerate(chunks):
                     skip = max(0, counts[b] - hidden_tail - begin)  # row b's inputs begin.. in this chunk
@@ -403,6 +416,19 @@ class TargetModel:
             out.hidden_tail = [(torch.cat([a for a, _ in parts]) if parts else out.aux_hidden.new_zeros(0, width_aux),
                                 torch.cat([f for _, f in parts]) if parts else out.final_hidden.new_zeros(0, width))
                                for parts in tails]
+        return out
+
+    def prefill_and_step(self, cache: KVCache, tokens: Sequence[int], last_token: int, draft: Sequence[int], *,
+                         argmax_only: bool = False) -> StepOutput:
+        """`prefill(cache, [tokens])` then `step(cache, [last_token], [draft])` for a chain draft, in one causal pass:
+        a call's uncached prompt tokens and its first verification read the weights once (one row). The cache is
+        left as `step` leaves it: the step's inputs in the slots past the row's length, for `commit`."""
+        if cache.batch_size != 1:
+            raise ValueError(f"prefill_and_step runs one row, got a cache of {cache.batch_size}")
+        base = cache.lengths[0] + len(tokens)
+        out = self.prefill(cache, [[*tokens, last_token, *draft]], logits_tail=1 + len(draft),
+                           argmax_only=argmax_only)
+        cache.truncate(0, base)
         return out
 
     def step(self, cache: KVCache, last_tokens: Sequence[int], drafts: Sequence[Sequence[int]] | None = None,

@@ -298,3 +298,41 @@ def test_a_bfloat16_model_follows_its_reference(tiny_model):
     assert out.logits.dtype == torch.bfloat16
     want = reference_logits(model, tokens)[-4:].float()
     assert (out.logits[0].float() - want).abs().max() < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("cached, new, draft, chunk_size", [(0, 9, 4, None), (5, 12, 0, None), (3, 20, 6, 8),
+                                                             (0, 16, 3, 8)])
+def test_prefill_and_step_is_a_prefill_then_a_step(target, cached, new, draft, chunk_size):
+    """One causal pass over a call's uncached tokens, its last token and a chain draft: the logits of `step` after
+    `prefill`, and the same cache once the step's accepted slots are committed (chunk boundaries included)."""
+    rng = random.Random(cached * 100 + new)
+    tokens = [rng.randrange(3, 128) for _ in range(cached + new + 1 + draft)]
+    prompt, last, chain = tokens[:cached + new], tokens[cached + new], tokens[cached + new + 1:]
+    apart, fused = target.new_cache(1, 64), target.new_cache(1, 64)
+    for cache in (apart, fused):
+        if cached:
+            target.prefill(cache, [prompt[:cached]])
+    target.prefill(apart, [prompt[cached:]], chunk_size=chunk_size)
+    want = target.step(apart, [last], [chain])
+    if chunk_size is None:
+        got = target.prefill_and_step(fused, prompt[cached:], last, chain)
+    else:  # the same pass, chunked: the draft's logits stay in one chunk
+        got = target.prefill(fused, [prompt[cached:] + [last] + chain], chunk_size=chunk_size,
+                             logits_tail=1 + draft)
+        fused.truncate(0, cached + new)
+    assert got.logits.shape == want.logits.shape == (1, 1 + draft, target.vocab_size)
+    assert torch.allclose(got.logits, want.logits, atol=ATOL)
+    assert fused.lengths == apart.lengths == [cached + new]
+    keep = list(range(1 + draft // 2))
+    for cache in (apart, fused):
+        cache.commit(0, keep)
+    n = fused.lengths[0]
+    assert torch.allclose(fused.keys[:, :, :, :n], apart.keys[:, :, :, :n], atol=ATOL)
+    assert torch.allclose(fused.values[:, :, :, :n], apart.values[:, :, :, :n], atol=ATOL)
+
+
+def test_logits_tail_needs_one_row_of_enough_tokens(target):
+    with pytest.raises(ValueError, match="logits_tail"):
+        target.prefill(target.new_cache(2, 16), [[5, 6, 7], [8, 9, 10]], logits_tail=2)
+    with pytest.raises(ValueError, match="logits_tail"):
+        target.prefill(target.new_cache(1, 16), [[5, 6]], logits_tail=3)
