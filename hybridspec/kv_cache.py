@@ -46,7 +46,7 @@ class KVCache:
             old = getattr(self, name)
             new = old.new_empty(old.shape[:3] + (new_capacity,) + old.shape[4:])
             new[:, :, :, : old.shape[3]] = old
-            new[:, :, :, old.shape[3]:] = 0  # scratch slots are read under a mask: zeros, never NaN (no zeros first)
+            new[:, :, :, old.shape[3]:] = 0  # scratch slots are read under a mask: zero, never NaN (the rest is copied)
             setattr(self, name, new)
 
     @torch.inference_mode()
