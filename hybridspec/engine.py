@@ -45,8 +45,8 @@ HYBRID_KINDS = tuple(f"suffix+{kind}" for kind in DRAFTER_KINDS)
 SPECULATE_CHOICES = ("suffix", "ngram", *DRAFTER_KINDS, *HYBRID_KINDS, "none")
 KV_HEADROOM_TOKENS = 64  # cache slots past prompt + max_new_tokens: the last step's draft fits without regrowth
 # With prefix caching a call's cache is this much larger than the call needs: an agent's next call re-sends the
-# conversation plus a few hundred tokens and continues this cache without growing it (a copy of all its KV: 0.15 s at
-# 5k tokens of SmolLM2 on this CPU).
+# conversation plus a few hundred tokens and continues this cache without growing it (growing copies all its KV into
+# fresh memory).
 KV_SLACK = 0.25
 PREFIX_CACHE_BYTES = 2 << 30  # ~46k tokens of SmolLM2-135M's KV in float32 (46 kB per token)
 FEATURE_TAIL_TOKENS = 64  # a drafter starting afresh on a cached prompt gets the target's features at this many tokens
