@@ -96,7 +96,7 @@ def test_a_continued_call_runs_only_its_new_tokens(tiny_model, tiny_tokenizer, u
 
 def test_a_continued_call_grows_no_cache(tiny_model, tiny_tokenizer, uncached):
     """A call's cache has slack (KV_SLACK): an agent's next call, a few tokens longer, continues the same storage
-    instead of copying all its KV into a larger one; without prefix caching there is no slack."""
+    instead of copying all its KV into a larger one."""
     engine = make_engine(tiny_model, tiny_tokenizer)
     prompt = tokens(random.Random(3), 40)
     first = engine.generate(prompt, max_new_tokens=8, speculate="none")
@@ -108,8 +108,6 @@ def test_a_continued_call_grows_no_cache(tiny_model, tiny_tokenizer, uncached):
     (entry,) = [e for e in engine.prefix_cache._entries.values() if e.cache is not None]
     assert entry.cache.keys.data_ptr() == storage and entry.cache.capacity == capacity
     assert second.token_ids == uncached.generate(follow, max_new_tokens=8, speculate="none").token_ids
-    uncached.generate(prompt, max_new_tokens=8, speculate="none")
-    assert len(uncached.prefix_cache or []) == 0
 
 
 def test_a_grown_cache_keeps_its_tokens_and_zeroes_the_new_slots():
