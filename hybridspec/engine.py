@@ -682,7 +682,7 @@ class Engine:
         for call, (proposal,) in ((c, rs) for c, rs in zip(calls, routed) if c.pending is not None):
             pending, call.pending = call.pending, None
             with call.stats.timed("prefill_s"):
-                if proposal.parents == list(range(-1, len(proposal) - 1)):  # a chain: one causal pass
+                if proposal.is_chain:  # one causal pass
                     outs[id(call)] = self.target.prefill_and_step(
                         call.cache, pending, call.seqs[0].tokens[-1], proposal.token_ids,
                         argmax_only=call.params.temperature == 0)

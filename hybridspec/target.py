@@ -296,8 +296,7 @@ class TargetModel:
         the linear layers, where a decode step spends its time reading weights, run once for all of them).
         depths [B, q]: position offset of each input from the row's length (a chain: 0..q-1; a tree: node depth).
         tree_mask [B, q, q] bool: input i attends to input j of the same row (ancestor-or-self; padding: self only).
-        output_index [B] or [B, n]: compute the outputs (logits, hidden states) only at this input (these n inputs) of
-        each row (prefill);
+        output_index [B, n]: compute the outputs (logits, hidden states) only at these n inputs of each row (prefill);
         hidden_at_every_input keeps the hidden states at every input all the same (what a drafter reads of a prompt).
         causal: every row's inputs are q consecutive tokens (a prefill chunk, no padding): tree_mask is causal.
         argmax_only: the logits need to be right only where they are their row's maximum (greedy verification), which
@@ -330,12 +329,8 @@ class TargetModel:
             x = layer.o.plus(attn.transpose(1, 2).reshape(bsz, q, hq * hd), x)
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = layer.down.plus(F.silu(gate) * up, x)
-        if output_index is None:
-            pick = lambda h: h  # noqa: E731
-        elif output_index.dim() == 1:
-            pick = lambda h: h[torch.arange(bsz, device=self.device), output_index][:, None]  # noqa: E731
-        else:
-            pick = lambda h: h[torch.arange(bsz, device=self.device)[:, None], output_index]  # noqa: E731
+        pick = (lambda h: h) if output_index is None else (
+            lambda h: h[torch.arange(bsz, device=self.device)[:, None], output_index])
         hidden_pick = (lambda h: h) if hidden_at_every_input else pick
         final = self._rms_norm(hidden_pick(x), self.final_norm)
         final_out = pick(final) if hidden_at_every_input else final
@@ -394,9 +389,9 @@ class TargetModel:
                 mask[b, :len(chunk), :len(chunk)] = torch.ones(len(chunk), len(chunk), dtype=torch.bool).tril()
                 if chunk:
                     last[b] = len(chunk) - 1
-            index = last if logits_tail == 1 else last[:, None] + torch.arange(1 - logits_tail, 1)
             step = self.forward(cache, ids.to(self.device), torch.arange(q, device=self.device).expand(bsz, q),
-                                mask.to(self.device), output_index=index.to(self.device),
+                                mask.to(self.device),
+                                output_index=(last[:, None] + torch.arange(1 - logits_tail, 1)).to(self.device),
                                 return_hidden=return_hidden or hidden_tail > 0, hidden_at_every_input=hidden_tail > 0,
                                 causal=all(len(c) == q for c in chunks), argmax_only=argmax_only)
             if hidden_tail > 0:
