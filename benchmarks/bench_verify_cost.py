@@ -7,6 +7,7 @@ after P cached ones (a cold call: 0+N; an agent's next call: its earlier calls c
 
     python benchmarks/bench_verify_cost.py --threads 1 --context 512,2048,4096 --repeats 9 --json out/verify_cost.json
     python benchmarks/bench_verify_cost.py --batch --no-verify-cost --threads 1
+    python benchmarks/bench_verify_cost.py --threads 1 --context 2048 --plain-max-rows 0   # oneDNN for every product
     python benchmarks/bench_verify_cost.py --prefill 0+455,0+1490,0+2853,2989+1274 --no-verify-cost --threads 1
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Sequence
 import torch
 
 from common import machine_info, write_json
+from hybridspec.linear import Linear
 from hybridspec.target import TargetModel
 
 DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
@@ -56,7 +58,8 @@ def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAU
             "relative": [round(t / base, 4) for t in ms], "cpu_ms": [round(t, 3) for t in cpu_ms],
             "context": context, "batch_size": batch_size, "greedy": greedy,
             "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-            "model": target.config.name_or_path, "machine": machine_info(), "repeats": repeats}
+            "plain_max_rows": Linear.PLAIN_MAX_ROWS, "model": target.config.name_or_path, "machine": machine_info(),
+            "repeats": repeats}
 
 
 def measure_prefill(target: TargetModel, cached: int, new: int, repeats: int = 3, seed: int = 0) -> dict:
@@ -87,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-tokens", default=",".join(map(str, DEFAULT_COST_DRAFT_TOKENS)))
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-pack", action="store_true", help="plain F.linear instead of prepacked oneDNN weights")
+    parser.add_argument("--plain-max-rows", type=int,
+                        help=f"rows up to which a product runs MKL's on the plain weight (default: "
+                             f"Linear.PLAIN_MAX_ROWS = {Linear.PLAIN_MAX_ROWS}; 0: always oneDNN's)")
     parser.add_argument("--sampling", action="store_true", help="steps with full logits (default: greedy steps)")
     parser.add_argument("--json", type=Path, help="write the measurement here")
     args = parser.parse_args(argv)
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prefill takes P+N pairs with P >= 0 and N >= 1, got {args.prefill!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.plain_max_rows is not None:
+        Linear.PLAIN_MAX_ROWS = args.plain_max_rows
     target = TargetModel.from_pretrained(args.model, dtype=getattr(torch, args.dtype), pack_weights=not args.no_pack)
     result = {}
     contexts = [int(c) for c in args.context.split(",")]

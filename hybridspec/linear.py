@@ -12,14 +12,17 @@ def _onednn_available(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """y = x @ weight.T (+ bias), with the weight packed once for oneDNN on CPUs.
+    """y = x @ weight.T (+ bias): MKL's product for a few rows, oneDNN's with a prepacked weight for more (CPUs).
 
-    Why: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix. torch's default CPU
-    path (MKL sgemm) repacks the weight on every call, so its cost grows with the rows from the second row on; oneDNN
-    with a prepacked weight stays near the one-row cost up to several rows (measured: BENCHMARKS.md, "Verification
-    cost on this CPU"). Elsewhere it is F.linear. Rows are not padded: padding one or two rows to four won on the CPU
-    of an earlier session (a faster kernel) and lost on this one (BENCHMARKS.md, same section).
+    Why two: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix, and a decode step is
+    bound by reading those weights. MKL (torch's default, F.linear) streams a plain weight fastest for up to
+    `PLAIN_MAX_ROWS` rows (a matrix-vector product), but repacks it on every call from there on, so its cost grows with
+    the rows; oneDNN with a weight packed once stays near its one-row cost up to several rows, with a higher fixed cost
+    (measured: BENCHMARKS.md, "Verification cost on this CPU"). A float32 weight is kept in both layouts (the packed
+    copy is as large as the weight); elsewhere it is F.linear.
     """
+
+    PLAIN_MAX_ROWS = 3  # on this CPU, for SmolLM2's matrices (`bench_verify_cost.py --plain-max-rows N` compares)
 
     __slots__ = ("weight", "bias", "packed", "compute_dtype")
 
@@ -33,20 +36,28 @@ class Linear:
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack and _onednn_available(weight) \
             else None
-        self.weight = weight if self.packed is None else None  # the packed copy replaces it
+        # the plain weight stays for MKL's few-row products, except in bfloat16 (torch repacks it for every call)
+        self.weight = weight if self.packed is None or weight.dtype == torch.float32 else None
+
+    def _plain(self, x: torch.Tensor) -> bool:
+        return self.packed is None or (self.weight is not None and x.numel() <= self.PLAIN_MAX_ROWS * x.shape[-1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is not None and x.dtype != self.compute_dtype:
             return self(x.to(self.compute_dtype)).to(x.dtype)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self._plain(x):
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x), the addition fused into oneDNN's product (a residual connection: one pass less)."""
-        if self.packed is not None and self.compute_dtype is None and residual.shape[:-1] == x.shape[:-1]:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), self.packed, self.bias, "add")
-        return residual + self(x)
+        """residual + self(x), the addition fused into the product (a residual connection: one pass less)."""
+        if self.compute_dtype is not None or residual.shape[:-1] != x.shape[:-1]:
+            return residual + self(x)
+        if self._plain(x):
+            bias_and_residual = residual if self.bias is None else residual + self.bias
+            return torch.addmm(bias_and_residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]),
+                               self.weight.t()).view(residual.shape)
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), self.packed, self.bias, "add")
 
 
 class PackedLinear(torch.nn.Module):

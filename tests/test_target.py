@@ -229,6 +229,31 @@ def test_linear_products_in_a_compute_dtype(rows):
     torch.testing.assert_close(Linear(w).plus(x, residual), residual + x @ w.T, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_runs_mkl_for_few_rows_and_onednn_for_more(bias, monkeypatch):
+    """A packed float32 Linear multiplies up to PLAIN_MAX_ROWS rows with F.linear on its plain weight and more rows
+    with oneDNN's packed product; both (and `plus`) give F.linear's result."""
+    from hybridspec import linear
+    from hybridspec.linear import Linear
+
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96) if bias else None
+    lin = Linear(w, b)
+    if lin.packed is None:
+        pytest.skip("oneDNN is not available in this torch build")
+    calls = []
+    monkeypatch.setattr(linear, "F", type("Spy", (), {"linear": lambda *a: calls.append("mkl") or F.linear(*a)}))
+    for rows in range(1, Linear.PLAIN_MAX_ROWS + 3):
+        calls.clear()
+        x, residual = torch.randn(1, rows, 64), torch.randn(1, rows, 96)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        assert calls == (["mkl"] if rows <= Linear.PLAIN_MAX_ROWS else [])
+        torch.testing.assert_close(lin.plus(x, residual), residual + F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    bf16 = Linear(w, b, compute_dtype=torch.bfloat16)
+    assert bf16.weight is None  # a bfloat16 weight is kept packed only
+
+
 def test_greedy_head_finds_the_float32_argmax_in_near_ties():
     """_GreedyHead's argmax is the exact one wherever the top two logits differ by more than float32 noise, also where
     they differ by far less than bfloat16's error (where the bfloat16 product alone picks the wrong token)."""
