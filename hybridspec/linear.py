@@ -1,5 +1,5 @@
-"""Linear layers for small-batch inference on a CPU: weights packed once for oneDNN; `pack_linears` swaps them into any
-module (the drafters)."""
+"""Linear layers for small-batch inference on a CPU: MKL's product for a few rows, oneDNN's with a weight packed once
+for more; `pack_linears` swaps them into any module (the drafters)."""
 from __future__ import annotations
 
 import torch
@@ -61,8 +61,8 @@ class Linear:
 
 
 class PackedLinear(torch.nn.Module):
-    """Inference-only stand-in for an nn.Linear, computing with `Linear` (the oneDNN-packed weight); keeps `weight`,
-    `bias`, `in_features` and `out_features` for code that reads them."""
+    """Inference-only stand-in for an nn.Linear, computing with `Linear`; keeps `weight`, `bias`, `in_features` and
+    `out_features` for code that reads them."""
 
     def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype | None = None):
         super().__init__()

@@ -16,15 +16,15 @@ weights of the loaded transformers model, with a preallocated KV cache of B rows
 Why not `model(..., past_key_values=DynamicCache)`: a DynamicCache grows by `torch.cat` of every layer's keys and
 values at every step, and `crop` leaves strided views behind; measured here, transformers' own forward spent more time
 in those concatenations than in the matrix work. A static cache written in place, fused QKV / gate-up projections
-with weights prepacked for oneDNN (`Linear`) and a precomputed rotary table leave mostly the matrix work, for the
-baseline and the speculative path alike (both use this class).
+(`Linear`: MKL's product for a few rows, oneDNN's with a prepacked weight for more) and a precomputed rotary table
+leave mostly the matrix work, for the baseline and the speculative path alike (both use this class).
 
 Batching uses padding (one cache tensor with B rows, each with its own length, positions and draft) rather than B
 separate caches run one after another: a decode step is bound by reading the weights, so B rows in one pass cost
 little more than one row, while separate caches read the weights B times (`python benchmarks/bench_verify_cost.py
 --batch` measures it).
 
-The KV cache is `hybridspec.kv_cache`, the packed linear layers `hybridspec.linear`.
+The KV cache is `hybridspec.kv_cache`, the linear layers `hybridspec.linear`.
 """
 from __future__ import annotations
 
@@ -324,8 +324,10 @@ class TargetModel:
             query_key = self._rotate(qkv[..., :(hq + hk) * hd].view(bsz, q, hq + hk, hd), rope)
             query, key = query_key[:, :, :hq].transpose(1, 2), query_key[:, :, hq:].transpose(1, 2)
             value = qkv[..., (hq + hk) * hd:].view(bsz, q, hk, hd).transpose(1, 2)
-            attn = [self._attend(g, layer_id, query[g.rows], key[g.rows], value[g.rows]) for g in groups]
-            attn = attn[0] if len(attn) == 1 else torch.cat(attn)
+            if len(groups) == 1:
+                attn = self._attend(groups[0], layer_id, query, key, value)
+            else:
+                attn = torch.cat([self._attend(g, layer_id, query[g.rows], key[g.rows], value[g.rows]) for g in groups])
             x = layer.o.plus(attn.transpose(1, 2).reshape(bsz, q, hq * hd), x)
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = layer.down.plus(F.silu(gate) * up, x)
