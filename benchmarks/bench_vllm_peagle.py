@@ -136,6 +136,9 @@ class RecordingRouter:
         for proposal, path in zip(routed, accepted):
             self.acceptance.add_step(len(proposal), len(path))
 
+    def expected_tokens(self, proposal) -> float:
+        return proposal.score
+
 
 def vllm_within_budget(acceptance: Acceptance, max_tokens: int) -> Acceptance:
     """vLLM's steps as our engine would count them: vLLM always drafts K and counts accepted tokens past max_tokens

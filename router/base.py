@@ -1,12 +1,12 @@
-"""The router contract: what the engine calls to decide how much of each draft a verification pass takes."""
+"""The router contract: what the engine asks of a router each step. A router decides (what of each draft to verify,
+how many tokens a draft is expected to yield); it knows Proposals and costs, not models or who proposed them."""
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence
 
 from hybridspec.proposal import Proposal
 
 
-@runtime_checkable
 class Router(Protocol):
     def __call__(self, proposals: Sequence[Proposal], contexts: Sequence[int]) -> list[Proposal]:
         """Per sequence (its proposal, its context length in tokens): the part of the draft worth verifying, a subtree
@@ -17,9 +17,34 @@ class Router(Protocol):
         """After verification: accepted[b] are the indices of the routed proposals[b]'s accepted nodes."""
         ...
 
+    def expected_tokens(self, proposal: Proposal) -> float:
+        """How many of the proposal's tokens are expected to be accepted (a hybrid picks its draft by it)."""
+        ...
+
+
+_MEMBERS = ("__call__", "observe", "expected_tokens")
+
+
+def check_router(router: object) -> Router:
+    """Return `router` if it has every member of the contract; else raise a TypeError naming what it lacks."""
+    missing = [name for name in _MEMBERS if not callable(getattr(router, name, None))]
+    if missing:
+        raise TypeError(f"{type(router).__name__} is not a Router: it lacks {', '.join(missing)} (the contract is "
+                        f"hybridspec.router.Router; a plain function (proposals, contexts) -> proposals is wrapped "
+                        f"as a FunctionRouter)")
+    return router  # type: ignore[return-value]
+
+
+def as_router(router: Any) -> Router:
+    """A Router from a router or a plain function (proposals, contexts) -> proposals."""
+    if callable(router) and not hasattr(router, "observe") and not hasattr(router, "expected_tokens"):
+        return FunctionRouter(router)
+    return check_router(router)
+
 
 class FunctionRouter:
-    """A plain function (proposals, contexts) -> proposals as a `Router` that learns nothing."""
+    """A plain function (proposals, contexts) -> proposals as a `Router` that learns nothing and takes each proposal's
+    own score as its expectation."""
 
     def __init__(self, route: Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]]) -> None:
         self.route = route
@@ -29,3 +54,6 @@ class FunctionRouter:
 
     def observe(self, proposals: Sequence[Proposal], accepted: Sequence[Sequence[int]]) -> None:
         pass
+
+    def expected_tokens(self, proposal: Proposal) -> float:
+        return float(proposal.score)

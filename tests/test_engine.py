@@ -194,6 +194,29 @@ def test_stream_yields_the_generated_text(engine):
     assert len(deltas) > 1 and "".join(deltas) == engine.generate("Hello there", max_new_tokens=30).text
 
 
+def test_a_stream_ends_with_the_result_generate_returns(engine):
+    plain = engine.generate("Hello there", max_new_tokens=30)
+    stream = engine.stream("Hello there", max_new_tokens=30)
+    assert stream.result is None
+    text = "".join(stream)
+    result = stream.result
+    assert result is not None and text == result.text == plain.text and result.token_ids == plain.token_ids
+    assert result.finish_reason == plain.finish_reason and result.stats.new_tokens == len(plain.token_ids)
+
+
+def test_stats_split_drafts_by_source_and_count_cached_prompt_tokens(engine):
+    prompt = "ls -la; cat setup.py; ls -la; cat setup.py; ls -la; cat setup.py"
+    engine.generate(prompt, max_new_tokens=20, speculate="suffix")
+    again = engine.generate(prompt, max_new_tokens=20, speculate="suffix").stats  # the prompt's KV is cached now
+    assert again.cached_tokens == again.prompt_tokens - 1 and again.prefill_tokens == 0
+    suffix = again.by_source["suffix"]
+    assert set(again.by_source) == {"suffix"} and suffix.won == again.proposals > 0
+    assert (suffix.draft_tokens, suffix.accepted_tokens) == (again.draft_tokens, again.accepted_tokens)
+    assert suffix.drafts == again.proposals - again.skipped_proposals
+    none = engine.generate(prompt, max_new_tokens=5, speculate="none").stats
+    assert none.by_source == {} and none.draft_tokens == 0
+
+
 def test_a_stream_closed_early_aborts_its_request(engine):
     """A caller that stops reading a stream leaves nothing behind: the request is aborted on the proposer (not
     finished: its partial response does not enter the global index), and nothing stays live."""
@@ -270,8 +293,27 @@ def test_bad_input_gives_clear_errors(engine):
         engine.generate("abc", num_speculative_tokens=-1)
     with pytest.raises(TypeError, match="a prompt is a string"):
         engine.generate([1.5])
-    with pytest.raises(ValueError, match="'role' and 'content'"):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role: None is not one of system, user, assistant, tool"):
         engine.session().send({"content": "no role"})
+
+
+@pytest.mark.parametrize("messages, error", [
+    ([{"role": "user"}], r"messages\[0\]\.content is missing"),
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": 5}],
+     r"messages\[1\]\.content must be a string, got int"),
+    ([{"role": "user", "content": ["a"]}], r"messages\[0\]\.content must be a string, got list"),
+    ([{"role": "wizard", "content": "hi"}], r"messages\[0\]\.role: 'wizard' is not one of"),
+    ([{"role": "user", "content": "ok"}, "just text"], r"messages\[1\]: a message is an object"),
+])
+def test_bad_chat_messages_name_the_field_in_every_entry_point(engine, messages, error):
+    """The chat template would raise jinja's UndefinedError, a TypeError, or render an unknown role as valid."""
+    with pytest.raises(ValueError, match=error):
+        engine.generate(messages, max_new_tokens=2)
+    with pytest.raises(ValueError, match=error):
+        engine.stream(messages, max_new_tokens=2)  # checked when the stream is made, before any step
+    with pytest.raises(ValueError, match=error):
+        engine.encode(messages)
+    assert engine.generate([{"role": "user", "content": "ok"}], max_new_tokens=2).token_ids  # the engine goes on
 
 
 def test_context_end_finishes_with_length(engine):

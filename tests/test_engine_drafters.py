@@ -152,7 +152,7 @@ class CheckedProposer(DrafterProposer):
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
 def test_drafter_state_follows_the_committed_tokens(fp32_engine, target_model, kind):
     engine = fp32_engine
-    proposer = CheckedProposer(engine.drafter_proposer(kind).drafter, target_model, engine.target.aux_layer_ids)
+    proposer = CheckedProposer(engine.proposers.get(kind).drafter, target_model, engine.target.aux_layer_ids)
     prompts, accepted = random_prompts(4, seed=11), 0
     for prompt in prompts:
         plain = engine.generate(prompt, max_new_tokens=24, speculate="none")
@@ -168,7 +168,7 @@ def test_session_continues_the_drafter_state(fp32_engine, target_model, kind):
     """A session's later turns prefill only their new tokens; the drafter continues its state from the previous turn
     (extends=) and still drafts exactly what a drafter fed the whole conversation drafts."""
     engine = fp32_engine
-    proposer = CheckedProposer(engine.drafter_proposer(kind).drafter, target_model, engine.target.aux_layer_ids)
+    proposer = CheckedProposer(engine.proposers.get(kind).drafter, target_model, engine.target.aux_layer_ids)
     session = engine.session(max_new_tokens=16, speculate=proposer)
     plain = engine.session(max_new_tokens=16, speculate="none")
     for turn in ["ab", "cd ef", "gh"]:
@@ -221,7 +221,7 @@ def test_sampling_with_a_drafter_keeps_the_target_distribution(kind):
     kind, _, threshold = kind.partition("@")
     drafter = kind.split("+")[-1]
     engine = Engine(TargetModel(model), tiny_tokenizer(vocab), drafters={drafter: make_drafter(drafter, model, seed=1)})
-    speculate = kind if "+" not in kind else HybridProposer(engine.suffix_cache, engine.drafter_proposer(drafter),
+    speculate = kind if "+" not in kind else HybridProposer(engine.suffix_cache, engine.proposers.get(drafter),
                                                              suffix_threshold=float(threshold) if threshold else None)
     prompt = [3, 5, 4, 6]
     eos = engine.tokenizer.eos_token_id
@@ -261,16 +261,16 @@ def test_engine_packs_its_own_copy_of_a_drafter(engine):
     """On CPU the engine runs drafters on oneDNN-packed weights: a copy, the caller's module stays trainable."""
     from hybridspec.linear import PackedLinear
 
-    ours = engine.drafter_proposer("peagle").drafter
-    theirs = engine.drafters["peagle"]
+    ours = engine.proposers.get("peagle").drafter
+    theirs = engine.proposers.drafters["peagle"]
     assert ours is not theirs
     assert isinstance(ours.lm_head, PackedLinear) and type(theirs.lm_head) is torch.nn.Linear
     x = torch.randn(5, ours.lm_head.in_features)
-    tol = 3e-2 if engine.drafter_bf16 else 1e-4  # bfloat16 products where the CPU has them
+    tol = 3e-2 if engine.proposers.drafter_bf16 else 1e-4  # bfloat16 products where the CPU has them
     assert ours.lm_head(x).dtype == torch.float32
     torch.testing.assert_close(ours.lm_head(x), theirs.lm_head(x), atol=tol, rtol=tol)
-    exact = Engine(engine.target, engine.tokenizer, drafters=engine.drafters, drafter_bf16=False)
-    torch.testing.assert_close(exact.drafter_proposer("peagle").drafter.lm_head(x), theirs.lm_head(x), atol=1e-4,
+    exact = Engine(engine.target, engine.tokenizer, drafters=engine.proposers.drafters, drafter_bf16=False)
+    torch.testing.assert_close(exact.proposers.get("peagle").drafter.lm_head(x), theirs.lm_head(x), atol=1e-4,
                                rtol=1e-4)
 
 
@@ -284,7 +284,7 @@ def test_hybrid_is_token_identical_and_uses_both(engine, batch):
     prompts = [(lambda unit: (unit * 6)[:30])([rng.randrange(3, VOCAB) for _ in range(4)]) for _ in range(3)]
     prompts += random_prompts(3, seed=2)  # repetitive prompts for the suffix cache, random ones for the drafter
     references = [engine.generate(p, max_new_tokens=32, speculate="none").token_ids for p in prompts]
-    hybrid = engine._proposer("suffix+peagle")
+    hybrid = engine.proposers.get("suffix+peagle")
     before = dict(hybrid.chosen)
     if batch:
         results = engine.generate(prompts, max_new_tokens=32, speculate="suffix+peagle")

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from hybridspec.engine import KV_HEADROOM_TOKENS, KV_SLACK, Engine
+from hybridspec.engine import KV_HEADROOM_TOKENS, Engine
 from hybridspec.kv_cache import KVCache
-from hybridspec.prefix_cache import PrefixCache
+from hybridspec.prefix_cache import KV_SLACK, PrefixCache
 from hybridspec.proposal import Proposal
 from hybridspec.target import TargetModel
 

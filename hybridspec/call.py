@@ -1,0 +1,108 @@
+"""One call's state as the decode loop works on it (`Call`, its sequences), and `Stream`, a call's text deltas."""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterator
+
+import torch
+
+from hybridspec.commit import StopRules, cut_at_stop
+from hybridspec.kv_cache import KVCache
+from hybridspec.options import CallParams
+from hybridspec.proposal import FeatureProposer, Proposer
+from hybridspec.speculators import TargetFeatures
+from hybridspec.stats import GenerationResult, GenerationStats
+from hybridspec.target import StepOutput
+from hybridspec.verifier import process_logits
+
+
+@dataclass
+class SequenceState:
+    request_id: Hashable
+    tokens: list[int]  # committed: prompt + generated; the cache row holds all but the last
+    prompt_len: int
+    finish_reason: str | None = None
+    extends: Hashable | None = None  # a finished request whose prompt + response this prompt begins with
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+@dataclass(eq=False)
+class Call:
+    """What one generate / stream / send call works on. Cache row r belongs to seqs[live[r]]."""
+
+    seqs: list[SequenceState]
+    cache: KVCache
+    proposer: Proposer | FeatureProposer | None
+    params: CallParams
+    rules: StopRules
+    stats: GenerationStats
+    live: list[int]
+    started: list[Hashable] = field(default_factory=list)  # request ids started on the proposer
+    deferred_prefill: list[int] | None = None  # a single prompt's uncached tokens, run in its first step's pass
+    error: Exception | None = None  # what ended the call in a step another thread ran
+    start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def wants_target_features(self) -> bool:
+        return self.proposer is not None and self.proposer.wants_target_features
+
+    def set_sampling(self) -> None:
+        """A proposer that reads features drafts from the distribution the verifier will use."""
+        if self.wants_target_features:
+            p = self.params
+            self.proposer.set_sampling(None if p.temperature == 0 else functools.partial(
+                process_logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p), p.generator)
+
+    def feed_proposer(self, row: int, seq: SequenceState, committed: list[int], out: StepOutput,
+                      kept_slots: list[int]) -> None:
+        """Tell the proposer the committed tokens (a drafter also gets the target's features at the slots that
+        produced them)."""
+        if self.proposer is None:
+            return
+        if self.wants_target_features:
+            slots = torch.tensor(kept_slots[:len(committed)], device=out.logits.device)
+            self.proposer.append(seq.request_id, committed, features=TargetFeatures(
+                out.aux_hidden[row, slots], out.final_hidden[row, slots]))
+        else:
+            self.proposer.append(seq.request_id, committed)
+
+    def text(self, seq: SequenceState, decode: Callable[[list[int]], str]) -> str:
+        text = decode(seq.generated)
+        return cut_at_stop(text, self.params.stop) if seq.finish_reason == "stop" else text
+
+    def results(self, decode: Callable[[list[int]], str]) -> list[GenerationResult]:
+        return [GenerationResult(text=self.text(s, decode), token_ids=s.generated, finish_reason=s.finish_reason,
+                                 prompt_token_ids=s.tokens[:s.prompt_len], stats=self.stats) for s in self.seqs]
+
+
+class Stream:
+    """One call's text deltas, as its tokens are committed. `result` is its GenerationResult once the iteration has
+    ended; `close()` cancels the call (it leaves the running batch at its next step, its requests are aborted)."""
+
+    def __init__(self, call: Call, steps: Iterator[None], decode: Callable[[list[int]], str]) -> None:
+        self._call, self._steps, self._decode, self._sent = call, steps, decode, ""
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> str:
+        seq = self._call.seqs[0]
+        for _ in self._steps:
+            text = self._call.text(seq, self._decode)
+            if seq.finish_reason is None and text.endswith("\ufffd"):
+                continue  # an incomplete UTF-8 character: wait for the rest of its bytes
+            if len(text) > len(self._sent):
+                delta, self._sent = text[len(self._sent):], text
+                return delta
+        if self.result is None and self._call.error is None:
+            self.result = self._call.results(self._decode)[0]
+        raise StopIteration
+
+    def close(self) -> None:
+        self._steps.close()

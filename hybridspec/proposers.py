@@ -1,0 +1,99 @@
+"""Turning a `speculate=` name into a proposer: the engine's suffix cache, n-gram proposer, model drafters (loaded on
+first use and checked against the target) and suffix + drafter hybrids, each made once per engine."""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from hybridspec.linear import fast_bf16, pack_linears
+from hybridspec.proposal import FeatureProposer, Proposer, check_proposer
+from hybridspec.router import HybridProposer, Router
+from hybridspec.speculators import Drafter, DrafterProposer, load_drafter
+from hybridspec.speculators.registry import DRAFTER_KINDS
+from hybridspec.target import TargetModel
+
+HYBRID_KINDS = tuple(f"suffix+{kind}" for kind in DRAFTER_KINDS)
+SPECULATE_CHOICES = ("suffix", "ngram", *DRAFTER_KINDS, *HYBRID_KINDS, "none")
+SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[1] / "speculators" / "checkpoints"
+
+
+class Proposers:
+    """The proposers of one engine, by `speculate=` name, made on first use and shared by every call.
+
+    drafters: checkpoint directories (or `Drafter` modules) by drafter kind; by default the heads shipped for
+    SmolLM2-135M-Instruct. drafter_bf16: run drafters' matrix products in bfloat16 on the CPU (default: where the CPU
+    does bfloat16 natively). A hybrid picks between its two drafts by the router's calibrated `expected_tokens`.
+    """
+
+    def __init__(self, target: TargetModel, router: Router, num_speculative_tokens: int, suffix_cache: Any = None,
+                 drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_bf16: bool | None = None):
+        unknown = set(drafters or ()) - set(DRAFTER_KINDS)
+        if unknown:
+            raise ValueError(f"drafters: unknown kind(s) {sorted(unknown)}; the kinds are {DRAFTER_KINDS}")
+        self.target, self.router = target, router
+        self.num_speculative_tokens = num_speculative_tokens
+        self.drafters: dict[str, Any] = dict(drafters or {})
+        self.drafter_bf16 = fast_bf16() if drafter_bf16 is None else drafter_bf16
+        self._suffix_cache = suffix_cache
+        self._made: dict[str, Proposer | FeatureProposer] = {}
+
+    def get(self, speculate: str | Proposer | FeatureProposer | None) -> Proposer | FeatureProposer | None:
+        """The proposer for a `speculate=` value: a name of SPECULATE_CHOICES, None / "none" (no speculation) or a
+        proposer of the caller's (checked against the contract)."""
+        if speculate is None or speculate == "none":
+            return None
+        if not isinstance(speculate, str):
+            return check_proposer(speculate)
+        if speculate not in SPECULATE_CHOICES:
+            raise ValueError(f"speculate must be one of {SPECULATE_CHOICES} or a Proposer, got {speculate!r}")
+        if speculate == "suffix":
+            return self.suffix_cache
+        if speculate not in self._made:
+            self._made[speculate] = self._make(speculate)
+        return self._made[speculate]
+
+    @property
+    def suffix_cache(self):
+        """The engine's suffix cache: prompts of live requests and every finished response (shared by all calls)."""
+        if self._suffix_cache is None:
+            from hybridspec.suffix import SuffixCache
+
+            self._suffix_cache = SuffixCache(num_speculative_tokens=self.num_speculative_tokens,
+                                             vocab_size=self.target.vocab_size)
+        return self._suffix_cache
+
+    def _make(self, speculate: str) -> Proposer | FeatureProposer:
+        if speculate == "ngram":
+            from hybridspec.suffix import NgramProposer
+
+            return NgramProposer(num_speculative_tokens=self.num_speculative_tokens)
+        if speculate in HYBRID_KINDS:
+            return HybridProposer(self.suffix_cache, self.get(speculate.split("+")[1]),
+                                  num_speculative_tokens=self.num_speculative_tokens,
+                                  expected=self.router.expected_tokens)
+        return DrafterProposer(self.load_drafter(speculate))
+
+    def load_drafter(self, kind: str) -> Drafter:
+        """The drafter of `kind` on the target's device, checked against the target (packed for the CPU)."""
+        source = self.drafters.get(kind, SHIPPED_CHECKPOINTS / f"{kind}-smollm2")
+        target = self.target
+        if isinstance(source, Drafter):
+            source.check_target(target.config, target.aux_layer_ids)
+            drafter = copy.deepcopy(source).to(target.device).eval()  # packing below must not touch theirs
+        else:
+            try:
+                drafter = load_drafter(source, target=target.config, embed_tokens=target.embed,
+                                       aux_layer_ids=target.aux_layer_ids, device=target.device)
+            except ValueError as e:
+                hint = "" if kind in self.drafters else (
+                    f" (the shipped {kind} head is for SmolLM2-135M-Instruct: train one for this target with "
+                    f"`hybridspec train` and pass Engine(..., drafters={{{kind!r}: PATH}}))")
+                raise ValueError(f"{e}{hint}") from e
+        if target.device.type == "cpu":
+            # A drafter's numbers only choose what to verify, never what is output: bfloat16 is lossless here.
+            pack_linears(drafter, torch.bfloat16 if self.drafter_bf16 else None)
+        return drafter
