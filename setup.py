@@ -19,6 +19,7 @@ for folder in FOLDERS:
 ext = Extension(
     "hybridspec.suffix._tree",
     sources=["suffix/_tree.pyx"],
+    depends=["suffix/_tree_nodes.pxi", "suffix/_tree_insert.pxi", "suffix/_tree_draft.pxi"],  # included by _tree.pyx
     extra_compile_args=["-O3"],
 )
 

@@ -33,7 +33,7 @@ class ReplayStats:
 
     calls: int = 0
     response_tokens: int = 0
-    draft_len: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))     # tokens proposed per step
+    draft_tokens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))  # tokens proposed per step
     accepted: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))      # tokens accepted per step
     produced: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))      # tokens emitted per step
     speculate_ns: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # speculate() time per step
@@ -51,7 +51,7 @@ class ReplayStats:
     def merge(cls, parts: Sequence["ReplayStats"]) -> "ReplayStats":
         return cls(
             calls=sum(p.calls for p in parts), response_tokens=sum(p.response_tokens for p in parts),
-            draft_len=np.concatenate([p.draft_len for p in parts]),
+            draft_tokens=np.concatenate([p.draft_tokens for p in parts]),
             accepted=np.concatenate([p.accepted for p in parts]), produced=np.concatenate([p.produced for p in parts]),
             speculate_ns=np.concatenate([p.speculate_ns for p in parts]),
             append_ns=sum(p.append_ns for p in parts), finish_ns=sum(p.finish_ns for p in parts),
@@ -62,12 +62,12 @@ class ReplayStats:
         if self.steps == 0:
             return 1.0
         baseline_ms = self.response_tokens * float(cost(0))
-        spec_ms = float(cost(self.draft_len).sum()) + (int(self.speculate_ns.sum()) + self.append_ns) / 1e6
+        spec_ms = float(cost(self.draft_tokens).sum()) + (int(self.speculate_ns.sum()) + self.append_ns) / 1e6
         return baseline_ms / spec_ms
 
     def summary(self, cost: VerifyCost) -> dict[str, float | int]:
         """The report's metrics (the JSON layout of `hybridspec replay`)."""
-        proposed = int(self.draft_len.sum())
+        proposed = int(self.draft_tokens.sum())
         us = self.speculate_ns / 1e3
         return {
             "calls": self.calls,
@@ -138,7 +138,7 @@ class Recorder:
     """One proposer's per-step lists over many `replay_call`s, turned into `ReplayStats` by `finish()`."""
 
     def __init__(self) -> None:
-        self.draft_len: list[int] = []
+        self.draft_tokens: list[int] = []
         self.accepted: list[int] = []
         self.produced: list[int] = []
         self.speculate_ns: list[int] = []
@@ -146,7 +146,7 @@ class Recorder:
 
     def finish(self) -> ReplayStats:
         s = self.stats
-        s.draft_len = np.asarray(self.draft_len, dtype=np.int32)
+        s.draft_tokens = np.asarray(self.draft_tokens, dtype=np.int32)
         s.accepted = np.asarray(self.accepted, dtype=np.int32)
         s.produced = np.asarray(self.produced, dtype=np.int32)
         s.speculate_ns = np.asarray(self.speculate_ns, dtype=np.int64)
@@ -192,7 +192,7 @@ def replay_call(proposer: Proposer, rid: Hashable, prompt: np.ndarray, response:
         proposer.append(rid, response[pos:pos + advance])
         t3 = clock()
         pos += advance
-        rec.draft_len.append(len(draft))
+        rec.draft_tokens.append(len(draft))
         rec.accepted.append(accepted)
         rec.produced.append(advance)
         rec.speculate_ns.append(t1 - t0)

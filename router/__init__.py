@@ -1,4 +1,6 @@
-"""hybridspec.router: what a draft is worth verifying. Knows Proposals and costs, not models."""
+"""hybridspec.router: the decisions of a step. What of each draft is worth a verification pass (`CostGate`, over the
+verify-cost model of `cost`), how many tokens a draft is expected to yield, and which draft wins where two proposers
+draft (`choose_draft`, `HybridProposer`). Knows Proposals and costs, not models: the `Router` contract in `base`."""
 from hybridspec.router.base import FunctionRouter, Router, as_router, check_router
 from hybridspec.router.cost import DEFAULT_VERIFY_MS, DEFAULT_VERIFY_MS_BY_CONTEXT, VerifyCost
 from hybridspec.router.gate import CostGate, verify_costs_by_context

@@ -1,4 +1,4 @@
-"""The verify-cost model: what one target forward pass over [last token] + k draft tokens costs.
+"""The verify-cost model the router decides by: what one target forward pass over [last token] + k draft tokens costs.
 
 Speculation pays only where the expected accepted tokens outweigh the extra cost of the pass, so the router, the
 engine and trace replay all read one table: t(k) in ms for k draft tokens (k = 0 is a plain decoding step),

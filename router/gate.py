@@ -1,5 +1,5 @@
-"""The default router: how much of a draft is worth a verification pass, from the verify-cost model and calibrated
-acceptance. Knows Proposals and costs, not models."""
+"""The default router's decision: how much of a draft is worth a verification pass, from the verify-cost model and
+calibrated acceptance (which also gives a draft's expected accepted tokens). Knows Proposals and costs, not models."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence

@@ -1,4 +1,5 @@
-"""Suffix drafts where the text repeats, a model drafter's where it does not: one proposer made of two.
+"""The hybrid's decision, which draft wins: suffix drafts where the text repeats, a model drafter's where it does not,
+as one proposer made of two (`HybridProposer`) and as the rule the vLLM plugin shares (`choose_draft`).
 
 Each step the suffix cache drafts first (microseconds). If its draft is expected to be accepted for at least
 `suffix_threshold` tokens, it is used and the model drafter is not run (the rule of Arctic's hybrid, whose threshold

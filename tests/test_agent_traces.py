@@ -443,14 +443,14 @@ def test_replay_oracle_matches_brute_force_and_hand_counts():
 
     stats = replay(trajs, [ProposerSpec("toy", make)], k, progress=False)["toy"]["fw"]
     steps, proposed, accepted = brute_force(responses, k, wrong_at)
-    assert (stats.steps, int(stats.draft_len.sum()), int(stats.accepted.sum())) == (steps, proposed, accepted)
+    assert (stats.steps, int(stats.draft_tokens.sum()), int(stats.accepted.sum())) == (steps, proposed, accepted)
     assert stats.response_tokens == sum(map(len, responses)) == int(stats.produced.sum())
     # by hand for the 10-token response of session b: steps draft 4/4/4/1 tokens, accept 2/2/2/1, emit 3/3/3/1
     toy = toys[0]
     assert toy.started == [(0, None), (1, 0), (2, 1), (3, None)]
     assert toy.finished == [0, 1, 2, 3]
     last = slice(stats.steps - 4, stats.steps)
-    assert stats.draft_len[last].tolist() == [4, 4, 4, 1]
+    assert stats.draft_tokens[last].tolist() == [4, 4, 4, 1]
     assert stats.accepted[last].tolist() == [2, 2, 2, 1]
     assert stats.produced[last].tolist() == [3, 3, 3, 1]
     summary = stats.summary(VerifyCost())
@@ -459,7 +459,7 @@ def test_replay_oracle_matches_brute_force_and_hand_counts():
     # with a slow target the proposer's microseconds vanish: speedup = n t(0) / sum of t(k) per step
     slow = VerifyCost({0: 1000.0, 1: 1000.0, 4: 2000.0})
     expected = stats.response_tokens * 1000.0 / sum(2000.0 if d == 4 else 1000.0 if d in (0, 1) else
-                                                    1000.0 + (d - 1) * 1000.0 / 3 for d in stats.draft_len.tolist())
+                                                    1000.0 + (d - 1) * 1000.0 / 3 for d in stats.draft_tokens.tolist())
     assert stats.projected_speedup(slow) == pytest.approx(expected, rel=1e-3)
 
 

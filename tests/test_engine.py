@@ -316,6 +316,28 @@ def test_bad_chat_messages_name_the_field_in_every_entry_point(engine, messages,
     assert engine.generate([{"role": "user", "content": "ok"}], max_new_tokens=2).token_ids  # the engine goes on
 
 
+def test_a_router_is_checked_against_the_contract_like_a_proposer(tiny_model, tiny_tokenizer):
+    class NoExpectation:
+        def __call__(self, proposals, contexts):
+            return list(proposals)
+
+        def observe(self, proposals, accepted):
+            pass
+
+    with pytest.raises(TypeError, match=r"NoExpectation is not a Router: it lacks expected_tokens \(the contract is "
+                                        r"hybridspec.router.Router"):
+        Engine(TargetModel(tiny_model), tiny_tokenizer, router=NoExpectation())
+    with pytest.raises(TypeError, match="is not a Router: it lacks __call__, observe, expected_tokens"):
+        Engine(TargetModel(tiny_model), tiny_tokenizer, router=object())
+    wrapped = Engine(TargetModel(tiny_model), tiny_tokenizer,
+                     router=lambda proposals, contexts: [Proposal.empty() for _ in proposals])  # a plain function
+    assert wrapped.router.expected_tokens(Proposal.chain([1, 2], probs=[0.5, 0.25])) == 0.75
+    assert wrapped.generate("abc", max_new_tokens=4).stats.draft_tokens == 0  # it verifies nothing
+    broken = Engine(TargetModel(tiny_model), tiny_tokenizer, router=lambda proposals, contexts: [])
+    with pytest.raises(ValueError, match="the router returned 0 proposals for 1 sequences"):
+        broken.generate("abc", max_new_tokens=4)
+
+
 def test_context_end_finishes_with_length(engine):
     result = engine.generate([5] * 500, max_new_tokens=100, speculate="suffix")
     assert len(result.token_ids) <= 12 and (result.finish_reason == "length" or result.token_ids[-1] == 2)

@@ -15,8 +15,9 @@ import pytest
 
 from hybridspec.peers import ArcticSuffixProposer
 
+from common import PEERS_PYTHON
+
 ROOT = Path(__file__).resolve().parents[1]
-PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 
 
 def test_missing_peer_gives_a_clear_import_error(monkeypatch):

@@ -18,10 +18,10 @@ from hybridspec.suffix import NgramProposer, SuffixCache
 from hybridspec.target import TargetModel
 from hybridspec.testing import tiny_llama, tiny_tokenizer
 
+from common import PEERS_PYTHON
 from test_engine_drafters import VOCAB, make_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 PROMPT = [3, 4, 5, 6, 7, 8] * 4 + [3, 4]
 CONTINUATION = [5, 6, 7, 8, 3, 4] * 3
 

@@ -28,11 +28,10 @@ from hybridspec.speculators import (Eagle3Drafter, EagleConfig, LayerConfig, PEa
                                     default_aux_layer_ids, save_drafter)
 from hybridspec.testing import tiny_llama, tiny_tokenizer
 
+from common import VLLM_ENV, VLLM_PYTHON
+
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SHIPPED = ROOT / "speculators" / "checkpoints"
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false"}
 # vLLM names the P-EAGLE and EAGLE-3 drafters by these architectures (both run as its Eagle3LlamaForCausalLM).
 VLLM_ARCHITECTURE = {"peagle": "PeagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
 K = 5

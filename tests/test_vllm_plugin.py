@@ -28,11 +28,10 @@ import pytest
 from hybridspec.vllm_plugin import (SUPPORTED_VLLM_VERSIONS, PluginError, SuffixRequests, check_vllm_version,
                                     requested_modes)
 
+from common import VLLM_ENV, VLLM_PYTHON
+
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 PEAGLE = ROOT / "speculators" / "checkpoints" / "peagle-smollm2"
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
 MAX_TOKENS = 32
 K_SUFFIX, K_PEAGLE = 8, 7
 
@@ -152,6 +151,86 @@ def test_a_partial_prefill_gets_no_draft_and_starts_nothing():
     assert not cache.calls
 
 
+# (tokens one step verified, tokens generated before it, max new tokens, the model's context) -> what is committed and
+# why the sequence ends; prompts are 4 tokens long and token 2 is the stop token
+COMMIT_CASES = [
+    ([5, 6], 3, 100, 64, [5, 6], None),
+    ([5, 2, 7], 3, 100, 64, [5, 2], "eos"),
+    ([5, 6, 7, 8], 3, 5, 64, [5, 6], "length"),
+    ([5, 6, 7, 8], 3, 100, 9, [5, 6], "length"),  # the context's end: 4 + 3 + 2 tokens
+    ([2], 0, 1, 64, [2], "eos"),
+]
+
+
+@pytest.mark.parametrize("tokens, generated, max_new, max_len, kept, reason", COMMIT_CASES)
+def test_the_engine_and_the_plugin_commit_by_the_same_rules(tiny_model, tiny_tokenizer, tokens, generated, max_new,
+                                                            max_len, kept, reason):
+    from hybridspec.call import SequenceState
+    from hybridspec.commit import StopRules
+    from hybridspec.engine import Engine
+    from hybridspec.target import TargetModel
+
+    prompt, output = [9, 10, 11, 12], [20 + i for i in range(generated)]
+    # the engine: EOS id 2, max_new_tokens, the model's context
+    engine = Engine(TargetModel(tiny_model), tiny_tokenizer)
+    seq = SequenceState("r", prompt + output, len(prompt))
+    call = SimpleNamespace(rules=StopRules(engine.eos_token_ids, max_new, max_len), params=SimpleNamespace(stop=()))
+    assert engine.eos_token_ids == {2}
+    assert engine._commit(seq, list(tokens), call) == kept and seq.finish_reason == reason
+    # the plugin: vLLM's batch after the step, its sampling params (stop token 2, max_tokens), max_model_len
+    cache = FakeCache()
+    requests = SuffixRequests(cache, max_model_len=max_len)
+    budgets = requests.update(FakeBatch({"a": (prompt + output + tokens, len(prompt))}), [tokens],
+                              {"a": request_state(len(prompt), output, max_tokens=max_new, stop=(2,))}, 4)
+    assert cache.live["a"] == prompt + output + kept
+    assert (budgets[0] == 0) == (reason is not None)
+    finished = request_state(len(prompt), output + kept, max_tokens=max_new, stop=(2,))
+    assert requests._finished_normally(finished) == (reason is not None)
+
+
+def test_patches_apply_all_or_nothing_and_log_each(caplog):
+    """A patch table whose second target lacks its attribute changes nothing and says so once; one whose replacement
+    fails half-way restores the patches already applied; a table that applies logs one line per patch."""
+    import logging
+    import sys
+    import types
+
+    from hybridspec.vllm_plugin import Patch, _applied, apply_patches, restore_patches
+
+    fake = types.ModuleType("fake_vllm_runner")
+    fake.Proposer, fake.check = "original proposer", "original check"
+    sys.modules[fake.__name__] = fake
+    try:
+        caplog.set_level(logging.INFO, logger="vllm.hybridspec")
+        table = [Patch(fake.__name__, "Proposer", lambda original: "ours"),
+                 Patch(fake.__name__, "missing", lambda original: "ours")]
+        assert not apply_patches(table, frozenset())
+        assert (fake.Proposer, fake.check) == ("original proposer", "original check") and not _applied
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "fake_vllm_runner.missing" in errors[0].getMessage()
+
+        def broken(original):
+            raise RuntimeError("cannot build the replacement")
+
+        caplog.clear()
+        table = [Patch(fake.__name__, "Proposer", lambda original: "ours"), Patch(fake.__name__, "check", broken)]
+        assert not apply_patches(table, frozenset())
+        assert (fake.Proposer, fake.check) == ("original proposer", "original check")
+        assert "cannot build the replacement" in caplog.text
+
+        caplog.clear()
+        table = [Patch(fake.__name__, "Proposer", lambda original: f"ours over {original}"),
+                 Patch(fake.__name__, "check", lambda original: "ours", mode="hybrid")]
+        assert apply_patches(table, frozenset({"suffix"}))  # the hybrid's patch is not asked for
+        assert (fake.Proposer, fake.check) == ("ours over original proposer", "original check")
+        assert [r.getMessage() for r in caplog.records] == ["hybridspec: patched fake_vllm_runner.Proposer"]
+        restore_patches()
+        assert fake.Proposer == "original proposer" and not _applied
+    finally:
+        restore_patches()
+        del sys.modules[fake.__name__]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # vLLM
 
@@ -168,10 +247,10 @@ def vllm_worker(model: str, runs: list[dict], out_file: str) -> None:
 
     results = []
     for run in runs:
-        if run.get("record"):
-            os.environ["HYBRIDSPEC_VLLM_RECORD"] = run["record"]
+        if run.get("record"):  # tests/vllm_recorder.py records the plugin's events there
+            os.environ.update(HYBRIDSPEC_VLLM_OBSERVER="vllm_recorder:Recorder", HYBRIDSPEC_VLLM_RECORD=run["record"])
         else:
-            os.environ.pop("HYBRIDSPEC_VLLM_RECORD", None)
+            os.environ.pop("HYBRIDSPEC_VLLM_OBSERVER", None)
         started = time.perf_counter()
         llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=run.get("max_model_len", 2048),
                   speculative_config=run.get("speculative_config"), **run.get("llm_kwargs", {}))
@@ -197,7 +276,8 @@ def run_vllm(runs: list[dict], work: Path, env: dict[str, str], timeout: int = 1
     script = work / "vllm_worker.py"  # a file, not -c: spawned processes re-import __main__
     script.write_text(code)
     proc = subprocess.run(["nice", "-n", "10", str(VLLM_PYTHON), str(script)], cwd=work, text=True,
-                          capture_output=True, env={**os.environ, **VLLM_ENV, **env}, timeout=timeout)
+                          capture_output=True, env={**os.environ, **VLLM_ENV, "PYTHONPATH": str(ROOT / "tests"), **env},
+                          timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"vLLM subprocess failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
