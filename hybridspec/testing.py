@@ -56,3 +56,22 @@ def tiny_tokenizer(vocab_size: int = 128):
                                    eos_token="<|im_end|>", pad_token="<|im_end|>")
     fast.chat_template = TINY_CHAT_TEMPLATE
     return fast
+
+
+def chi_square_p_value(counts, probs) -> float:
+    """Pearson's goodness-of-fit p-value of observed `counts` against cell probabilities `probs` (aligned sequences),
+    pooling the cells expected below 5 times into one (observations in impossible cells land there too)."""
+    counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
+    probs = torch.as_tensor(probs, dtype=torch.float64).flatten()
+    expected = probs * counts.sum()
+    big = expected >= 5
+    stat = float(((counts[big] - expected[big]) ** 2 / expected[big]).sum())
+    cells = int(big.sum())
+    pooled_obs, pooled_exp = float(counts[~big].sum()), float(expected[~big].sum())
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    elif pooled_obs > 0:  # observations where none were possible
+        return 0.0
+    return float(torch.special.gammaincc(torch.tensor((cells - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))

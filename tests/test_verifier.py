@@ -11,6 +11,7 @@ import torch
 
 from hybridspec.proposal import Proposal
 from hybridspec.verifier import VerifyResult, process_logits, verify, verify_batch
+from hybridspec.testing import chi_square_p_value
 from hybridspec.verifier import reference
 
 V = 6
@@ -262,15 +263,6 @@ def target_joint(params: tuple[float, int, float]) -> np.ndarray:
     first = brute_process(TARGET.logits(torch.tensor(ROOT)).numpy(), *params)
     second = np.stack([brute_process(TARGET.logits(torch.tensor([ROOT[1], t])).numpy(), *params) for t in range(V)])
     return first[:, None] * second
-
-
-def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson chi-square goodness of fit over the cells with non-zero probability."""
-    support = probs > 0
-    expected = probs[support] * counts.sum()
-    stat = float(((counts[support] - expected) ** 2 / expected).sum())
-    dof = int(support.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)
