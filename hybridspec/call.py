@@ -36,7 +36,7 @@ class Call:
     """What one generate / stream / send call works on. Cache row r belongs to seqs[live[r]]."""
 
     seqs: list[SequenceState]
-    cache: KVCache
+    cache: KVCache | None  # taken when the call begins
     proposer: Proposer | FeatureProposer | None
     params: CallParams
     rules: StopRules

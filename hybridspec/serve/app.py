@@ -1,0 +1,307 @@
+"""The OpenAI-compatible app on an `Engine`: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`,
+`/metrics`.
+
+Every HTTP request is one engine call (`Engine.stream`), so concurrent requests share decode steps (continuous
+batching) and each gets what it would get alone. The engine blocks, so its calls run in worker threads, one step per
+thread hop while streaming: the event loop never waits on a step. A streaming client that goes away is cancelled at
+the next step (its engine stream is closed, its requests aborted, its batch slot freed).
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybridspec.serve.metrics import Metrics, finish_reason
+from hybridspec.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_response, param_path
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics")
+# words of the engine's ValueError / TypeError messages -> the request field they are about
+_ENGINE_PARAMS = (("speculate", "speculate"), ("drafter", "speculate"), ("stop", "stop"), ("seed", "seed"),
+                  ("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                  ("top_k", "top_k"))
+
+
+def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suffix", max_tokens: int = 1024,
+               registry: CollectorRegistry | None = None) -> FastAPI:
+    """The server's app on `engine`. speculate: the proposer of requests that do not name one (the request field
+    `speculate` overrides it); max_tokens: the limit of requests that set neither max_tokens nor
+    max_completion_tokens. Metrics go to `registry` (default: a new one, this app's own)."""
+    app = FastAPI(title="hybridspec", version=_version(), docs_url=None, redoc_url=None)
+    server = _Server(engine, served_model_name, speculate, max_tokens, Metrics(registry))
+    app.state.server = server
+    app.state.metrics = server.metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _validation_error(e.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(str(e.detail), None, e.status_code, type=kind)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception) -> JSONResponse:
+        return error_response(f"internal error: {type(e).__name__}: {e}", None, 500, type="server_error")
+
+    app.add_middleware(_CountResponses, metrics=server.metrics)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": server.created,
+                                            "owned_by": "hybridspec",
+                                            "max_model_len": engine.target.max_seq_len}]}
+
+    @app.post(CHAT)
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        return await server.complete(CHAT, body, messages, body.max_completion_tokens or body.max_tokens)
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        return await server.complete(COMPLETIONS, body, body.prompt, body.max_tokens)
+
+    return app
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    """The request body as `model`: JSON whatever the Content-Type says (curl -d sends a form's)."""
+    try:
+        data = json.loads(await request.body())
+    except ValueError as e:
+        raise APIError(f"the body is not valid JSON: {e}", None, code="json_invalid") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e.errors()) from None
+
+
+def _validation_error(errors: list) -> APIError:
+    """pydantic's first error as a 400 naming the field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = param_path(first.get("loc", ()))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return APIError(f"{param}: {message}" if param else f"the body: {message}", param)
+
+
+def _version() -> str:
+    from hybridspec import __version__
+
+    return __version__
+
+
+class _CountResponses:
+    """Counts every HTTP response by endpoint and status (an ASGI middleware: it leaves streaming alone)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        counted = False
+
+        async def counting_send(message) -> None:
+            nonlocal counted
+            if message["type"] == "http.response.start" and not counted:
+                counted = True
+                self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if not counted:  # an exception before any response: the server's error handler answers 500
+                self.metrics.http_requests.labels(endpoint, "500").inc()
+
+
+class _SSE(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends (finished, or the client gone and
+    the send failing), so that its `finally` cancels the engine call at once rather than when collected."""
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class _Server:
+    def __init__(self, engine, model: str, speculate: str, max_tokens: int, metrics: Metrics):
+        self.engine, self.model, self.speculate, self.max_tokens = engine, model, speculate, max_tokens
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    def options(self, body, max_tokens: int | None) -> dict[str, Any]:
+        """The engine's options for a request (OpenAI's defaults: temperature 1, top_p 1)."""
+        if body.model is not None and body.model != self.model:
+            raise APIError(f"The model `{body.model}` does not exist: this server serves `{self.model}`", "model",
+                           404, "model_not_found", "not_found_error")
+        return dict(max_new_tokens=max_tokens or self.max_tokens,
+                    temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
+                    speculate=body.speculate or self.speculate, stop=body.stop, seed=body.seed)
+
+    async def complete(self, endpoint: str, body, prompt, max_tokens: int | None):
+        options = self.options(body, max_tokens)
+        try:  # the call validates its options and prompt at once (tokenising it takes the engine's lock: a thread)
+            stream = await run_in_threadpool(self.engine.stream, prompt, **options)
+        except (ValueError, TypeError) as e:
+            param, code = self._param(str(e), endpoint)
+            raise APIError(str(e), param, code=code) from None
+        ids = Ids(endpoint, self.model)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _SSE(self._events(endpoint, stream, ids, include_usage), headers={"Cache-Control": "no-cache"})
+        self.metrics.running.inc()
+        try:
+            result = await run_in_threadpool(_drain, stream)
+        except Exception:  # the engine failed: the server's error handler answers 500
+            self.metrics.ended(endpoint, "error")
+            raise
+        except BaseException:  # cancelled (the server stops)
+            self.metrics.ended(endpoint, "abort")
+            await _close(stream)
+            raise
+        self.metrics.ended(endpoint, result)
+        return ids.response(result)
+
+    async def _events(self, endpoint: str, stream, ids: "Ids", include_usage: bool) -> AsyncIterator[str]:
+        """The SSE body: a role chunk (chat), text deltas, the chunk with the finish reason, the usage chunk if
+        asked for, `[DONE]`. Any way this generator ends before the engine call did cancels that call. (A response
+        whose client is gone before its first byte never starts it: the engine call, never started, holds
+        nothing.)"""
+        self.metrics.running.inc()
+        ended = False
+        try:
+            if ids.chat:
+                yield _event(ids.chunk({"role": "assistant", "content": ""}))
+            while True:
+                delta = await anyio.to_thread.run_sync(_next, stream)
+                if delta is None:
+                    break
+                yield _event(ids.chunk(delta))
+            result, ended = stream.result, True
+            self.metrics.ended(endpoint, result)
+            yield _event(ids.chunk(None, finish_reason(result.finish_reason)))
+            if include_usage:
+                yield _event(ids.usage_chunk(result))
+            yield "data: [DONE]\n\n"
+        except Exception as e:  # the engine failed mid-stream (its call has ended): say so in the stream
+            if not ended:
+                ended = True
+                self.metrics.ended(endpoint, "error")
+            yield _event({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None,
+                                    "code": None}})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not ended:  # the client went away (this task cancelled, or the generator closed)
+                self.metrics.ended(endpoint, "abort")
+                await _close(stream)
+
+    @staticmethod
+    def _param(message: str, endpoint: str) -> tuple[str, None | str]:
+        """The request field an engine error is about, and OpenAI's error code for a prompt over the context."""
+        named = re.match(r"(messages\[\d+\]\.\w+):", message)  # Engine.encode names a bad message's field
+        if named:
+            return named.group(1), None
+        for word, param in _ENGINE_PARAMS:
+            if word in message:
+                return param, None
+        code = "context_length_exceeded" if "context" in message else None
+        return ("messages" if endpoint == CHAT else "prompt"), code
+
+
+async def _close(stream) -> None:
+    """Cancel an engine call from a worker thread, even from a cancelled task (it must not be skipped)."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(stream.close)
+
+
+def _next(stream) -> str | None:
+    """The next text delta (one decode step or more: the engine waits for a whole UTF-8 character), None at the
+    end."""
+    return next(stream, None)
+
+
+def _drain(stream):
+    for _ in stream:
+        pass
+    return stream.result
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class Ids:
+    """One request's response objects: ids, timestamps and the chat / text completion shapes."""
+
+    def __init__(self, endpoint: str, model: str):
+        self.chat = endpoint == CHAT
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.model, self.created = model, int(time.time())
+        self.object = "chat.completion" if self.chat else "text_completion"
+
+    def _base(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(result) -> dict:
+        prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
+
+    def response(self, result) -> dict:
+        reason = finish_reason(result.finish_reason)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
+        return {**self._base(self.object), "choices": [choice], "usage": self.usage(result)}
+
+    def chunk(self, delta: str | dict | None, reason: str | None = None) -> dict:
+        """A streamed chunk: chat's `delta` ({"content": text}, or the role first, {} last), or a completion's text."""
+        if self.chat:
+            obj = "chat.completion.chunk"
+            choice = {"index": 0, "delta": delta if isinstance(delta, dict) else
+                      ({"content": delta} if delta is not None else {}), "logprobs": None, "finish_reason": reason}
+        else:
+            obj = "text_completion"
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+        return {**self._base(obj), "choices": [choice]}
+
+    def usage_chunk(self, result) -> dict:
+        return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": self.usage(result)}

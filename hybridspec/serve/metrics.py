@@ -1,0 +1,78 @@
+"""The server's Prometheus metrics, in a registry of its own per app (`GET /metrics`).
+
+Names follow vLLM's (`vllm:spec_decode_num_draft_tokens_total` -> `hybridspec:spec_decode_num_draft_tokens_total`),
+so dashboards and cross-checks carry over. Token counters add exactly the `usage` each finished request returned;
+a request the client abandoned counts once in `hybridspec:requests_total{finish_reason="abort"}` and nowhere else
+(one the engine failed: "error").
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+def finish_reason(engine_reason: str | None) -> str:
+    """OpenAI's finish_reason for the engine's: "eos" and "stop" (a stop string) are both "stop"."""
+    return "length" if engine_reason == "length" else "stop"
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter("hybridspec:http_requests", "HTTP responses by endpoint and status code",
+                                     ["endpoint", "status"], registry=r)
+        self.requests = Counter("hybridspec:requests", "Generation requests by endpoint and finish reason (stop, "
+                                "length; abort: the client went away; error: the engine failed)",
+                                ["endpoint", "finish_reason"], registry=r)
+        self.running = Gauge("hybridspec:num_requests_running", "Generation requests in the engine now", registry=r)
+        self.prompt_tokens = Counter("hybridspec:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("hybridspec:generation_tokens", "Generated tokens of finished requests",
+                                         registry=r)
+        self.cached_tokens = Counter("hybridspec:prefix_cache_hit_tokens", "Prompt tokens whose KV came from the "
+                                     "prefix cache (usage.prompt_tokens_details.cached_tokens)", registry=r)
+        self.steps = Counter("hybridspec:decode_steps", "Verification passes (one per step of each request)",
+                             registry=r)
+        self.ttft = Histogram("hybridspec:time_to_first_token_seconds", "From a request's start in the engine to "
+                              "its first generated token", buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("hybridspec:inter_token_latency_seconds", "Per generated token after the first: the "
+                             "request's mean time per token after its first", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("hybridspec:e2e_request_latency_seconds", "A request's time in the engine",
+                             buckets=E2E_BUCKETS, registry=r)
+        source = ["source"]
+        self.spec_won = Counter("hybridspec:spec_decode_num_steps_won", "Steps whose draft came from this proposer "
+                                "source (a hybrid's choice)", source, registry=r)
+        self.spec_drafts = Counter("hybridspec:spec_decode_num_drafts", "Steps that verified a draft from this "
+                                   "source", source, registry=r)
+        self.spec_draft_tokens = Counter("hybridspec:spec_decode_num_draft_tokens", "Draft tokens sent to "
+                                         "verification, by source", source, registry=r)
+        self.spec_accepted_tokens = Counter("hybridspec:spec_decode_num_accepted_tokens", "Draft tokens the target "
+                                            "accepted, by source", source, registry=r)
+
+    def ended(self, endpoint: str, result) -> None:
+        """Count a request that left the engine: its `GenerationResult` (the usage it returned, its stats), or
+        "abort" (the client went away) or "error" (the engine failed), which count nothing else."""
+        self.running.dec()
+        if isinstance(result, str):
+            self.requests.labels(endpoint, result).inc()
+            return
+        stats = result.stats
+        n = len(result.token_ids)
+        self.requests.labels(endpoint, finish_reason(result.finish_reason)).inc()
+        self.prompt_tokens.inc(len(result.prompt_token_ids))
+        self.generation_tokens.inc(n)
+        self.cached_tokens.inc(stats.cached_tokens)
+        self.steps.inc(stats.steps)
+        if n:
+            self.ttft.observe(stats.first_token_s)
+        for _ in range(n - 1):
+            self.itl.observe((stats.total_s - stats.first_token_s) / (n - 1))
+        self.e2e.observe(stats.total_s)
+        for name, s in stats.by_source.items():
+            self.spec_won.labels(name).inc(s.won)
+            self.spec_drafts.labels(name).inc(s.drafts)
+            self.spec_draft_tokens.labels(name).inc(s.draft_tokens)
+            self.spec_accepted_tokens.labels(name).inc(s.accepted_tokens)
