@@ -66,7 +66,7 @@ TRANSFORMERS_METHODS = ("transformers", "transformers-lookup")
 # name -> (speculate, prefix_cache_bytes): None leaves the engine's default budget, 0 turns prefix caching off
 HYBRIDSPEC_METHODS: dict[str, tuple[str, int | None]] = {
     "none": ("none", None), "suffix": ("suffix", None), "suffix+peagle": ("suffix+peagle", None),
-    "suffix-no-prefix-cache": ("suffix", 0)}
+    "peagle": ("peagle", None), "suffix-no-prefix-cache": ("suffix", 0)}
 # vLLM's documented examples: n-gram K=5 over up to 4-grams; suffix decoding at its own defaults (K = tree depth 24)
 VLLM_METHODS: dict[str, dict | None] = {
     "vllm-none": None, "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4},
@@ -177,10 +177,11 @@ class HybridspecRunner:
         pass
 
 
-def make_engine(target, tokenizer, prefix_cache_bytes: int | None):
+def make_engine(target, tokenizer, prefix_cache_bytes: int | None, drafter_context: int | None = None):
     from hybridspec import Engine
 
-    return Engine(target, tokenizer, prefix_cache_bytes=prefix_cache_bytes)
+    extra = {"drafter_context": drafter_context} if drafter_context else {}
+    return Engine(target, tokenizer, prefix_cache_bytes=prefix_cache_bytes, **extra)
 
 
 # ------------------------------------------------------------------------------------------------------------ vLLM
@@ -287,7 +288,8 @@ class Setup:
             return TransformersRunner(method, self.hf_model(), self.eos_ids())
         if method in HYBRIDSPEC_METHODS:
             speculate, prefix_cache_bytes = HYBRIDSPEC_METHODS[method]
-            return HybridspecRunner(method, make_engine(self.target(), self.tokenizer, prefix_cache_bytes), speculate)
+            engine = make_engine(self.target(), self.tokenizer, prefix_cache_bytes, self.args.drafter_context)
+            return HybridspecRunner(method, engine, speculate)
         return VLLMWorker(method, VLLM_METHODS[method], self.model_dir, SMOLLM2_CONTEXT, self.args.threads,
                           self.log_dir)
 
@@ -493,8 +495,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="each trajectory's first N calls that fit the context (default 8: about where SWE-agent's "
                              "conversations fill SmolLM2's 8,192 tokens; real trajectories run 10-60 calls)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--methods", default=",".join(ALL_METHODS),
-                        help=f"comma-separated, of {', '.join(ALL_METHODS)}")
+    parser.add_argument("--methods", default=",".join(m for m in ALL_METHODS if m != "peagle"),
+                        help=f"comma-separated, of {', '.join(ALL_METHODS)} (default: all but peagle)")
+    parser.add_argument("--drafter-context", type=int, default=None,
+                        help="the positions a drafter reads at most (Engine(drafter_context=); default: the engine's)")
     parser.add_argument("--no-vllm", action="store_true", help="leave the vllm-* methods out")
     parser.add_argument("--concurrency", default="1,4", help="comma-separated agent counts (1 = the interleaved run)")
     parser.add_argument("--concurrent-methods", default="suffix,vllm-none,vllm-ngram,vllm-suffix",

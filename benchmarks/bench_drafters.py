@@ -119,6 +119,26 @@ def drafting_latency(kind: str, context: int, repeats: int, shape: str = "smollm
     return median_ms_each(propose, repeats, warmup=2, before=accept, sync=sync)
 
 
+def catch_up_latency(kind: str, positions: list[int], repeats: int, context: int = 512,
+                     cpu_matmul: torch.dtype | None = None) -> dict[int, float]:
+    """Median ms of one draft of the drafter's K after `n` positions it has not run yet (a lazy drafter's catch-up:
+    the steps a hybrid drafted from its suffix cache), for each n in `positions`; SmolLM2 shapes on this CPU, the
+    drafter's state holding `context` real slots before. The router's built-in `DEFAULT_DRAFT_MS` come from here."""
+    drafter = shaped_drafter(kind)
+    pack_linears(drafter, cpu_matmul)
+    vocab, k = SHAPES["smollm2"]["vocab"], drafter.num_speculative_tokens
+    states = {}
+
+    def fresh(n: int) -> None:  # untimed: a state that has run `context` slots and holds n more, not yet run
+        states[n] = drafter.begin(random_features(context), torch.randint(0, vocab, (context,)))
+        drafter.propose(states[n], k)
+        drafter.accept(states[n], random_features(n), torch.randint(0, vocab, (n,)))
+
+    before = {n: (lambda n=n: fresh(n)) for n in positions}
+    propose = {n: (lambda n=n: drafter.propose(states[n], k)) for n in positions}
+    return median_ms_each(propose, repeats, warmup=1, before=before)
+
+
 def acceptance(kind: str) -> dict[str, dict] | None:
     ckpt = checkpoint_dir(kind)
     if not (ckpt / "config.json").exists():
@@ -157,7 +177,25 @@ def main() -> None:
                         help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--cpu-matmul", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="dtype of the packed matrix products on CPU (auto: as the engine, bfloat16 where native)")
+    parser.add_argument("--catch-up", default=None, metavar="N,N,...",
+                        help="only time a draft after catching up each number of positions (the router's draft-cost "
+                             "tables), e.g. 1,16,64,256,1024")
     args = parser.parse_args()
+    if args.catch_up:
+        torch.set_num_threads(args.threads)
+        positions = [int(n) for n in args.catch_up.split(",")]
+        matmul = torch.bfloat16 if args.cpu_matmul == "bfloat16" or (args.cpu_matmul == "auto" and fast_bf16()) \
+            else None
+        with torch.inference_mode():
+            table = {kind: catch_up_latency(kind, positions, args.repeats, args.context, matmul) for kind in RECIPES}
+        print(f"ms of one draft (the drafter's K) after catching up N positions ({args.threads} thread(s), "
+              f"matmuls in {matmul or torch.float32}, median of {args.repeats})")
+        print(f"{'N':>6} " + " ".join(f"{kind:>9}" for kind in RECIPES))
+        for n in positions:
+            print(f"{n:>6} " + " ".join(f"{table[kind][n]:9.2f}" for kind in RECIPES))
+        write_json(args.json, {"catch_up_ms": table, "threads": args.threads, "context": args.context,
+                               "cpu_matmul": str(matmul or torch.float32), "machine": machine_info()})
+        return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     torch.set_num_threads(args.threads)

@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from bench_e2e import chat_questions
 from common import REPO, VLLM_ENV, VLLM_PYTHON, WORKLOADS_DIR, machine_info, write_json
+from hybridspec.router import FunctionRouter
 
 # Both sides run the same head on the same prompts; they differ only in where the first draft starts (ours drafts the
 # first generated token too, vLLM drafts after sampling it in prefill), so acceptance lengths agree to ~1 step in 700.
@@ -119,22 +120,17 @@ class Acceptance:
                 "accepted_per_position": self.accepted_per_position()}
 
 
-class RecordingRouter:
+class RecordingRouter(FunctionRouter):
     """Verifies every proposal in full (no cost gate) and records drafted/accepted per step, for one request at a
     time: the engine calls `observe(routed, accepted)` after each verification."""
 
     def __init__(self, k: int):
+        super().__init__(lambda proposals, contexts: list(proposals))
         self.acceptance = Acceptance(k)
-
-    def __call__(self, proposals, contexts) -> list:
-        return list(proposals)
 
     def observe(self, routed, accepted: Sequence[Sequence[int]]) -> None:
         for proposal, path in zip(routed, accepted):
             self.acceptance.add_step(len(proposal), len(path))
-
-    def expected_tokens(self, proposal) -> float:
-        return proposal.score
 
 
 def vllm_within_budget(acceptance: Acceptance, max_tokens: int) -> Acceptance:

@@ -32,6 +32,7 @@ from hybridspec.router import CostGate, Router, as_router
 from hybridspec.scheduler import StepScheduler, failing
 from hybridspec.session import PromptLike, Session, encode_prompt, is_batch
 from hybridspec.speculators import TargetFeatures
+from hybridspec.speculators.proposer import DEFAULT_WINDOW
 from hybridspec.speculators.registry import DRAFTER_KINDS
 from hybridspec.stats import GenerationResult, GenerationStats
 from hybridspec.target import StepOutput, TargetModel
@@ -48,7 +49,8 @@ class Engine:
     the LSTM speculator, EAGLE-3) or any `Proposer` / `FeatureProposer` (the contract in `hybridspec.proposal`).
 
     drafters, drafter_bf16: see `hybridspec.proposers.Proposers`. A drafter reads the target's hidden states at the
-    last `drafter_context` positions of a prompt, then at every committed token. router: a `Router` (default: the
+    last `drafter_context` positions of a prompt, then at every committed token, lazily (when it drafts) and never
+    more than that many positions (`DrafterProposer`'s window). router: a `Router` (default: the
     `CostGate` over `verify_cost`), or a plain function (proposals, contexts) -> proposals. prefix_cache_bytes: the
     budget of automatic prefix caching (`hybridspec.prefix_cache`): the KV of recent requests, reused by any later
     call whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off).
@@ -63,12 +65,14 @@ class Engine:
     def __init__(self, target: TargetModel, tokenizer: Any, *, verify_cost: Any = None,
                  router: Router | Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]] | None = None,
                  suffix_cache: Any = None, num_speculative_tokens: int = 16,
-                 drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_context: int = 1024,
+                 drafters: Mapping[str, str | os.PathLike | Any] | None = None,
+                 drafter_context: int = DEFAULT_WINDOW,
                  drafter_bf16: bool | None = None, prefix_cache_bytes: int | None = None):
         self.target, self.tokenizer = target, tokenizer
         self.router: Router = as_router(router if router is not None else CostGate(verify_cost))
         self.num_speculative_tokens = num_speculative_tokens
-        self.proposers = Proposers(target, self.router, num_speculative_tokens, suffix_cache, drafters, drafter_bf16)
+        self.proposers = Proposers(target, self.router, num_speculative_tokens, suffix_cache, drafters, drafter_bf16,
+                                   drafter_context)
         self.drafter_context = drafter_context
         self.eos_token_ids = self._eos_ids()
         self.stats = GenerationStats()  # cumulative over every call
@@ -347,7 +351,8 @@ class Engine:
             call.cache.truncate(row, len(seq.tokens) - 1)  # a stop inside the committed tokens drops the rest
             call.feed_proposer(row, seq, committed, out, kept_slots)
             source = (proposed[row].source or "unnamed") if len(proposed[row]) else None
-            call.stats.count_step(source, len(proposal), len(result.accepted), len(committed))
+            call.stats.count_step(source, len(proposal), len(result.accepted), len(committed),
+                                  proposed[row].drafter_ran)
             if seq.finish_reason is not None:
                 finished.append(row)
         self._retire(call, finished)

@@ -21,6 +21,7 @@ class Proposal:
     draft_logits are the drafter's raw next-token logits per token ([n, vocab] tensor) for lossless rejection sampling:
     the verifier applies the same temperature/top-k/top-p to them as to the target, and a sampling drafter must draw its
     tokens from that processed distribution. None for deterministic proposers (suffix, n-gram): one-hot drafts.
+    drafter_ran: a model drafter ran to make this proposal (a hybrid's may come from its suffix cache all the same).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -30,6 +31,7 @@ class Proposal:
     source: str = ""
     match_len: int = 0
     draft_logits: Any = None
+    drafter_ran: bool = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -13,6 +13,7 @@ from hybridspec.linear import fast_bf16, pack_linears
 from hybridspec.proposal import FeatureProposer, Proposer, check_proposer
 from hybridspec.router import HybridProposer, Router
 from hybridspec.speculators import Drafter, DrafterProposer, load_drafter
+from hybridspec.speculators.proposer import DEFAULT_WINDOW
 from hybridspec.speculators.registry import DRAFTER_KINDS
 from hybridspec.target import TargetModel
 
@@ -26,11 +27,14 @@ class Proposers:
 
     drafters: checkpoint directories (or `Drafter` modules) by drafter kind; by default the heads shipped for
     SmolLM2-135M-Instruct. drafter_bf16: run drafters' matrix products in bfloat16 on the CPU (default: where the CPU
-    does bfloat16 natively). A hybrid picks between its two drafts by the router's calibrated `expected_tokens`.
+    does bfloat16 natively). drafter_context: the positions a drafter reads at most (`DrafterProposer`'s window). A
+    hybrid runs its drafter where the router's rates say it pays, and picks between the two drafts by the router's
+    calibrated `expected_tokens`.
     """
 
     def __init__(self, target: TargetModel, router: Router, num_speculative_tokens: int, suffix_cache: Any = None,
-                 drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_bf16: bool | None = None):
+                 drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_bf16: bool | None = None,
+                 drafter_context: int = DEFAULT_WINDOW):
         unknown = set(drafters or ()) - set(DRAFTER_KINDS)
         if unknown:
             raise ValueError(f"drafters: unknown kind(s) {sorted(unknown)}; the kinds are {DRAFTER_KINDS}")
@@ -38,6 +42,7 @@ class Proposers:
         self.num_speculative_tokens = num_speculative_tokens
         self.drafters: dict[str, Any] = dict(drafters or {})
         self.drafter_bf16 = fast_bf16() if drafter_bf16 is None else drafter_bf16
+        self.drafter_context = drafter_context
         self._suffix_cache = suffix_cache
         self._made: dict[str, Proposer | FeatureProposer] = {}
 
@@ -72,10 +77,10 @@ class Proposers:
 
             return NgramProposer(num_speculative_tokens=self.num_speculative_tokens)
         if speculate in HYBRID_KINDS:
-            return HybridProposer(self.suffix_cache, self.get(speculate.split("+")[1]),
-                                  num_speculative_tokens=self.num_speculative_tokens,
-                                  expected=self.router.expected_tokens)
-        return DrafterProposer(self.load_drafter(speculate))
+            kind = speculate.split("+")[1]
+            return HybridProposer(self.suffix_cache, self.get(kind), self.router,
+                                  num_speculative_tokens=self.num_speculative_tokens, draft_cost=kind)
+        return DrafterProposer(self.load_drafter(speculate), window=self.drafter_context)
 
     def load_drafter(self, kind: str) -> Drafter:
         """The drafter of `kind` on the target's device, checked against the target (packed for the CPU)."""

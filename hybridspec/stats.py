@@ -41,6 +41,7 @@ class GenerationStats:
     accepted_tokens: int = 0  # of those, accepted
     proposals: int = 0  # non-empty proposals from the proposer
     skipped_proposals: int = 0  # of those, dropped by the router (not worth a verification pass)
+    drafter_runs: int = 0  # steps that ran a model drafter (a hybrid runs it only where it is expected to pay)
     prefill_s: float = 0.0
     propose_s: float = 0.0  # proposer and router
     verify_s: float = 0.0  # target forward pass and acceptance rule
@@ -75,10 +76,12 @@ class GenerationStats:
     def decode_tokens_per_s(self) -> float:
         return self.new_tokens / self.decode_s if self.decode_s else 0.0
 
-    def count_step(self, source: str | None, draft_tokens: int, accepted_tokens: int, new_tokens: int) -> None:
+    def count_step(self, source: str | None, draft_tokens: int, accepted_tokens: int, new_tokens: int,
+                   drafter_ran: bool = False) -> None:
         """One sequence's verification pass: `source` made its proposal (None: no proposal), of which the router
-        kept `draft_tokens` for verification."""
+        kept `draft_tokens` for verification; drafter_ran: a model drafter ran for it."""
         self.steps += 1
+        self.drafter_runs += drafter_ran
         self.new_tokens += new_tokens
         self.draft_tokens += draft_tokens
         self.accepted_tokens += accepted_tokens

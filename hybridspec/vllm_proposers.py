@@ -62,7 +62,6 @@ class HybridspecHybridProposer(EagleProposer):
         if not self.trims:
             self.hybridspec_requests.gate = CostGate()
         self.gate = self.hybridspec_requests.gate
-        self.suffix_threshold = float(spec.num_speculative_tokens)  # Arctic's rule: the drafter's K
         self.drafter_source = "peagle" if spec.parallel_drafting else spec.method
         self.chosen: dict[str, int] = {"suffix": 0, self.drafter_source: 0}
         self._batch: Any = None
@@ -105,8 +104,7 @@ class HybridspecHybridProposer(EagleProposer):
                 drafts.append([] if sampled[i] else eagle_rows[i])  # a partial prefill: vLLM drops it anyway
                 continue
             drafted = Proposal.chain(eagle_rows[i][:budget], source=self.drafter_source)
-            best = choose_draft(requests.speculate(rid, budget), drafted, self.suffix_threshold,
-                                self.gate.expected_tokens)
+            best = choose_draft(requests.speculate(rid, budget), drafted, self.gate.expected_tokens)
             self.chosen[best.source] = self.chosen.get(best.source, 0) + 1
             requests.event("chosen", rid, source=best.source, draft=list(best.token_ids))
             draft = requests.route(rid, best, requests.contexts[i], trim=self.trims)

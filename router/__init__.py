@@ -2,9 +2,10 @@
 verify-cost model of `cost`), how many tokens a draft is expected to yield, and which draft wins where two proposers
 draft (`choose_draft`, `HybridProposer`). Knows Proposals and costs, not models: the `Router` contract in `base`."""
 from hybridspec.router.base import FunctionRouter, Router, as_router, check_router
-from hybridspec.router.cost import DEFAULT_VERIFY_MS, DEFAULT_VERIFY_MS_BY_CONTEXT, VerifyCost
+from hybridspec.router.cost import DEFAULT_VERIFY_MS, DEFAULT_VERIFY_MS_BY_CONTEXT, DraftCost, VerifyCost
 from hybridspec.router.gate import CostGate, verify_costs_by_context
-from hybridspec.router.hybrid import HybridProposer, choose_draft, suffix_suffices
+from hybridspec.router.hybrid import DrafterEstimate, HybridProposer, choose_draft, drafter_pays
 
 __all__ = ["DEFAULT_VERIFY_MS", "DEFAULT_VERIFY_MS_BY_CONTEXT", "VerifyCost", "CostGate", "HybridProposer", "Router",
-           "FunctionRouter", "as_router", "check_router", "verify_costs_by_context", "choose_draft", "suffix_suffices"]
+           "FunctionRouter", "as_router", "check_router", "verify_costs_by_context", "choose_draft", "drafter_pays",
+           "DraftCost", "DrafterEstimate"]

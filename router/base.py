@@ -21,8 +21,17 @@ class Router(Protocol):
         """How many of the proposal's tokens are expected to be accepted (a hybrid picks its draft by it)."""
         ...
 
+    def rate(self, proposal: Proposal, context: int) -> float:
+        """Expected tokens per plain step's time of verifying the proposal as routed (1.0: a plain step); a hybrid
+        compares its options by it."""
+        ...
 
-_MEMBERS = ("__call__", "observe", "expected_tokens")
+    def step_ms(self, context: int) -> float:
+        """The ms of a plain decoding step at `context` tokens (a hybrid converts a drafter's cost with it)."""
+        ...
+
+
+_MEMBERS = ("__call__", "observe", "expected_tokens", "rate", "step_ms")
 
 
 def check_router(router: object) -> Router:
@@ -43,11 +52,14 @@ def as_router(router: Any) -> Router:
 
 
 class FunctionRouter:
-    """A plain function (proposals, contexts) -> proposals as a `Router` that learns nothing and takes each proposal's
-    own score as its expectation."""
+    """A plain function (proposals, contexts) -> proposals as a `Router` that learns nothing, takes each proposal's
+    own score as its expectation and the built-in verify costs as its costs."""
 
     def __init__(self, route: Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]]) -> None:
+        from hybridspec.router.cost import VerifyCost
+
         self.route = route
+        self._cost = VerifyCost()
 
     def __call__(self, proposals: Sequence[Proposal], contexts: Sequence[int]) -> list[Proposal]:
         return self.route(proposals, contexts)
@@ -57,3 +69,9 @@ class FunctionRouter:
 
     def expected_tokens(self, proposal: Proposal) -> float:
         return float(proposal.score)
+
+    def rate(self, proposal: Proposal, context: int) -> float:
+        return (1.0 + self.expected_tokens(proposal)) / self._cost.relative(len(proposal))
+
+    def step_ms(self, context: int) -> float:
+        return float(self._cost(0))

@@ -81,3 +81,38 @@ class VerifyCost:
             return cls({int(k): float(v) for k, v in data.items()})
         except (AttributeError, TypeError, ValueError) as e:
             raise ValueError(f"{source!r}: expected a table {{k: ms}} with k = 0 included ({e})") from None
+
+
+# What a model drafter costs per draft on this project's CPU, by drafter kind: ms of one `speculate` of the drafter's
+# K after `positions` steps' worth of target features it had not yet run (its lazy catch-up, in the same pass for
+# P-EAGLE; before its K passes for EAGLE-3; nothing for the LSTM, which reads the last position only). SmolLM2-shaped
+# drafters, 1 thread, bfloat16 products where the CPU has them, as the engine runs them:
+# `python benchmarks/bench_drafters.py --catch-up 1,16,64,256,1024 --json PATH` ("catch_up_ms"; BENCHMARKS.md).
+DEFAULT_DRAFT_MS: dict[str, dict[int, float]] = {
+    "peagle": {1: 5.1, 16: 6.3, 64: 10.6, 256: 38.8, 1024: 339.6},
+    "eagle3": {1: 5.7, 16: 6.3, 64: 9.2, 256: 22.2, 1024: 184.2},
+    "lstm": {1: 8.2, 16: 8.1, 64: 8.2, 256: 8.2, 1024: 9.3},
+}
+
+
+class DraftCost:
+    """d(n): the cost in ms of drafting after catching up n positions, piecewise-linear in n between measured points
+    (extrapolated from the last two)."""
+
+    def __init__(self, table_ms: Mapping[int, float]):
+        items = sorted((int(n), float(v)) for n, v in table_ms.items())
+        if not items or any(n < 0 or v <= 0 for n, v in items):
+            raise ValueError("a draft-cost table needs positions >= 0 and every cost > 0 ms")
+        self.ns = np.array([n for n, _ in items], dtype=np.float64)
+        self.ms = np.array([v for _, v in items], dtype=np.float64)
+
+    def __call__(self, positions: int) -> float:
+        if len(self.ns) > 1 and positions > self.ns[-1]:
+            slope = (self.ms[-1] - self.ms[-2]) / (self.ns[-1] - self.ns[-2])
+            return float(self.ms[-1] + slope * (positions - self.ns[-1]))
+        return float(np.interp(positions, self.ns, self.ms))
+
+    @classmethod
+    def default(cls, kind: str) -> "DraftCost":
+        """The built-in table of a drafter kind (P-EAGLE's for a kind without one)."""
+        return cls(DEFAULT_DRAFT_MS.get(kind, DEFAULT_DRAFT_MS["peagle"]))

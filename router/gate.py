@@ -99,9 +99,24 @@ class CostGate:
         return float(sum(self.calibrated_path_probs(proposal)))
 
     def trim(self, proposal: Proposal, context: int = 0) -> Proposal:
+        keep, _ = self._best(proposal, context)
+        return proposal if len(keep) == len(proposal) else _subset(proposal, sorted(keep))
+
+    def rate(self, proposal: Proposal, context: int = 0) -> float:
+        """Expected tokens per plain step's time of verifying the proposal as `trim` keeps it (1.0: nothing kept, a
+        plain step)."""
+        keep, value = self._best(proposal, context)
+        return value if keep else 1.0
+
+    def step_ms(self, context: int = 0) -> float:
+        """A plain decoding step at `context` tokens, in ms (the unit of `cost`)."""
+        return _interpolate(self._contexts, [float(c.ms[0]) for c in self.costs.values()], context)
+
+    def _best(self, proposal: Proposal, context: int) -> tuple[list[int], float]:
+        """The nodes worth verifying (most probable first) and their expected tokens per plain step's time."""
         n = len(proposal)
         if n == 0:
-            return proposal
+            return [], 1.0
         # calibrated and never above the parent's: every prefix of `order` below is then a subtree
         path = self.calibrated_path_probs(proposal)
         order = sorted(range(n), key=lambda i: (-path[i], i))
@@ -111,9 +126,7 @@ class CostGate:
             value = expected / self.cost(m, context)
             if value > best_value:
                 best_m, best_value = m, value
-        if best_m == n:
-            return proposal
-        return _subset(proposal, sorted(order[:best_m]))
+        return order[:best_m], best_value
 
     def observe(self, proposals: Sequence[Proposal], accepted: Sequence[Sequence[int]]) -> None:
         """Learn from verification: accepted[b] are the indices of proposals[b]'s nodes that were accepted."""

@@ -1,12 +1,15 @@
-"""The hybrid's decision, which draft wins: suffix drafts where the text repeats, a model drafter's where it does not,
-as one proposer made of two (`HybridProposer`) and as the rule the vLLM plugin shares (`choose_draft`).
+"""The hybrid's decisions: whether a step runs the model drafter at all, and which draft wins. Suffix drafts where the
+text repeats, a model drafter's where it does not, as one proposer made of two (`HybridProposer`); the vLLM plugin
+shares the choice between two drafts (`choose_draft`).
 
-Each step the suffix cache drafts first (microseconds). If its draft is expected to be accepted for at least
-`suffix_threshold` tokens, it is used and the model drafter is not run (the rule of Arctic's hybrid, whose threshold
-is the drafter's K). Otherwise the drafter drafts too; greedy, the draft with the larger calibrated expectation wins.
-When the drafter samples, its draft is taken as drawn: picking by the sampled tokens' probabilities would bias the
-rejection rule (the tokens it verifies would no longer follow the drafter's distribution).
-Knows Proposals, not models: the drafter's inputs (the target's features) pass through untouched.
+Each step the suffix cache drafts first (microseconds). The drafter is run only where that is expected to pay, by
+goodput, before it runs: (a) verifying the suffix draft alone yields `router.rate(suffix)` tokens per plain step's
+time; (b) running the drafter costs its catch-up and drafting (`DraftCost`, in ms, over the router's `step_ms`) and
+then yields what verifying the better of the two drafts yields, where the drafter's draft is expected to do what its
+recent drafts did (`DrafterEstimate`, the router's calibrated rates of them). The larger expected tokens per unit of
+time wins. When the drafter samples, its draft is taken as drawn: picking by the sampled tokens' probabilities would
+bias the rejection rule (the tokens it verifies would no longer follow the drafter's distribution).
+Knows Proposals and costs, not models: the drafter's inputs (the target's features) pass through untouched.
 """
 from __future__ import annotations
 
@@ -14,48 +17,73 @@ from collections import Counter
 from typing import Any, Callable, Hashable, Sequence
 
 from hybridspec.proposal import FeatureProposer, Proposal, Proposer, check_proposer
+from hybridspec.router.base import Router
+from hybridspec.router.cost import DraftCost
 
 
-def suffix_suffices(suffix: Proposal, suffix_threshold: float, expected: Callable[[Proposal], float]) -> bool:
-    """The suffix draft is used without asking the drafter: it is expected to yield at least `suffix_threshold`
-    accepted tokens."""
-    return len(suffix) > 0 and expected(suffix) >= suffix_threshold
-
-
-def choose_draft(suffix: Proposal, drafted: Proposal | None, suffix_threshold: float,
-                 expected: Callable[[Proposal], float], sampling: bool = False) -> Proposal:
-    """The hybrid's choice for one sequence, shared by `HybridProposer` and the vLLM plugin's hybrid.
-
-    drafted: the model drafter's draft, or None where it was not run (`suffix_suffices`). The suffix draft wins when
-    it suffices; else the drafter's when it has tokens and, greedy, a larger expectation (a sampled draft is taken as
-    drawn, see the module docstring).
-    """
-    if drafted is None or suffix_suffices(suffix, suffix_threshold, expected) or not len(drafted):
+def choose_draft(suffix: Proposal, drafted: Proposal | None, expected: Callable[[Proposal], float],
+                 sampling: bool = False) -> Proposal:
+    """Of the suffix draft and the drafter's (None: the drafter did not run), the one expected to yield more; a
+    sampled drafter draft is taken as drawn (see the module docstring)."""
+    if drafted is None or not len(drafted):
         return suffix
     if sampling or not len(suffix) or expected(drafted) > expected(suffix):
         return drafted
     return suffix
 
 
+class DrafterEstimate:
+    """What the drafter's next draft is expected to yield, before it runs: the mean rate (expected tokens per plain
+    step's time of its verification, the router's calibrated figure) of its recent drafts, decaying by `decay` per
+    draft. None until it has drafted once."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay, self.weight, self.total = decay, 0.0, 0.0
+
+    def observe(self, rate: float) -> None:
+        self.weight = self.weight * self.decay + 1.0
+        self.total = self.total * self.decay + rate
+
+    @property
+    def rate(self) -> float | None:
+        return self.total / self.weight if self.weight else None
+
+
+def drafter_pays(suffix_rate: float, drafter_rate: float | None, draft_steps: float) -> bool:
+    """Running the drafter is expected to yield more tokens per unit of time than the suffix draft alone.
+
+    suffix_rate: tokens per plain step's time of verifying the suffix draft (1.0: none); drafter_rate: the same of
+    the drafter's draft (None: unknown, so it runs once); draft_steps: the drafter's own cost in plain steps. With the
+    drafter, a step yields the better draft's tokens, r * v for a verification of v steps at rate r, and takes
+    draft_steps longer; taking v = 1 (a draft's pass costs about one step, as the rates count it):
+    max(r_d, r_s) / (1 + draft_steps) against r_s."""
+    if drafter_rate is None:
+        return True
+    return max(drafter_rate, suffix_rate) / (1.0 + draft_steps) > suffix_rate
+
+
 class HybridProposer:
     """A `FeatureProposer` over a model-free proposer (`suffix`) and a model drafter (`drafter`, a `DrafterProposer`).
 
-    expected(proposal) -> expected accepted tokens; by default the proposal's own score. Pass a calibrated estimate
-    (e.g. `CostGate.expected_tokens`) so an overconfident drafter does not win on its own word.
+    router: the engine's `Router` (its `expected_tokens`, `rate` and `step_ms`); draft_cost: the drafter's `DraftCost`,
+    or the drafter kind whose built-in table to use. `chosen` counts the steps each source won, `drafter_runs` the
+    steps that ran the drafter.
     """
 
     wants_target_features = True
     prefers_trees = True  # the engine's default, as for the drafter alone
 
-    def __init__(self, suffix: Proposer, drafter: FeatureProposer, num_speculative_tokens: int = 16,
-                 suffix_threshold: float | None = None, expected: Callable[[Proposal], float] | None = None) -> None:
+    def __init__(self, suffix: Proposer, drafter: FeatureProposer, router: Router, num_speculative_tokens: int = 16,
+                 draft_cost: DraftCost | str = "peagle") -> None:
         self.suffix, self.drafter = check_proposer(suffix), check_proposer(drafter)
+        self.router = router
         self.drafts_trees = suffix.drafts_trees and drafter.drafts_trees
-        k = drafter.num_speculative_tokens  # the drafter drafts at most its own K; the suffix cache up to the budget
-        self.suffix_threshold = float(k) if suffix_threshold is None else float(suffix_threshold)
-        self.num_speculative_tokens = max(k, num_speculative_tokens)
-        self.expected = expected or (lambda p: p.score)
+        # the drafter drafts at most its own K; the suffix cache up to the budget
+        self.num_speculative_tokens = max(drafter.num_speculative_tokens, num_speculative_tokens)
+        self.draft_cost = DraftCost.default(draft_cost) if isinstance(draft_cost, str) else draft_cost
+        self.estimate = DrafterEstimate()
         self.chosen: Counter[str] = Counter()  # steps won, by proposal source ("" = nothing to draft)
+        self.drafter_runs = 0
         self.sampling = False  # set_sampling: the drafter samples its drafts
 
     def set_sampling(self, probs_fn: Any, generator: Any) -> None:
@@ -64,28 +92,35 @@ class HybridProposer:
 
     def start_request(self, request_id: Hashable, prompt: Sequence[int], *, features: Any,
                       extends: Hashable | None = None) -> None:
-        kwargs = {"extends": extends} if extends is not None else {}
-        self.suffix.start_request(request_id, prompt, **kwargs)
+        self.suffix.start_request(request_id, prompt, extends=extends)
         try:
-            self.drafter.start_request(request_id, prompt, features=features, **kwargs)
+            self.drafter.start_request(request_id, prompt, features=features, extends=extends)
         except BaseException:
             self.suffix.abort_request(request_id)
             raise
 
     def append(self, request_id: Hashable, tokens: Sequence[int], *, features: Any) -> None:
         self.suffix.append(request_id, tokens)
-        self.drafter.append(request_id, tokens, features=features)
+        self.drafter.append(request_id, tokens, features=features)  # kept: the drafter catches up when it drafts
 
     def speculate(self, request_id: Hashable, num_speculative_tokens: int | None = None, *,
                   tree: bool = False) -> Proposal:
         """tree=True: both draft trees of at most num_speculative_tokens nodes (the drafter's no deeper than its K)."""
         budget = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         suffix = self.suffix.speculate(request_id, budget, tree=tree)
+        context = self.drafter.context_length(request_id)
+        draft_steps = self.draft_cost(self.drafter.pending(request_id)) / self.router.step_ms(context)
+        suffix_rate = self.router.rate(suffix, context) if len(suffix) else 1.0
         drafted = None
-        if not suffix_suffices(suffix, self.suffix_threshold, self.expected):
+        if budget > 0 and drafter_pays(suffix_rate, self.estimate.rate, draft_steps):
             drafted = self.drafter.speculate(
                 request_id, budget if tree else min(budget, self.drafter.num_speculative_tokens), tree=tree)
-        best = choose_draft(suffix, drafted, self.suffix_threshold, self.expected, sampling=self.sampling)
+            self.drafter_runs += 1
+            if len(drafted):
+                self.estimate.observe(self.router.rate(drafted, context))
+        best = choose_draft(suffix, drafted, self.router.expected_tokens, sampling=self.sampling)
+        if drafted is not None:
+            best.drafter_ran = True
         self.chosen[best.source if len(best) else ""] += 1
         return best
 

@@ -1,7 +1,7 @@
 """`DrafterProposer`: a model drafter as a `hybridspec.proposal.FeatureProposer` (the target's features passed in)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import torch
@@ -16,6 +16,20 @@ class _Track:
     state: Any       # the drafter's state, None until the first features arrive
     length: int      # tokens of the sequence seen: features of positions 0..length-2 went in with tokens 1..length-1
     last_token: int  # the sequence's last token (a request extending this one must continue from it)
+    pending: list[tuple[TargetFeatures, Sequence[int]]] = field(default_factory=list)  # not given to the drafter yet
+    pending_slots: int = 0  # positions in `pending`
+
+    def take_pending(self, window: int) -> tuple[TargetFeatures, list[int]] | None:
+        """The pending positions (at most the last `window` of them) as one batch, and none left pending."""
+        if not self.pending:
+            return None
+        features = TargetFeatures.cat([f for f, _ in self.pending])
+        tokens = [int(t) for _, ts in self.pending for t in ts]
+        self.pending, self.pending_slots = [], 0
+        return features[-window:], tokens[-window:]
+
+
+DEFAULT_WINDOW = 1024  # positions of a request the drafter reads at most (benchmarks/bench_drafters.py --window)
 
 
 class DrafterProposer:
@@ -30,6 +44,12 @@ class DrafterProposer:
     speculate(rid, K) -> Proposal (chain). probs_fn None drafts greedily (temperature 0); for sampling, set it to the
     verifier's processing (e.g. functools.partial(process_logits, temperature=t, top_k=k, top_p=p)), so drafts come
     from the distribution the verifier assumes.
+
+    Lazy: start_request and append only keep the features; the drafter runs when asked to draft, over every position
+    it has not seen in one pass (its catch-up), so a step that drafts from elsewhere (a hybrid's suffix draft) costs
+    it nothing. At most the last `window` positions are kept: a request that skipped more restarts the drafter from
+    them (a drafter reads positions relative to its first one), and a prompt gives it at most its last `window`.
+    `pending(rid)` is the catch-up the next draft will run.
     """
 
     wants_target_features = True
@@ -37,8 +57,11 @@ class DrafterProposer:
     prefers_trees = True  # one more guess per depth buys more than the chain's tail
 
     def __init__(self, drafter: Drafter, num_speculative_tokens: int | None = None, probs_fn: ProbsFn | None = None,
-                 generator: torch.Generator | None = None, max_retained: int = 8, tree_width: int = 3) -> None:
-        self.drafter, self.probs_fn, self.generator = drafter, probs_fn, generator
+                 generator: torch.Generator | None = None, max_retained: int = 8, tree_width: int = 3,
+                 window: int = DEFAULT_WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.drafter, self.probs_fn, self.generator, self.window = drafter, probs_fn, generator, window
         self.num_speculative_tokens = num_speculative_tokens or drafter.num_speculative_tokens
         if tree_width < 1:
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
@@ -70,21 +93,43 @@ class DrafterProposer:
             track = _Track(None, first + 1, int(tokens[first]))
         self.live[request_id] = track
         if len(features):
-            self._accept(track, features, list(tokens[first + 1:]))
+            self._keep(track, features[-self.window:], list(tokens[first + 1:])[-self.window:])
 
-    def _accept(self, track: _Track, features: TargetFeatures, tokens: Sequence[int]) -> None:
-        if track.state is None:
+    def _keep(self, track: _Track, features: TargetFeatures, tokens: Sequence[int]) -> None:
+        track.pending.append((features, tokens))
+        track.pending_slots += len(tokens)
+        track.length += len(tokens)
+        track.last_token = int(tokens[-1])
+        if track.pending_slots > 2 * self.window:  # bound the memory of a request that never drafts
+            features, tokens = track.take_pending(self.window)
+            track.pending, track.pending_slots, track.state = [(features, tokens)], len(tokens), None
+
+    def _catch_up(self, track: _Track) -> None:
+        """Give the drafter the positions it has not seen; more than `window` of them restart it from the last
+        `window`."""
+        restart = track.state is None or track.pending_slots > self.window
+        batch = track.take_pending(self.window)
+        if batch is None:
+            return
+        features, tokens = batch
+        if restart:
             track.state = self.drafter.begin(features, tokens)
         else:
             self.drafter.accept(track.state, features, tokens)
-        track.length += len(tokens)
-        track.last_token = int(tokens[-1])
+
+    def pending(self, request_id: Hashable) -> int:
+        """Positions the request's next draft must first run through the drafter (at most `window`)."""
+        return min(self._track(request_id).pending_slots, self.window)
+
+    def context_length(self, request_id: Hashable) -> int:
+        """Tokens of the request so far."""
+        return self._track(request_id).length
 
     @torch.inference_mode()
     def append(self, request_id: Hashable, tokens: Sequence[int], *, features: TargetFeatures) -> None:
         track = self._track(request_id)
         if len(tokens):
-            self._accept(track, features, tokens)
+            self._keep(track, features, tokens)
 
     @torch.inference_mode()
     def speculate(self, request_id: Hashable, num_speculative_tokens: int | None = None, *,
@@ -93,13 +138,19 @@ class DrafterProposer:
         with `tree_width - 1` siblings per depth (`widen_chain`), the chain no deeper than the drafter's K nor than
         num_speculative_tokens / tree_width (the depths a budget of that many nodes fills)."""
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        state = self._track(request_id).state
+        track = self._track(request_id)
+        if k > 0:
+            self._catch_up(track)
+        state = track.state
         if k <= 0 or state is None:  # nothing to draft from yet: a one-token prompt before its first step
             return Proposal.empty(self.drafter.name)
         if tree:
             chain = self.drafter.propose(state, min(-(-k // self.tree_width), self.num_speculative_tokens))
-            return widen_chain(chain, self.tree_width, k)
-        return self.drafter.propose(state, k, self.probs_fn, self.generator)
+            proposal = widen_chain(chain, self.tree_width, k)
+        else:
+            proposal = self.drafter.propose(state, k, self.probs_fn, self.generator)
+        proposal.drafter_ran = True
+        return proposal
 
     def finish_request(self, request_id: Hashable) -> None:
         track = self._track(request_id)

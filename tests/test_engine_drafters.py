@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from hybridspec.engine import Engine
+from hybridspec.router import DraftCost, FunctionRouter, HybridProposer
 from hybridspec.speculators import (DrafterProposer, Eagle3Drafter, EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter,
                                     PEagleDrafter, TargetFeatures)
 from hybridspec.speculators.registry import DRAFTER_KINDS
 from hybridspec.target import TargetModel
-from hybridspec.testing import tiny_llama, tiny_tokenizer
+from hybridspec.stats import GenerationStats
+from hybridspec.testing import chi_square_p_value, tiny_llama, tiny_tokenizer
 
-from hybridspec.testing import chi_square_p_value
 from test_engine import exact_two_token_distribution
 
 VOCAB = 16  # small enough that random drafters often agree with the target: accepted paths get exercised
@@ -207,23 +208,25 @@ def test_drafter_proposer_rebuilds_when_the_prompt_does_not_continue(target_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["peagle", "lstm", "suffix+peagle", "suffix+peagle@0.5", "peagle/tree",
+@pytest.mark.parametrize("kind", ["peagle", "lstm", "suffix+peagle", "suffix+peagle@free", "peagle/tree",
                                   "suffix+peagle/tree"])
 def test_sampling_with_a_drafter_keeps_the_target_distribution(kind):
     """Drafts sampled from the drafter (with its logits), and for the hybrid a mix of those and one-hot suffix drafts
-    (the repeated prompt puts earlier answers in its cache; a low threshold lets them win often, the default one makes
-    the hybrid weigh the drafter's draft against them every step), through the default router (the cost gate): the
-    outputs keep the target's distribution. /tree: deterministic trees of the drafter's top tokens instead."""
-    from hybridspec.router import HybridProposer
+    (the repeated prompt puts earlier answers in its cache; a drafter that costs nothing to run (@free) is run
+    whenever its drafts are expected to beat the suffix draft, the default one only where its cost pays), through the
+    default router (the cost gate): the outputs keep the target's distribution. /tree: deterministic trees of the
+    drafter's top tokens instead."""
+    from hybridspec.router import DraftCost, HybridProposer
 
     vocab = 8
     model = tiny_llama(vocab_size=vocab, seed=3, init_std=0.2)
     kind, _, tree = kind.partition("/")
-    kind, _, threshold = kind.partition("@")
+    kind, _, free = kind.partition("@")
     drafter = kind.split("+")[-1]
     engine = Engine(TargetModel(model), tiny_tokenizer(vocab), drafters={drafter: make_drafter(drafter, model, seed=1)})
-    speculate = kind if "+" not in kind else HybridProposer(engine.suffix_cache, engine.proposers.get(drafter),
-                                                             suffix_threshold=float(threshold) if threshold else None)
+    speculate = kind if "+" not in kind else HybridProposer(
+        engine.suffix_cache, engine.proposers.get(drafter), engine.router,
+        draft_cost=DraftCost({0: 1e-6}) if free else drafter)
     prompt = [3, 5, 4, 6]
     eos = engine.tokenizer.eos_token_id
     expected = exact_two_token_distribution(model, prompt, eos, vocab)
@@ -235,7 +238,7 @@ def test_sampling_with_a_drafter_keeps_the_target_distribution(kind):
             counts[tuple(r.token_ids[:1]) if r.token_ids[0] == eos else tuple(r.token_ids[:2])] += 1
         n += len(results)
         assert results[0].stats.accepted_tokens > 0
-    if threshold:
+    if "+" in kind:
         assert speculate.chosen["suffix"] > 100 and speculate.chosen[drafter] > 100
     assert chi_square_p_value([counts.get(c, 0) for c in expected], list(expected.values())) > 1e-3
 
@@ -279,33 +282,59 @@ def test_engine_packs_its_own_copy_of_a_drafter(engine):
 # the hybrid: suffix drafts where the text repeats, the drafter's elsewhere
 
 
+class FreeVerification(FunctionRouter):
+    """Verifies every draft in full, as if verification cost nothing more per token (rate = 1 + expected tokens,
+    plain steps of 10 ms): a hybrid then runs its drafter wherever its drafts are expected to beat the suffix's."""
+
+    def __init__(self):
+        super().__init__(lambda proposals, contexts: list(proposals))
+
+    def rate(self, proposal, context):
+        return 1.0 + proposal.score
+
+    def step_ms(self, context):
+        return 10.0
+
+
 @pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
 def test_hybrid_is_token_identical_and_uses_both(engine, batch):
-    rng = random.Random(5)
+    # repetitive prompts for the suffix cache, random ones for the drafter, none of them seen by the engine before
+    rng = random.Random(23 + batch)
     prompts = [(lambda unit: (unit * 6)[:30])([rng.randrange(3, VOCAB) for _ in range(4)]) for _ in range(3)]
-    prompts += random_prompts(3, seed=2)  # repetitive prompts for the suffix cache, random ones for the drafter
+    prompts += random_prompts(3, seed=29 + batch)
     references = [engine.generate(p, max_new_tokens=32, speculate="none").token_ids for p in prompts]
-    hybrid = engine.proposers.get("suffix+peagle")
-    before = dict(hybrid.chosen)
+    # a drafter that costs nothing to run: it runs wherever its drafts are expected to beat the suffix's
+    hybrid = HybridProposer(engine.suffix_cache, engine.proposers.get("peagle"), FreeVerification(),
+                            draft_cost=DraftCost({0: 1e-6}))
     if batch:
-        results = engine.generate(prompts, max_new_tokens=32, speculate="suffix+peagle")
+        results = engine.generate(prompts, max_new_tokens=32, speculate=hybrid)
     else:
-        results = [engine.generate(p, max_new_tokens=32, speculate="suffix+peagle") for p in prompts]
+        results = [engine.generate(p, max_new_tokens=32, speculate=hybrid) for p in prompts]
     assert [r.token_ids for r in results] == references
-    won = {k: v - before.get(k, 0) for k, v in hybrid.chosen.items()}
-    assert won.get("suffix", 0) > 0 and won.get("peagle", 0) > 0
+    assert hybrid.chosen["suffix"] > 0 and hybrid.chosen["peagle"] > 0
+    stats = GenerationStats()
+    for r in results[:1] if batch else results:
+        stats.add(r.stats)
+    assert stats.by_source["suffix"].won + stats.by_source["peagle"].won == sum(hybrid.chosen.values()) - \
+        hybrid.chosen[""]
+    assert stats.drafter_runs == hybrid.drafter_runs > 0
+    # the engine's own hybrid, by the cost gate: exact too
+    default = engine.generate(prompts, max_new_tokens=32, speculate="suffix+peagle")
+    assert [r.token_ids for r in default] == references
 
 
-def test_hybrid_rule():
+def test_hybrid_runs_the_drafter_only_where_it_is_expected_to_pay():
+    """Per step the hybrid compares the suffix draft's rate with the drafter's expected rate net of its cost (its
+    catch-up of skipped positions and its draft, in plain steps), before the drafter runs."""
     from hybridspec.proposal import Proposal
-    from hybridspec.router import HybridProposer
+    from hybridspec.router import DraftCost, HybridProposer
 
     class Fixed:
         drafts_trees = prefers_trees = False
 
         def __init__(self, proposal, k=4, wants_target_features=False):
             self.proposal, self.num_speculative_tokens, self.calls, self.log = proposal, k, 0, []
-            self.wants_target_features = wants_target_features
+            self.wants_target_features, self.skipped = wants_target_features, 0
 
         def set_sampling(self, probs_fn, generator=None):
             pass
@@ -315,9 +344,16 @@ def test_hybrid_rule():
 
         def append(self, rid, tokens, **kw):
             self.log.append(("append", kw))
+            self.skipped += len(tokens)
+
+        def pending(self, rid):
+            return self.skipped
+
+        def context_length(self, rid):
+            return 100
 
         def speculate(self, rid, num_speculative_tokens=None, *, tree=False):
-            self.calls += 1
+            self.calls, self.skipped = self.calls + 1, 0
             n = num_speculative_tokens
             return Proposal.chain(self.proposal.token_ids[:n], self.proposal.probs[:n], source=self.proposal.source)
 
@@ -329,17 +365,27 @@ def test_hybrid_rule():
 
     suffix = Fixed(Proposal.chain([1, 2, 3, 4, 5], [0.9, 0.9, 0.9, 0.9, 0.9], source="suffix"))
     drafter = Fixed(Proposal.chain([7, 8, 9, 6], [0.8, 0.5, 0.2, 0.1], source="peagle"), wants_target_features=True)
-    hybrid = HybridProposer(suffix, drafter, num_speculative_tokens=5)
+    # drafting costs 1 ms (0.1 steps) plus 1 ms per 10 positions caught up
+    hybrid = HybridProposer(suffix, drafter, FreeVerification(), num_speculative_tokens=5,
+                            draft_cost=DraftCost({0: 1, 10: 2}))
     hybrid.start_request("r", [1, 2], features="F")
     hybrid.append("r", [3], features="G")
-    assert suffix.log == [("start", {}), ("append", {})]  # the suffix cache never sees features
-    assert drafter.log == [("start", {"features": "F"}), ("append", {"features": "G"})]
-    assert hybrid.speculate("r").source == "suffix" and drafter.calls == 0  # score 4.5 >= K = 4: drafter not run
-    assert hybrid.speculate("r", num_speculative_tokens=3).source == "suffix" and drafter.calls == 1  # 2.7 > 1.5
-    suffix.proposal = Proposal.chain([1], [0.3], source="suffix")
-    assert hybrid.speculate("r").token_ids == [7, 8, 9, 6]  # 1.6 > 0.3
-    suffix.proposal = Proposal.empty("suffix")
-    assert hybrid.speculate("r", num_speculative_tokens=2).token_ids == [7, 8]
-    assert hybrid.chosen == {"suffix": 2, "peagle": 2}
+    assert suffix.log == [("start", {"extends": None}), ("append", {})]  # the suffix cache never sees features
+    assert drafter.log == [("start", {"features": "F", "extends": None}), ("append", {"features": "G"})]
+    first = hybrid.speculate("r")  # nothing known of the drafter yet: it runs once; the suffix draft (4.5) wins
+    assert first.source == "suffix" and first.drafter_ran and drafter.calls == 1
+    assert hybrid.estimate.rate == pytest.approx(1 + 1.6)
+    # the suffix's rate 5.5 beats the drafter's 2.6 / 1.1: not run
+    again = hybrid.speculate("r")
+    assert again.source == "suffix" and not again.drafter_ran and drafter.calls == 1
+    suffix.proposal = Proposal.chain([1], [0.3], source="suffix")  # 1.3 against 2.6 / 1.1 = 2.36: run, and it wins
+    assert hybrid.speculate("r").token_ids == [7, 8, 9, 6] and drafter.calls == 2
+    hybrid.append("r", list(range(200)), features="H")  # 200 skipped positions: catching up costs 2.1 steps
+    assert hybrid.speculate("r").source == "suffix" and drafter.calls == 2  # 1.3 > 2.6 / 3.1
+    suffix.proposal = Proposal.empty("suffix")  # a plain step's 1.0 against 2.6 / 3.1: still not worth it
+    assert len(hybrid.speculate("r")) == 0 and drafter.calls == 2
+    drafter.skipped = 0
+    assert hybrid.speculate("r", num_speculative_tokens=2).token_ids == [7, 8] and drafter.calls == 3
+    assert hybrid.chosen == {"suffix": 3, "peagle": 2, "": 1} and hybrid.drafter_runs == 3
     hybrid.finish_request("r")
     assert suffix.log[-1][0] == drafter.log[-1][0] == "finish"

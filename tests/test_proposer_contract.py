@@ -46,8 +46,8 @@ def build(name: str, model):
     kind = name.split("+")[-1]
     drafter = DrafterProposer(make_drafter(kind, model))
     if name.startswith("suffix+"):
-        drafter = HybridProposer(SuffixCache(vocab_size=VOCAB), drafter, num_speculative_tokens=8,
-                                 expected=CostGate().expected_tokens)
+        drafter = HybridProposer(SuffixCache(vocab_size=VOCAB), drafter, CostGate(), num_speculative_tokens=8,
+                                 draft_cost=kind)
     return drafter, features_for(model.config.hidden_size)
 
 

@@ -276,6 +276,62 @@ def test_drafter_proposer_keeps_state_in_step_with_accepted_tokens(target):
         assert proposer.live == {} and list(proposer.retained) == ["r"]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lazy_drafter_drafts_what_an_eager_one_drafts(kind, target):
+    """Greedy decoding drives two proposers of one drafter with the same committed tokens and features: the eager one
+    drafts every step, the lazy one every third step only. The drafter runs only when asked to draft, over every
+    position it skipped in one pass; with a window covering the sequence, its drafts are the eager one's."""
+    aux_ids = default_aux_layer_ids(target.config.num_hidden_layers)
+
+    def forward(ids):
+        with torch.no_grad():
+            out = target(torch.tensor([ids]), output_hidden_states=True)
+        return out.logits[0], TargetFeatures.from_hidden_states(out.hidden_states, aux_ids)
+
+    drafter = make_drafter(kind, target)
+    eager = DrafterProposer(drafter, num_speculative_tokens=4)
+    lazy = DrafterProposer(drafter, num_speculative_tokens=4, window=1000)
+    prompt = torch.randint(3, target.config.vocab_size, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits, feats = forward(prompt)
+    sequence = prompt + [int(logits[-1].argmax())]
+    for proposer in (eager, lazy):
+        proposer.start_request("r", sequence, features=feats)
+    compared, skipped = 0, len(prompt)
+    for step in range(12):
+        draft = eager.speculate("r").token_ids
+        if step % 3 == 0:
+            assert lazy.pending("r") == skipped
+            assert lazy.speculate("r").token_ids == draft
+            assert lazy.pending("r") == 0
+            compared, skipped = compared + 1, 0
+        logits, feats = forward(sequence + draft)
+        base, accepted = len(sequence) - 1, 0
+        while accepted < len(draft) and draft[accepted] == int(logits[base + accepted].argmax()):
+            accepted += 1
+        new_tokens = draft[:accepted] + [int(logits[base + accepted].argmax())]
+        for proposer in (eager, lazy):
+            proposer.append("r", new_tokens, features=feats[base: base + accepted + 1])
+        skipped += len(new_tokens)
+        sequence += new_tokens
+    assert compared == 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_drafter_that_skipped_more_than_its_window_restarts_from_the_window(kind, target, sequence):
+    """Past `window` skipped positions the drafter starts afresh from the last `window`: it drafts what a drafter
+    begun on those positions drafts."""
+    tokens, features = sequence
+    drafter = make_drafter(kind, target)
+    proposer = DrafterProposer(drafter, num_speculative_tokens=3, window=6)
+    proposer.start_request("w", tokens[:5].tolist(), features=features[:4])
+    proposer.speculate("w")
+    for i in range(4, 14):  # ten positions, none drafted from
+        proposer.append("w", [int(tokens[i + 1])], features=features[i:i + 1])
+    assert proposer.pending("w") == 6
+    expected = drafter.propose(drafter.begin(features[8:14], tokens[9:15]), 3)
+    assert proposer.speculate("w").token_ids == expected.token_ids and proposer.pending("w") == 0
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # formats
 
