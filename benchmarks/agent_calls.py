@@ -14,6 +14,8 @@ from typing import Any
 
 from common import TRACES_DIR
 
+SMOLLM2_CONTEXT = 8192  # the embedded model's context: prompts leave room for the new tokens in it
+
 # Trajectories are dealt round-robin over the frameworks in this order (folder names start with these, then "__").
 FRAMEWORK_ORDER = ("SWE-agent", "mini-swe-agent", "AutoCodeRover")
 DEFAULT_MAX_PROMPT_TOKENS = 8192 - 128  # SmolLM2's context less the 128 new tokens of the benchmarks
@@ -103,3 +105,19 @@ def _first_calls(trajectory: Any, folder: str, tokenizer: Any, count: int,
         if len(calls) == count:
             break
     return calls, skipped
+
+
+def load_replay(model: str, trajectories: int, calls_per_trajectory: int, max_new_tokens: int, traces_dir: Path,
+                what: str) -> tuple[Path, Any, list[list[AgentCall]]]:
+    """The model's directory and tokenizer and the agent calls a replay sends (prompts up to SmolLM2's context less
+    the new tokens), after one line on stderr saying what runs (`what`)."""
+    from hybridspec.models import load_tokenizer, resolve_model
+
+    model_dir = resolve_model(model)
+    tokenizer = load_tokenizer(model_dir)
+    replay = load_agent_calls(tokenizer, trajectories=trajectories, calls_per_trajectory=calls_per_trajectory,
+                              max_prompt_tokens=SMOLLM2_CONTEXT - max_new_tokens, traces_dir=traces_dir)
+    sizes = [len(c.prompt_token_ids) for calls in replay for c in calls]
+    print(f"{len(replay)} trajectories x {calls_per_trajectory} calls, prompts of {min(sizes)}-{max(sizes)} tokens; "
+          f"{what}", file=sys.stderr)
+    return model_dir, tokenizer, replay

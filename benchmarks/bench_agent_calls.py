@@ -58,7 +58,7 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
-from agent_calls import AgentCall, load_agent_calls
+from agent_calls import SMOLLM2_CONTEXT, AgentCall, load_replay
 from bench_vllm_peagle import VLLM_ENV, VLLM_PYTHON
 from common import TRACES_DIR, machine_info, write_json
 
@@ -76,7 +76,6 @@ BASELINE = "transformers"
 DEFAULT = "suffix"  # hybridspec's default: the method the targets are about
 TARGETS = {"suffix_vs_transformers": 3.0, "suffix_vs_best_vllm": 1.0}
 PROMPT_LOOKUP_NUM_TOKENS = 10  # transformers' documented example value (it has no default)
-SMOLLM2_CONTEXT = 8192
 VLLM_WORKER = Path(__file__).resolve().parent / "vllm_agent_calls_worker.py"
 # one OpenMP thread, unbound (the machine is shared); 2 GiB of KV cache (~46k tokens: four agents of calls up to 8k
 # tokens; the budget of hybridspec's prefix cache, PREFIX_CACHE_BYTES)
@@ -518,18 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--concurrency: positive integers")
     concurrent_methods = [m for m in args.concurrent_methods.split(",") if m in methods]
 
-    from hybridspec.models import load_tokenizer, resolve_model
-
     torch.set_num_threads(args.threads)
-    model_dir = resolve_model(args.model)
-    tokenizer = load_tokenizer(model_dir)
-    trajectories = load_agent_calls(tokenizer, trajectories=args.trajectories,
-                                    calls_per_trajectory=args.calls_per_trajectory,
-                                    max_prompt_tokens=SMOLLM2_CONTEXT - args.max_new_tokens, traces_dir=args.traces)
+    model_dir, tokenizer, trajectories = load_replay(args.model, args.trajectories, args.calls_per_trajectory,
+                                                     args.max_new_tokens, args.traces, f"methods: {', '.join(methods)}")
     calls = [call for calls in trajectories for call in calls]
-    prompt_sizes = [len(c.prompt_token_ids) for c in calls]
-    print(f"{len(trajectories)} trajectories x {args.calls_per_trajectory} calls, prompts of {min(prompt_sizes)}-"
-          f"{max(prompt_sizes)} tokens; methods: {', '.join(methods)}", file=sys.stderr)
 
     started = time.perf_counter()
     not_run: dict[str, str] = {}

@@ -58,11 +58,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from agent_calls import AgentCall, load_agent_calls
+from agent_calls import SMOLLM2_CONTEXT, AgentCall, load_replay
 from bench_agent_calls import VLLM_METHODS
 from common import REPO, TRACES_DIR, machine_info, write_json
 
-SMOLLM2_CONTEXT = 8192
 HYBRIDSPEC_CLI = REPO / ".venv" / "bin" / "hybridspec"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # bench_agent_calls.py's vLLM configs: none, n-gram (K=5 over up to 4-grams), suffix at vLLM's defaults
@@ -510,17 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     if not levels or levels[0] < 1:
         parser.error("--concurrency: positive integers")
 
-    from hybridspec.models import load_tokenizer, resolve_model
-
-    model_dir = resolve_model(args.model)
-    tokenizer = load_tokenizer(model_dir)
-    trajectories = load_agent_calls(tokenizer, trajectories=args.trajectories,
-                                    calls_per_trajectory=args.calls_per_trajectory,
-                                    max_prompt_tokens=SMOLLM2_CONTEXT - args.max_tokens, traces_dir=args.traces)
+    model_dir, tokenizer, trajectories = load_replay(
+        args.model, args.trajectories, args.calls_per_trajectory, args.max_tokens, args.traces,
+        f"methods: {', '.join(methods)}; concurrency {', '.join(map(str, levels))}")
     calls = [call for calls in trajectories for call in calls]
-    sizes = [len(c.prompt_token_ids) for c in calls]
-    print(f"{len(trajectories)} trajectories x {args.calls_per_trajectory} calls, prompts of {min(sizes)}-{max(sizes)} "
-          f"tokens; methods: {', '.join(methods)}; concurrency {', '.join(map(str, levels))}", file=sys.stderr)
 
     started = time.perf_counter()
     warmup = warmup_call(tokenizer)

@@ -29,7 +29,7 @@ class _Track:
         return features[-window:], tokens[-window:]
 
 
-DEFAULT_WINDOW = 1024  # positions of a request the drafter reads at most (benchmarks/bench_drafters.py --window)
+DEFAULT_WINDOW = 64  # positions a drafter reads at most: as many tokens per step as 1024 on agent calls (BENCHMARKS.md)
 
 
 class DrafterProposer:

@@ -13,16 +13,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_vllm_plugin import VLLM_PYTHON, needs_vllm
+from test_vllm_plugin import needs_vllm
 
 from bench_serve import Server, free_port
+from common import VLLM_PYTHON
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 150
-# the plugin says so when it takes vLLM's method over, e.g. "... [vllm_plugin.py:171] hybridspec 0.1.0: vLLM's
-# speculative method 'suffix' is served by hybridspec's SuffixCache": a logger's message that starts with "hybridspec"
+# the plugin says so, with its version, when it takes vLLM's method over (hybridspec.vllm_plugin.announce), e.g.
+# "... [vllm_plugin.py:171] hybridspec 0.1.0: vLLM's speculative method 'suffix' is served by hybridspec's SuffixCache"
 # (vLLM's own lines name the model's path, ~/.cache/hybridspec/..., beside 'suffix')
-TAKEN_OVER = re.compile(r"\] hybridspec\b[^\n]*'suffix'[^\n]*SuffixCache")
+TAKEN_OVER = re.compile(r"\] hybridspec \d+\.\d+\S*: vLLM's speculative method 'suffix' is served by hybridspec's "
+                        r"SuffixCache")
 
 
 @needs_vllm

@@ -8,13 +8,14 @@ the next step (its engine stream is closed, its requests aborted, its batch slot
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -184,15 +185,18 @@ class _Server:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _SSE(self._events(endpoint, stream, ids, include_usage), headers={"Cache-Control": "no-cache"})
         self.metrics.running.inc()
+        pump = _Pump(stream)
         try:
-            result = await run_in_threadpool(_drain, stream)
+            async for _ in pump:
+                pass
         except Exception:  # the engine failed: the server's error handler answers 500
             self.metrics.ended(endpoint, "error")
             raise
         except BaseException:  # cancelled (the server stops)
             self.metrics.ended(endpoint, "abort")
-            await _close(stream)
+            pump.cancel()
             raise
+        result = stream.result
         self.metrics.ended(endpoint, result)
         return ids.response(result)
 
@@ -203,13 +207,11 @@ class _Server:
         nothing.)"""
         self.metrics.running.inc()
         ended = False
+        pump = _Pump(stream)
         try:
             if ids.chat:
                 yield _event(ids.chunk({"role": "assistant", "content": ""}))
-            while True:
-                delta = await anyio.to_thread.run_sync(_next, stream)
-                if delta is None:
-                    break
+            async for delta in pump:
                 yield _event(ids.chunk(delta))
             result, ended = stream.result, True
             self.metrics.ended(endpoint, result)
@@ -227,7 +229,7 @@ class _Server:
         finally:
             if not ended:  # the client went away (this task cancelled, or the generator closed)
                 self.metrics.ended(endpoint, "abort")
-                await _close(stream)
+                pump.cancel()
 
     @staticmethod
     def _param(message: str, endpoint: str) -> tuple[str, None | str]:
@@ -242,22 +244,44 @@ class _Server:
         return ("messages" if endpoint == CHAT else "prompt"), code
 
 
-async def _close(stream) -> None:
-    """Cancel an engine call from a worker thread, even from a cancelled task (it must not be skipped)."""
-    with anyio.CancelScope(shield=True):
-        await anyio.to_thread.run_sync(stream.close)
+class _Pump:
+    """Runs an engine stream to its end in a thread of its own and hands its text deltas to the event loop as they
+    come (`async for delta in pump`). The thread goes straight back for the next decode step, so concurrent requests
+    share steps as in-process calls do: a thread hop per delta would leave a request out of every step that starts
+    while its delta is on its way. `cancel()` ends the engine call at its next step (the thread closes the stream)."""
 
+    _END = object()
 
-def _next(stream) -> str | None:
-    """The next text delta (one decode step or more: the engine waits for a whole UTF-8 character), None at the
-    end."""
-    return next(stream, None)
+    def __init__(self, stream) -> None:
+        self.stream, self._cancelled = stream, threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._thread: threading.Thread | None = None
 
+    def cancel(self) -> None:
+        self._cancelled.set()
+        if self._thread is None:  # never started: nothing runs, nothing to end
+            self.stream.close()
 
-def _drain(stream):
-    for _ in stream:
-        pass
-    return stream.result
+    def _run(self) -> None:
+        try:
+            for delta in self.stream:
+                if self._cancelled.is_set():
+                    break
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+        except Exception as e:  # noqa: BLE001 - the engine's error, raised on the event loop's side
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, e)
+        finally:
+            self.stream.close()  # here, where the stream runs: a no-op once it has ended
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, self._END)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        self._thread = threading.Thread(target=self._run, name="hybridspec-request", daemon=True)
+        self._thread.start()
+        while (item := await self._queue.get()) is not self._END:
+            if isinstance(item, Exception):
+                raise item
+            yield item
 
 
 def _event(payload: dict) -> str:
