@@ -238,8 +238,10 @@ def test_sampling_with_a_drafter_keeps_the_target_distribution(kind):
             counts[tuple(r.token_ids[:1]) if r.token_ids[0] == eos else tuple(r.token_ids[:2])] += 1
         n += len(results)
         assert results[0].stats.accepted_tokens > 0
-    if "+" in kind:
+    if free:  # both sources win often
         assert speculate.chosen["suffix"] > 100 and speculate.chosen[drafter] > 100
+    elif "+" in kind:  # the drafter ran where the rule said so, and the suffix drafts won the rest
+        assert speculate.drafter_runs >= 1 and speculate.chosen["suffix"] > 100
     assert chi_square_p_value([counts.get(c, 0) for c in expected], list(expected.values())) > 1e-3
 
 
