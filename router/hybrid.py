@@ -115,12 +115,11 @@ class HybridProposer:
         if budget > 0 and drafter_pays(suffix_rate, self.estimate.rate, draft_steps):
             drafted = self.drafter.speculate(
                 request_id, budget if tree else min(budget, self.drafter.num_speculative_tokens), tree=tree)
-            self.drafter_runs += 1
+            self.drafter_runs += drafted.drafter_ran
             if len(drafted):
                 self.estimate.observe(self.router.rate(drafted, context))
         best = choose_draft(suffix, drafted, self.router.expected_tokens, sampling=self.sampling)
-        if drafted is not None:
-            best.drafter_ran = True
+        best.drafter_ran = drafted is not None and drafted.drafter_ran
         self.chosen[best.source if len(best) else ""] += 1
         return best
 

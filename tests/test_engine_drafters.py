@@ -357,7 +357,9 @@ def test_hybrid_runs_the_drafter_only_where_it_is_expected_to_pay():
         def speculate(self, rid, num_speculative_tokens=None, *, tree=False):
             self.calls, self.skipped = self.calls + 1, 0
             n = num_speculative_tokens
-            return Proposal.chain(self.proposal.token_ids[:n], self.proposal.probs[:n], source=self.proposal.source)
+            proposal = Proposal.chain(self.proposal.token_ids[:n], self.proposal.probs[:n], source=self.proposal.source)
+            proposal.drafter_ran = self.wants_target_features  # the model drafter ran; the suffix cache has none
+            return proposal
 
         def finish_request(self, rid):
             self.log.append(("finish", {}))
