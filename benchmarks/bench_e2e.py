@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                              "hybrids trees, the suffix cache chains)")
     parser.add_argument("--verify-cost", type=Path,
                         help="JSON from `python benchmarks/bench_verify_cost.py` for the cost gate")
+    parser.add_argument("--drafter-context", type=int, default=None,
+                        help="the positions a drafter reads at most (Engine(drafter_context=); default: the engine's)")
     args = parser.parse_args(argv)
     workload_names = [w for w in args.workloads.split(",") if w]
     unknown = set(workload_names) - set(WORKLOADS)
@@ -225,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.model)
 
     def engine_factory() -> Engine:
-        return Engine(target, tokenizer, verify_cost=args.verify_cost)
+        extra = {"drafter_context": args.drafter_context} if args.drafter_context else {}
+        return Engine(target, tokenizer, verify_cost=args.verify_cost, **extra)
 
     sessions = agent_sessions(args.traces, args.agent_sessions_per_framework) if "agent" in workload_names else []
     questions = (chat_questions(args.mt_bench, args.chat_questions, args.chat_heldout) if "chat" in workload_names
