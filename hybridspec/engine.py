@@ -189,7 +189,8 @@ class Engine:
                    self.target.max_seq_len)
         call.cache, extends = cache_for_prompts(
             self.prefix_cache, self.target.new_cache, [s.tokens for s in call.seqs], need, self.target.max_seq_len,
-            id(call.proposer) if call.proposer is not None else None, call.wants_target_features)
+            id(call.proposer) if call.proposer is not None else None,
+            self.drafter_context if call.wants_target_features else 0)
         for seq, ext in zip(call.seqs, extends):
             seq.extends = ext
         features = self._prefill(call)

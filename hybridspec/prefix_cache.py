@@ -25,7 +25,6 @@ from hybridspec.kv_cache import KVCache
 # fresh memory).
 KV_SLACK = 0.25
 PREFIX_CACHE_BYTES = 2 << 30  # ~46k tokens of SmolLM2-135M's KV in float32 (46 kB per token)
-FEATURE_TAIL_TOKENS = 64  # a drafter starting afresh on a cached prompt gets the target's features at this many tokens
 
 
 @dataclass
@@ -135,24 +134,24 @@ class PrefixCache:
 
 def cache_for_prompts(prefix_cache: PrefixCache | None, new_cache: Callable[[int, int], KVCache],
                       prompts: Sequence[Sequence[int]], need: int, max_len: int, owner: Hashable,
-                      wants_target_features: bool) -> tuple[KVCache, list[Hashable | None]]:
+                      feature_tail: int = 0) -> tuple[KVCache, list[Hashable | None]]:
     """The policy of a call's cache: at least `need` slots (with KV_SLACK under prefix caching, at most `max_len`),
     row r holding the KV of the longest cached prefix of prompts[r], and per prompt the finished request of `owner`
     (its proposer) that it extends, or None. A single prompt that continues most of an entry takes that entry's cache
-    (no copy unless it must grow). A proposer that reads the target's features needs them at the prompt's tail: it
-    gets them by running at least FEATURE_TAIL_TOKENS of the prompt, unless it continues the request it extends.
-    new_cache(rows, capacity) makes an empty cache."""
+    (no copy unless it must grow). A proposer that reads the target's features needs them at the prompt's last
+    `feature_tail` positions (0: it reads none): it gets them by running that much of the prompt, unless it continues
+    the request it extends. new_cache(rows, capacity) makes an empty cache."""
     capacity = need if prefix_cache is None else min(need + int(need * KV_SLACK), max_len)
     if prefix_cache is None:
         return new_cache(len(prompts), capacity), [None] * len(prompts)
     matches = [prefix_cache.match(prompt, owner) for prompt in prompts]
     for prompt, m in zip(prompts, matches):
-        if not wants_target_features:
+        if not feature_tail:
             continue
         if m.extends is not None and m.length >= m.extends_length - 1:
             m.length = m.extends_length - 1  # the drafter continues the extended request's state from here
         else:  # a drafter starting afresh reads the target's features at the prompt's tail
-            m.length = max(0, min(m.length, len(prompt) - 1 - FEATURE_TAIL_TOKENS))
+            m.length = max(0, min(m.length, len(prompt) - 1 - feature_tail))
     extends = [m.extends for m in matches]
     m = matches[0]
     if len(prompts) == 1 and m.length and 2 * m.length >= m.cache.lengths[0]:

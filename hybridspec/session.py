@@ -47,8 +47,8 @@ def encode_prompt(tokenizer: Any, prompt: PromptLike, vocab_size: int, max_seq_l
     elif is_messages(prompt):
         ids = tokenizer.apply_chat_template(check_messages(prompt), tokenize=True, add_generation_prompt=True,
                                             return_dict=False)
-    elif isinstance(prompt, Sequence) and all(
-            isinstance(t, numbers.Integral) or (getattr(t, "dim", None) is not None and t.dim() == 0) for t in prompt):
+    elif all(isinstance(t, numbers.Integral) or (getattr(t, "dim", None) is not None and t.dim() == 0)
+             for t in prompt):  # token ids: a list, or a 1-d tensor
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:

@@ -41,6 +41,17 @@ def read_cost_json(source):
     return data
 
 
+def piecewise_linear(xs: np.ndarray, ys: np.ndarray, x: np.ndarray | float) -> np.ndarray:
+    """Linear between the points (xs increasing), flat below the first, extrapolated from the last two above the
+    last: how every cost table here is read between and past its measured points."""
+    x = np.asarray(x, dtype=np.float64)
+    out = np.interp(x, xs, ys)
+    if len(xs) > 1:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        out = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), out)
+    return out
+
+
 class VerifyCost:
     """t(k): the cost in ms of verifying k draft tokens in one pass."""
 
@@ -54,12 +65,7 @@ class VerifyCost:
         self.ms = np.array([v for _, v in items], dtype=np.float64)
 
     def __call__(self, k: np.ndarray | int) -> np.ndarray:
-        k = np.asarray(k, dtype=np.float64)
-        out = np.interp(k, self.ks, self.ms)
-        if len(self.ks) > 1:
-            slope = (self.ms[-1] - self.ms[-2]) / (self.ks[-1] - self.ks[-2])
-            out = np.where(k > self.ks[-1], self.ms[-1] + slope * (k - self.ks[-1]), out)
-        return out
+        return piecewise_linear(self.ks, self.ms, k)
 
     def relative(self, k: int) -> float:
         """t(k) / t(0): the cost of the pass in plain decoding steps."""
@@ -107,10 +113,7 @@ class DraftCost:
         self.ms = np.array([v for _, v in items], dtype=np.float64)
 
     def __call__(self, positions: int) -> float:
-        if len(self.ns) > 1 and positions > self.ns[-1]:
-            slope = (self.ms[-1] - self.ms[-2]) / (self.ns[-1] - self.ns[-2])
-            return float(self.ms[-1] + slope * (positions - self.ns[-1]))
-        return float(np.interp(positions, self.ns, self.ms))
+        return float(piecewise_linear(self.ns, self.ms, positions))
 
     @classmethod
     def default(cls, kind: str) -> "DraftCost":

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hybridspec.proposal import Proposal
-from hybridspec.router.cost import DEFAULT_VERIFY_MS_BY_CONTEXT, VerifyCost, read_cost_json
+from hybridspec.router.cost import DEFAULT_VERIFY_MS_BY_CONTEXT, VerifyCost, piecewise_linear, read_cost_json
 
 def verify_costs_by_context(source: Any = None) -> dict[int, VerifyCost]:
     """{context length: VerifyCost} from: None (the built-in tables); a `VerifyCost`, a {k: ms} table or the JSON of
@@ -26,12 +26,7 @@ def verify_costs_by_context(source: Any = None) -> dict[int, VerifyCost]:
 
 
 def _interpolate(points: Sequence[float], values: Sequence[float], x: float) -> float:
-    """Piecewise-linear through (points, values), extrapolated linearly from the last two points."""
-    if len(points) == 1 or x <= points[0]:
-        return values[0]
-    i = next((j for j in range(1, len(points)) if points[j] >= x), len(points) - 1)
-    x0, x1, y0, y1 = points[i - 1], points[i], values[i - 1], values[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return float(piecewise_linear(np.asarray(points, dtype=np.float64), np.asarray(values, dtype=np.float64), x))
 
 
 CALIBRATION_BINS = 10  # equal-width bins of a proposer's probability, each with its own acceptance count

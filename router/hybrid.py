@@ -110,7 +110,7 @@ class HybridProposer:
         suffix = self.suffix.speculate(request_id, budget, tree=tree)
         context = self.drafter.context_length(request_id)
         draft_steps = self.draft_cost(self.drafter.pending(request_id)) / self.router.step_ms(context)
-        suffix_rate = self.router.rate(suffix, context) if len(suffix) else 1.0
+        suffix_rate = self.router.rate(suffix, context)  # 1.0 for no draft: a plain step
         drafted = None
         if budget > 0 and drafter_pays(suffix_rate, self.estimate.rate, draft_steps):
             drafted = self.drafter.speculate(

@@ -194,6 +194,12 @@ def test_stream_yields_the_generated_text(engine):
     assert len(deltas) > 1 and "".join(deltas) == engine.generate("Hello there", max_new_tokens=30).text
 
 
+def test_a_prompt_of_token_ids_may_be_a_tensor(engine):
+    ids = engine.encode("Hello there")
+    assert engine.generate(torch.tensor(ids), max_new_tokens=8).token_ids == \
+        engine.generate(ids, max_new_tokens=8).token_ids
+
+
 def test_a_stream_ends_with_the_result_generate_returns(engine):
     plain = engine.generate("Hello there", max_new_tokens=30)
     stream = engine.stream("Hello there", max_new_tokens=30)
