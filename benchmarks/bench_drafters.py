@@ -1,8 +1,10 @@
-"""Model drafters on this machine: drafting latency for K = 1..8 (P-EAGLE's single pass vs EAGLE-3's K passes, and the
-LSTM), and acceptance length at K = 3, 5, 7 of the trained SmolLM2 heads on held-out chat and agent text.
+"""Model drafters on this machine: drafting latency for K = 1..8 (P-EAGLE's and FastEagle's single pass vs EAGLE-3's K
+passes, and the LSTM), and acceptance length at K = 3, 5, 7 of the trained SmolLM2 heads on held-out chat and agent
+text.
 
     python benchmarks/bench_drafters.py [--json PATH] [--context 512] [--repeats 20] [--threads 1]
     python benchmarks/bench_drafters.py --shape llama3-8b --device cuda --json PATH     # on a GPU machine
+    python benchmarks/bench_drafters.py --extra no-cascade=out/ablations/fasteagle-no-cascade ...  # more checkpoints
 
 Latency: drafters shaped for SmolLM2-135M (the trained checkpoints' shapes when they exist; timing does not depend on
 the weights) or, with --shape llama3-8b, for Llama-3.1-8B (hidden 4096, vocabulary 128,256, draft vocabulary 32k,
@@ -26,42 +28,40 @@ from pathlib import Path
 import torch
 
 from common import REPO, machine_info, median_ms_each, write_json
-from hybridspec.speculators import (
-    Eagle3Drafter,
-    EagleConfig,
-    LayerConfig,
-    LSTMConfig,
-    LSTMDrafter,
-    PEagleDrafter,
-    TargetFeatures,
-    TargetInfo,
-    load_drafter,
-)
+from hybridspec.speculators import (EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter, TargetFeatures, TargetInfo,
+                                    load_drafter)
 from hybridspec.speculators.formats import read_config
+from hybridspec.speculators.registry import drafter_kind
 from hybridspec.speculators.train import FeatureStore, load_recipe
 from hybridspec.speculators.train.data import load_target_head
 from hybridspec.speculators.train.trainer import evaluate_acceptance
 from hybridspec.linear import fast_bf16, pack_linears
 
-RECIPES = {"peagle": "peagle-smollm2", "eagle3": "eagle3-smollm2", "lstm": "lstm-smollm2"}
+RECIPES = {"fasteagle": "fasteagle-smollm2", "peagle": "peagle-smollm2", "eagle3": "eagle3-smollm2",
+           "lstm": "lstm-smollm2"}
 SHAPES = {
     "smollm2": dict(hidden=576, vocab=49152, layers=30, heads=9, kv_heads=3, intermediate=1536, rope_theta=100000.0),
     "llama3-8b": dict(hidden=4096, vocab=128256, layers=32, heads=32, kv_heads=8, intermediate=14336,
-                      rope_theta=500000.0, draft_vocab=32000, peagle_layers=4, eagle3_layers=1, lstm_dim=4096,
-                      n_predict=3),
+                      rope_theta=500000.0, draft_vocab=32000, peagle_layers=4, eagle3_layers=1, fasteagle_layers=7,
+                      lstm_dim=4096, n_predict=3),
 }
 TARGET = SHAPES["smollm2"]  # the shape of the target the shipped heads serve
 TREE_WIDTH = 3  # the engine's default trees: the greedy chain and two runner-ups per depth (DrafterProposer)
 
 
 def checkpoint_dir(kind: str) -> Path:
-    return REPO / "speculators" / "checkpoints" / RECIPES[kind]
+    return EXTRA.get(kind) or REPO / "speculators" / "checkpoints" / RECIPES[kind]
+
+
+EXTRA: dict[str, Path] = {}  # --extra NAME=DIR: more checkpoints (ablations), measured like the shipped ones
 
 
 def shaped_drafter(kind: str, shape: str = "smollm2") -> torch.nn.Module:
     """A drafter with the trained checkpoint's shape (or the recipe's), or the `shape`'s, random weights."""
     target = SHAPES[shape]
     ckpt = checkpoint_dir(kind)
+    if kind in EXTRA:
+        return load_drafter(ckpt, embed_tokens=torch.randn(target["vocab"], target["hidden"]) * 0.02).eval()
     if shape != "smollm2":
         if kind == "lstm":
             return LSTMDrafter(LSTMConfig(target["hidden"], target["lstm_dim"], target["vocab"],
@@ -86,8 +86,7 @@ def shaped_drafter(kind: str, shape: str = "smollm2") -> torch.nn.Module:
     config = EagleConfig(layer=layer, num_layers=layers, target_hidden_size=target["hidden"],
                          target_vocab_size=target["vocab"], draft_vocab_size=vocab,
                          aux_layer_ids=(2, target["layers"] // 2, target["layers"] - 3), mask_token_id=0)
-    cls = PEagleDrafter if kind == "peagle" else Eagle3Drafter
-    return cls(config, embed_tokens=torch.randn(target["vocab"], target["hidden"]) * 0.02).eval()
+    return drafter_kind(kind).drafter(config, embed_tokens=torch.randn(target["vocab"], target["hidden"]) * 0.02).eval()
 
 
 def random_features(n: int, shape: str = "smollm2", device: str = "cpu") -> TargetFeatures:
@@ -143,8 +142,8 @@ def acceptance(kind: str) -> dict[str, dict] | None:
     ckpt = checkpoint_dir(kind)
     if not (ckpt / "config.json").exists():
         return None
-    recipe = load_recipe(REPO / "speculators" / "recipes" / f"{RECIPES[kind]}.yaml")
-    root = recipe.feature_dir()
+    recipe = load_recipe(REPO / "speculators" / "recipes" / f"{RECIPES.get(kind, 'peagle-smollm2')}.yaml")
+    root = recipe.feature_dir()  # every *-smollm2 recipe shares it
     store = FeatureStore(root, "heldout")
     embed, _ = load_target_head(root)
     meta = store.meta
@@ -180,19 +179,32 @@ def main() -> None:
     parser.add_argument("--catch-up", default=None, metavar="N,N,...",
                         help="only time a draft after catching up each number of positions (the router's draft-cost "
                              "tables), e.g. 1,16,64,256,1024")
+    parser.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
+                        help="also measure this checkpoint (e.g. an ablation), named NAME in the tables")
+    parser.add_argument("--kinds", default=",".join(RECIPES), help="the shipped drafters to measure, comma-separated")
     args = parser.parse_args()
+    for item in args.extra:
+        name, sep, path = item.partition("=")
+        if not sep or not (Path(path) / "config.json").is_file():
+            parser.error(f"--extra {item!r}: expected NAME=DIR of a drafter checkpoint")
+        EXTRA[name] = Path(path)
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = set(kinds) - set(RECIPES)
+    if unknown:
+        parser.error(f"--kinds: unknown {sorted(unknown)}; choose from {list(RECIPES)}")
+    kinds += list(EXTRA)
     if args.catch_up:
         torch.set_num_threads(args.threads)
         positions = [int(n) for n in args.catch_up.split(",")]
         matmul = torch.bfloat16 if args.cpu_matmul == "bfloat16" or (args.cpu_matmul == "auto" and fast_bf16()) \
             else None
         with torch.inference_mode():
-            table = {kind: catch_up_latency(kind, positions, args.repeats, args.context, matmul) for kind in RECIPES}
+            table = {kind: catch_up_latency(kind, positions, args.repeats, args.context, matmul) for kind in kinds}
         print(f"ms of one draft (the drafter's K) after catching up N positions ({args.threads} thread(s), "
               f"matmuls in {matmul or torch.float32}, median of {args.repeats})")
-        print(f"{'N':>6} " + " ".join(f"{kind:>9}" for kind in RECIPES))
+        print(f"{'N':>6} " + " ".join(f"{kind:>9}" for kind in kinds))
         for n in positions:
-            print(f"{n:>6} " + " ".join(f"{table[kind][n]:9.2f}" for kind in RECIPES))
+            print(f"{n:>6} " + " ".join(f"{table[kind][n]:9.2f}" for kind in kinds))
         write_json(args.json, {"catch_up_ms": table, "threads": args.threads, "context": args.context,
                                "cpu_matmul": str(matmul or torch.float32), "machine": machine_info()})
         return
@@ -208,23 +220,23 @@ def main() -> None:
     if args.device.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name()
     with torch.inference_mode():
-        for kind in RECIPES:
+        for kind in kinds:
             results["latency_ms"][kind] = drafting_latency(kind, args.context, args.repeats, args.shape, args.device,
                                                            dtype, matmul)
     print(f"drafting latency, ms per step ({args.shape} shapes on {args.device}, {dtype}"
           f"{f' (matmuls in {matmul})' if matmul else ''}, context {args.context}, "
           f"{args.threads} thread(s), median of {args.repeats})")
-    print(f"{'K':>3} " + " ".join(f"{kind:>9}" for kind in RECIPES))
+    print(f"{'K':>3} " + " ".join(f"{kind:>9}" for kind in kinds))
     for k in range(1, 9):
-        print(f"{k:>3} " + " ".join(f"{results['latency_ms'][kind][k]:9.2f}" for kind in RECIPES))
-    for kind in RECIPES:
+        print(f"{k:>3} " + " ".join(f"{results['latency_ms'][kind][k]:9.2f}" for kind in kinds))
+    for kind in kinds:
         lat = results["latency_ms"][kind]
         results[f"{kind}_k7_over_k1"] = round(lat[7] / lat[1], 3)
         print(f"{kind}: K=7 costs {lat[7] / lat[1]:.2f}x its K=1")
     if args.shape != "smollm2":
         write_json(args.json, results)
         return
-    for kind in RECIPES:
+    for kind in kinds:
         results["acceptance"][kind] = acceptance(kind)
     print("\nacceptance length (tokens per step, greedy) on held-out text")
     print(f"{'drafter':>8} {'text':>13} {'K=3':>6} {'K=5':>6} {'K=7':>6} {'steps@7':>8}   "

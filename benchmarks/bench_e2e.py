@@ -11,6 +11,8 @@ Workloads:
 - chat: the first turn of MT-Bench questions (one per category first), single requests with nothing to copy. With
   --chat-heldout RECIPE only the questions that recipe holds out of its training data (the shipped drafter heads were
   trained on SmolLM2's answers to the others: measure drafters on text they have not seen).
+- code: HumanEval prompts as the training recipes pose them ("Complete this Python function." and the prompt), in the
+  file's order; with --chat-heldout RECIPE only those the recipe never trained on.
 
 Methods (--speculate, comma-separated): suffix, ngram, a shipped drafter head (peagle, lstm, eagle3) or a hybrid
 (suffix+peagle, ...), each at its default K unless --num-speculative-tokens is given, each on its own Engine (its own
@@ -24,6 +26,8 @@ tokens.
     python benchmarks/bench_e2e.py --json out/bench_e2e.json
     python benchmarks/bench_e2e.py --workloads chat --speculate suffix,peagle,suffix+peagle,lstm,eagle3 \
         --chat-heldout speculators/recipes/peagle-smollm2.yaml --json out/bench_e2e_drafters.json
+    python benchmarks/bench_e2e.py --workloads chat,code --speculate fasteagle,peagle,eagle3,lstm,suffix+fasteagle \
+        --chat-heldout speculators/recipes/fasteagle-smollm2.yaml --json out/bench_e2e_fasteagle.json
 """
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ from tqdm import tqdm
 from common import TRACES_DIR, WORKLOADS_DIR, machine_info, write_json
 
 TARGETS = {("agent", "suffix"): 2.5, ("chat", "suffix"): 0.97, ("chat", "peagle"): 1.3}
-WORKLOADS = ("agent", "chat")
+WORKLOADS = ("agent", "chat", "code")
+HUMANEVAL_PROMPT = "Complete this Python function.\n\n```python\n{}```"  # as speculators.train poses HumanEval
 
 
 @dataclass
@@ -88,6 +93,22 @@ def chat_questions(path: Path, count: int, heldout_recipe: Path | None = None) -
         by_category.setdefault(row["category"], []).append(row["turns"][0])
     ordered = [qs[i] for i in range(max(map(len, by_category.values()))) for qs in by_category.values() if i < len(qs)]
     return ordered[:count]
+
+
+def code_prompts(path: Path, count: int, heldout_recipe: Path | None = None) -> list[str]:
+    """HumanEval prompts, posed as the training recipes pose them, in file order; only those `heldout_recipe` never
+    trained on when it is given."""
+    import gzip
+
+    with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
+        prompts = [HUMANEVAL_PROMPT.format(json.loads(line)["prompt"]) for line in f if line.strip()]
+    if heldout_recipe is not None:
+        from hybridspec.speculators.train import load_recipe
+        from hybridspec.speculators.train.data import load_items
+
+        trained = {item.prompt for item in load_items(load_recipe(heldout_recipe), skip_ungenerated=True)["train"]}
+        prompts = [p for p in prompts if p not in trained]
+    return prompts[:count]
 
 
 def run_agent(engine_factory, sessions: list[AgentSession], methods: list[str], args, progress) -> dict:
@@ -166,13 +187,13 @@ def summarize(base, spec, identical: bool, **extra) -> dict:
 
 
 def print_table(workloads: dict) -> None:
-    print(f"\n{'workload':<9}{'method':<8}{'baseline tok/s':>15}{'spec tok/s':>11}{'speedup':>9}{'target':>9}"
+    print(f"\n{'workload':<9}{'method':<18}{'baseline tok/s':>15}{'spec tok/s':>11}{'speedup':>9}{'target':>9}"
           f"{'tokens/step':>12}{'accept':>8}{'decode speedup':>16}{'identical':>11}")
     for name, per_method in workloads.items():
         for method, w in per_method.items():
             target = TARGETS.get((name, method))
             mark = "" if target is None else (" ok" if w["speedup"] >= target else " MISS")
-            print(f"{name:<9}{method:<8}{w['baseline_tok_s']:>15.2f}{w['spec_tok_s']:>11.2f}{w['speedup']:>8.2f}x"
+            print(f"{name:<9}{method:<18}{w['baseline_tok_s']:>15.2f}{w['spec_tok_s']:>11.2f}{w['speedup']:>8.2f}x"
                   f"{('>= %.2fx' % target) if target else '':>9}{w['tokens_per_step']:>12.2f}{w['acceptance']:>8.0%}"
                   f"{w['decode_speedup']:>15.2f}x{str(w['identical']):>11}{mark}")
 
@@ -193,10 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--chat-questions", type=int, default=8)
     parser.add_argument("--chat-max-new-tokens", type=int, default=128)
+    parser.add_argument("--humaneval", type=Path, default=WORKLOADS_DIR / "HumanEval.jsonl.gz")
+    parser.add_argument("--code-prompts", type=int, default=8)
     parser.add_argument("--chat-heldout", type=Path, metavar="RECIPE",
-                        help="only the MT-Bench questions this drafter recipe holds out of training")
+                        help="only the MT-Bench questions and HumanEval prompts this drafter recipe did not train on")
     parser.add_argument("--speculate", default="suffix",
-                        help="comma-separated methods: suffix, ngram, peagle, lstm, eagle3")
+                        help="comma-separated methods: suffix, ngram, peagle, lstm, eagle3, fasteagle, suffix+...")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="K for every method (default: 16 for suffix/ngram, a drafter's trained K)")
     parser.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
@@ -233,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     sessions = agent_sessions(args.traces, args.agent_sessions_per_framework) if "agent" in workload_names else []
     questions = (chat_questions(args.mt_bench, args.chat_questions, args.chat_heldout) if "chat" in workload_names
                  else [])
-    total_calls = (1 + len(methods)) * (sum(min(len(s.turns), args.agent_turns) for s in sessions) + len(questions))
+    code = code_prompts(args.humaneval, args.code_prompts, args.chat_heldout) if "code" in workload_names else []
+    total_calls = (1 + len(methods)) * (sum(min(len(s.turns), args.agent_turns) for s in sessions) + len(questions)
+                                        + len(code))
     started = time.perf_counter()
     workloads = {}
     with tqdm(total=total_calls, desc="bench_e2e", unit="call", disable=not sys.stderr.isatty()) as progress:
@@ -241,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             workloads["agent"] = run_agent(engine_factory, sessions, methods, args, progress)
         if "chat" in workload_names:
             workloads["chat"] = run_chat(engine_factory, questions, methods, args, progress)
+        if "code" in workload_names:
+            workloads["code"] = run_chat(engine_factory, code, methods, args, progress)
     print_table(workloads)
     result = {"workloads": workloads, "targets": {f"{w}/{m}": t for (w, m), t in TARGETS.items()},
               "wall_s": round(time.perf_counter() - started, 1),

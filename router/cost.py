@@ -91,12 +91,13 @@ class VerifyCost:
 
 # What a model drafter costs per draft on this project's CPU, by drafter kind: ms of one `speculate` of the drafter's
 # K after `positions` steps' worth of target features it had not yet run (its lazy catch-up, in the same pass for
-# P-EAGLE; before its K passes for EAGLE-3; nothing for the LSTM, which reads the last position only). SmolLM2-shaped
-# drafters, 1 thread, bfloat16 products where the CPU has them, as the engine runs them:
+# P-EAGLE and FastEagle; before its K passes for EAGLE-3; nothing for the LSTM, which reads the last position only).
+# SmolLM2-shaped drafters, 1 thread, bfloat16 products where the CPU has them, as the engine runs them:
 # `python benchmarks/bench_drafters.py --catch-up 1,16,64,256,1024 --json PATH` ("catch_up_ms"; BENCHMARKS.md).
 DEFAULT_DRAFT_MS: dict[str, dict[int, float]] = {
-    "peagle": {1: 5.1, 16: 6.3, 64: 10.6, 256: 38.8, 1024: 339.6},
-    "eagle3": {1: 5.7, 16: 6.3, 64: 9.2, 256: 22.2, 1024: 184.2},
+    "peagle": {1: 4.7, 16: 5.7, 64: 8.7, 256: 21.1, 1024: 123.2},
+    "eagle3": {1: 5.4, 16: 6.0, 64: 7.7, 256: 15.7, 1024: 72.4},
+    "fasteagle": {1: 8.6, 16: 11.5, 64: 19.1, 256: 56.8, 1024: 359.5},
     "lstm": {1: 8.2, 16: 8.1, 64: 8.2, 256: 8.2, 1024: 9.3},
 }
 

@@ -3,17 +3,20 @@ text repeats, a model drafter's where it does not, as one proposer made of two (
 shares the choice between two drafts (`choose_draft`).
 
 Each step the suffix cache drafts first (microseconds). The drafter is run only where that is expected to pay, by
-goodput, before it runs: (a) verifying the suffix draft alone yields `router.rate(suffix)` tokens per plain step's
-time; (b) running the drafter costs its catch-up and drafting (`DraftCost`, in ms, over the router's `step_ms`) and
-then yields what verifying the better of the two drafts yields, where the drafter's draft is expected to do what its
-recent drafts did (`DrafterEstimate`, the router's calibrated rates of them). The larger expected tokens per unit of
-time wins. When the drafter samples, its draft is taken as drawn: picking by the sampled tokens' probabilities would
-bias the rejection rule (the tokens it verifies would no longer follow the drafter's distribution).
+goodput, before it runs: (a) verifying the suffix draft alone yields `router.rate(suffix)` tokens per plain step's time;
+(b) running the drafter costs its catch-up and drafting (`DraftCost`, in ms, over the router's `step_ms`) and then
+yields what verifying the better of the two drafts yields, where the drafter's draft is expected to do what its recent
+drafts for the same sequence did (`DrafterEstimate`, the router's calibrated rates of them; a sequence's first step runs
+it, and a sequence that has not run it for a while runs it once more, since its text may have changed). The larger
+expected tokens per unit of time wins. When the drafter samples, its draft is taken as drawn: picking by the sampled
+tokens' probabilities would bias the rejection rule (the tokens it verifies would no longer follow the drafter's
+distribution).
 Knows Proposals and costs, not models: the drafter's inputs (the target's features) pass through untouched.
 """
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 from hybridspec.proposal import FeatureProposer, Proposal, Proposer, check_proposer
@@ -62,12 +65,23 @@ def drafter_pays(suffix_rate: float, drafter_rate: float | None, draft_steps: fl
     return max(drafter_rate, suffix_rate) / (1.0 + draft_steps) > suffix_rate
 
 
+PROBE_AFTER = 16  # steps without the drafter after which a sequence runs it once more (then twice as many, and so on)
+
+
+@dataclass
+class _Sequence:
+    estimate: DrafterEstimate = field(default_factory=DrafterEstimate)  # this sequence's drafts
+    idle: int = 0                   # steps since the drafter last ran for it
+    probe_after: int = PROBE_AFTER  # idle steps before the next probe
+
+
 class HybridProposer:
     """A `FeatureProposer` over a model-free proposer (`suffix`) and a model drafter (`drafter`, a `DrafterProposer`).
 
     router: the engine's `Router` (its `expected_tokens`, `rate` and `step_ms`); draft_cost: the drafter's `DraftCost`,
     or the drafter kind whose built-in table to use. `chosen` counts the steps each source won, `drafter_runs` the
-    steps that ran the drafter.
+    steps that ran the drafter. The drafter's expected rate is kept per sequence (`estimate(request_id)`): a chat
+    turn and an agent call served together need not agree on whether it pays.
     """
 
     wants_target_features = True
@@ -81,7 +95,7 @@ class HybridProposer:
         # the drafter drafts at most its own K; the suffix cache up to the budget
         self.num_speculative_tokens = max(drafter.num_speculative_tokens, num_speculative_tokens)
         self.draft_cost = DraftCost.default(draft_cost) if isinstance(draft_cost, str) else draft_cost
-        self.estimate = DrafterEstimate()
+        self.sequences: dict[Hashable, _Sequence] = {}
         self.chosen: Counter[str] = Counter()  # steps won, by proposal source ("" = nothing to draft)
         self.drafter_runs = 0
         self.sampling = False  # set_sampling: the drafter samples its drafts
@@ -98,6 +112,11 @@ class HybridProposer:
         except BaseException:
             self.suffix.abort_request(request_id)
             raise
+        self.sequences[request_id] = _Sequence()
+
+    def estimate(self, request_id: Hashable) -> DrafterEstimate:
+        """What the drafter is expected to yield for this sequence."""
+        return self.sequences[request_id].estimate
 
     def append(self, request_id: Hashable, tokens: Sequence[int], *, features: Any) -> None:
         self.suffix.append(request_id, tokens)
@@ -111,13 +130,18 @@ class HybridProposer:
         context = self.drafter.context_length(request_id)
         draft_steps = self.draft_cost(self.drafter.pending(request_id)) / self.router.step_ms(context)
         suffix_rate = self.router.rate(suffix, context)  # 1.0 for no draft: a plain step
-        drafted = None
-        if budget > 0 and drafter_pays(suffix_rate, self.estimate.rate, draft_steps):
+        drafted, seq = None, self.sequences[request_id]
+        pays = drafter_pays(suffix_rate, seq.estimate.rate, draft_steps)
+        probe = seq.idle >= seq.probe_after
+        if budget > 0 and (pays or probe):
             drafted = self.drafter.speculate(
                 request_id, budget if tree else min(budget, self.drafter.num_speculative_tokens), tree=tree)
             self.drafter_runs += drafted.drafter_ran
+            seq.idle, seq.probe_after = 0, PROBE_AFTER if pays else 2 * seq.probe_after
             if len(drafted):
-                self.estimate.observe(self.router.rate(drafted, context))
+                seq.estimate.observe(self.router.rate(drafted, context))
+        else:
+            seq.idle += 1
         best = choose_draft(suffix, drafted, self.router.expected_tokens, sampling=self.sampling)
         best.drafter_ran = drafted is not None and drafted.drafter_ran
         self.chosen[best.source if len(best) else ""] += 1
@@ -126,7 +150,9 @@ class HybridProposer:
     def finish_request(self, request_id: Hashable) -> None:
         self.suffix.finish_request(request_id)
         self.drafter.finish_request(request_id)
+        self.sequences.pop(request_id, None)
 
     def abort_request(self, request_id: Hashable) -> None:
         self.suffix.abort_request(request_id)
         self.drafter.abort_request(request_id)
+        self.sequences.pop(request_id, None)

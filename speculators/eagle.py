@@ -25,6 +25,7 @@ class EagleConfig:
     aux_layer_ids: tuple[int, ...]
     norm_before_residual: bool = False
     mask_token_id: int | None = None  # P-EAGLE: the token id of the K-1 parallel slots
+    independent_layers: bool = False  # FastEagle's no-cascade ablation: every layer reads the fused features
     num_speculative_tokens: int = 3   # the default K recorded in the checkpoint
 
     def __post_init__(self) -> None:
@@ -65,7 +66,8 @@ class EagleBase(Drafter):
                                  f"({cfg.target_vocab_size}, {hidden})")
             self.embed_tokens = nn.Embedding.from_pretrained(embed_tokens.detach(), freeze=True)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, hidden, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg.layer, first=i == 0, norm_before_residual=cfg.norm_before_residual)
+        self.layers = nn.ModuleList(DecoderLayer(cfg.layer, first=i == 0 or cfg.independent_layers,
+                                                 norm_before_residual=cfg.norm_before_residual)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(hidden, cfg.layer.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, cfg.draft_vocab_size, bias=False)
@@ -118,27 +120,24 @@ class EagleBase(Drafter):
         state.pending_tokens.append(tokens)
         state.num_slots += len(tokens)
 
-    def forward_slots(self, kv: DraftKVCache, hidden: Tensor, tokens: Tensor, positions: Tensor, keep: int) -> Tensor:
+    def forward_slots(self, kv: DraftKVCache, hidden: Tensor, tokens: Tensor, positions: Tensor, keep: int,
+                      every_layer: bool = False) -> Tensor | list[Tensor]:
         """Run the layers over n new slots (hidden [n, H] already in drafter space, tokens [n]), attending to the slots
         in `kv` and causally to each other; the first `keep` new slots' keys and values are appended to `kv`.
-        Returns the pre-norm outputs [n, H]."""
+        Returns the pre-norm outputs [n, H] (of every layer, a list, with every_layer)."""
         param = self.lm_head.weight
-        h, emb = hidden.to(param.dtype), self.embed_tokens(tokens.to(param.device)).to(param.dtype)
+        fused, emb = hidden.to(param.dtype), self.embed_tokens(tokens.to(param.device)).to(param.dtype)
+        h, outs = fused, []
         cos, sin = self.rotary(positions.to(param.device))
-        past = len(kv)
-        mask = causal_mask(h.shape[0], past, device=h.device)
+        mask = causal_mask(h.shape[0], len(kv), device=h.device)
         for i, layer in enumerate(self.layers):
-            x, residual = layer.attn_input(h, emb if layer.first else None)
+            x, residual = layer.attn_input(fused if layer.first else h, emb if layer.first else None)
             q, k, v = layer.self_attn.qkv(x, cos, sin)
-            pk, pv = kv.get(i)
-            if pk is not None:
-                k, v = torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)
-            attn = layer.self_attn
-            out = attend(q, k, v, mask)
-            h = layer.finish(attn.out(out), residual)
-            if keep:
-                kv.set(i, k[:, : past + keep], v[:, : past + keep])
-        return h
+            k, v = kv.extend(i, k, v)
+            h = layer.finish(layer.self_attn.out(attend(q, k, v, mask)), residual)
+            outs.append(h)
+        kv.commit(keep)
+        return outs if every_layer else h
 
     def run_pending(self, state: EagleState, extra_hidden: Tensor | None = None, extra_tokens: Tensor | None = None
                     ) -> Tensor | None:
@@ -149,7 +148,7 @@ class EagleBase(Drafter):
                 raise RuntimeError("propose() before any features were given: call begin() first")
             if extra_hidden is None:
                 return None
-            scratch = DraftKVCache(list(state.kv.keys), list(state.kv.values))
+            scratch = state.kv.fork()
             return self.forward_slots(scratch, extra_hidden, extra_tokens,
                                       torch.arange(extra_tokens.numel()) + state.num_slots, keep=0)
         param = self.fc.weight

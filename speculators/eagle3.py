@@ -11,7 +11,6 @@ from hybridspec.proposal import Proposal
 from hybridspec.speculators.chains import ChainLayout
 from hybridspec.speculators.drafter import ProbsFn, chain_proposal
 from hybridspec.speculators.eagle import EagleBase, EagleState
-from hybridspec.speculators.layers import DraftKVCache
 
 
 class Eagle3Drafter(EagleBase):
@@ -21,7 +20,7 @@ class Eagle3Drafter(EagleBase):
     def propose(self, state: EagleState, num_speculative_tokens: int, probs_fn: ProbsFn | None = None,
                 generator: torch.Generator | None = None) -> Proposal:
         self.run_pending(state)
-        scratch = DraftKVCache(list(state.kv.keys), list(state.kv.values))
+        scratch = state.kv.fork()
         logits, hidden = state.last_logits, state.last_hidden
         tokens, probs, full = [], [], []
         for j in range(num_speculative_tokens):

@@ -4,7 +4,9 @@ P-EAGLE and EAGLE-3: the `speculators` format (vllm-project/speculators; vLLM's 
 `llama_eagle3.py`): config.json with `speculators_model_type` ("peagle" | "eagle3"), `transformer_layer_config` (a
 Llama config of the drafter's layers, vocab_size = the target's), `draft_vocab_size`, `target_hidden_size`,
 `eagle_aux_hidden_state_layer_ids`, `norm_before_residual` (written explicitly: vLLM's default differs between
-eagle3 (True) and peagle (False)), `mask_token_id` (P-EAGLE, required by vLLM) and `speculators_config` (proposal
+eagle3 (True) and peagle (False)), `mask_token_id` (P-EAGLE, required by vLLM), `independent_layers` (FastEagle: true
+when every layer reads the fused features, the no-cascade ablation; num_hidden_layers is its number of draft
+positions; vLLM 0.32 has no model class for it) and `speculators_config` (proposal
 method with speculative_tokens, verifier); weights in model.safetensors named fc.weight, layers.N.*, norm.weight,
 lm_head.weight, d2t (offsets: target id = i + d2t[i]), t2d (bool mask), mask_hidden ([1, 3H], P-EAGLE). The input
 embedding is the target's and is not stored (vLLM shares it when `embed_tokens` is absent).
@@ -102,6 +104,8 @@ def eagle_config_dict(drafter: EagleBase, verifier_name_or_path: str = "", verif
     }
     if kind == "peagle":
         config["mask_token_id"] = cfg.mask_token_id
+    if kind == "fasteagle":
+        config["independent_layers"] = cfg.independent_layers
     return config
 
 
@@ -133,7 +137,7 @@ def _eagle_from_config(config: dict[str, Any]) -> tuple[type[EagleBase], EagleCo
         target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
         target_vocab_size=layer["vocab_size"], draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"],
         aux_layer_ids=tuple(ids), norm_before_residual=bool(config.get("norm_before_residual", kind == "eagle3")),
-        mask_token_id=config.get("mask_token_id"),
+        mask_token_id=config.get("mask_token_id"), independent_layers=bool(config.get("independent_layers", False)),
         num_speculative_tokens=int(proposals[0].get("speculative_tokens", 3)))
     return kinds[kind].drafter, eagle
 

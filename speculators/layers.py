@@ -2,7 +2,7 @@
 rotary embedding the target model applies too, and the drafter's own KV cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -134,15 +134,9 @@ class DecoderLayer(nn.Module):
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """Softmax attention with grouped KV heads. q [heads, n, d], k/v [kv_heads, m, d], mask [n, m] bool (True =
-    visible) or None (all). The g query heads of a KV head are folded into one product with its keys, so the keys are
-    never copied g times."""
-    heads, n, d = q.shape
-    kv_heads = k.shape[0]
-    g = heads // kv_heads
-    scores = torch.matmul(q.reshape(kv_heads, g * n, d), k.transpose(1, 2)) * d ** -0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).view(heads, n, d)
+    visible) or None (all). torch's fused kernel: neither the keys copied per query group nor, on long catch-ups, the
+    whole score matrix materialised (4x faster than matmul-softmax-matmul at 1,024 queries on this CPU)."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
 
 
 def causal_mask(num_queries: int, num_past: int, device: torch.device | None = None) -> Tensor:
@@ -151,21 +145,46 @@ def causal_mask(num_queries: int, num_past: int, device: torch.device | None = N
     return torch.arange(num_past + num_queries, device=device)[None, :] <= q
 
 
-@dataclass
 class DraftKVCache:
-    """Per-layer keys and values of a drafter's real (target-fed) slots, [kv_heads, S, d] each."""
+    """Per-layer keys and values of a drafter's real (target-fed) slots, [kv_heads, S, d] each, in buffers with room to
+    grow (doubling), so a step writes only its new slots instead of copying the whole cache (at 512 positions the
+    copies were a fifth of FastEagle's step on the CPU). Slots past `len(self)` are scratch: a step's uncommitted
+    slots (P-EAGLE's mask slots) and a `fork`'s."""
 
-    keys: list[Tensor | None] = field(default_factory=list)
-    values: list[Tensor | None] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.length = 0
 
     def __len__(self) -> int:
-        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[1]
+        return self.length
 
-    def get(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
-        return (self.keys[layer], self.values[layer]) if layer < len(self.keys) else (None, None)
+    def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write n new slots' keys and values of `layer` after the committed ones; the layer's keys and values up to
+        them. `commit` keeps some of them."""
+        end = self.length + k.shape[1]
+        if layer == len(self.keys):
+            cap = max(64, 2 * end)
+            self.keys.append(k.new_empty(k.shape[0], cap, k.shape[2]))
+            self.values.append(v.new_empty(v.shape[0], cap, v.shape[2]))
+        elif end > self.keys[layer].shape[1]:
+            self.keys[layer] = self._grown(self.keys[layer], end)
+            self.values[layer] = self._grown(self.values[layer], end)
+        self.keys[layer][:, self.length:end] = k
+        self.values[layer][:, self.length:end] = v
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
 
-    def set(self, layer: int, k: Tensor, v: Tensor) -> None:
-        while len(self.keys) <= layer:
-            self.keys.append(None)
-            self.values.append(None)
-        self.keys[layer], self.values[layer] = k, v
+    def _grown(self, buffer: Tensor, end: int) -> Tensor:
+        bigger = buffer.new_empty(buffer.shape[0], 2 * end, buffer.shape[2])
+        bigger[:, :self.length] = buffer[:, :self.length]
+        return bigger
+
+    def commit(self, n: int) -> None:
+        """Keep the first n slots written by the last `extend` of every layer."""
+        self.length += n
+
+    def fork(self) -> "DraftKVCache":
+        """A scratch cache on the same buffers: what it writes past this cache's slots never reaches them."""
+        other = DraftKVCache()
+        other.keys, other.values, other.length = list(self.keys), list(self.values), self.length
+        return other

@@ -1,6 +1,6 @@
-"""The drafter kinds, in one table: a kind's name ("peagle", "lstm", "eagle3") -> its model class, its config class and
-the checkpoint format it is saved in. The engine, the training recipe and trainer, and the checkpoint formats read
-their kinds from here, so a new drafter is added in one place."""
+"""The drafter kinds, in one table: a kind's name ("peagle", "lstm", "eagle3", "fasteagle") -> its model class, its
+config class and the checkpoint format it is saved in. The engine, the training recipe and trainer, and the checkpoint
+formats read their kinds from here, so a new drafter is added in one place."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from hybridspec.speculators.drafter import Drafter
 from hybridspec.speculators.eagle import EagleConfig
 from hybridspec.speculators.eagle3 import Eagle3Drafter
+from hybridspec.speculators.fasteagle import FastEagleDrafter
 from hybridspec.speculators.lstm import LSTMConfig, LSTMDrafter
 from hybridspec.speculators.peagle import PEagleDrafter
 
-SPECULATORS_FORMAT = "speculators"  # vllm-project/speculators (vLLM's SpeculatorsConfig): P-EAGLE, EAGLE-3
+SPECULATORS_FORMAT = "speculators"  # vllm-project/speculators (vLLM's SpeculatorsConfig): P-EAGLE, EAGLE-3, FastEagle
 ARCTIC_FORMAT = "arctic"            # ArcticTraining's LSTM speculator (ArcticInference reads it)
 
 
@@ -33,6 +34,7 @@ DRAFTERS: dict[str, DrafterKind] = {kind.name: kind for kind in (
     DrafterKind("peagle", PEagleDrafter, EagleConfig, SPECULATORS_FORMAT, "PEagleSpeculator"),
     DrafterKind("lstm", LSTMDrafter, LSTMConfig, ARCTIC_FORMAT, "ArcticLSTMSpeculatorPreTrainedModel"),
     DrafterKind("eagle3", Eagle3Drafter, EagleConfig, SPECULATORS_FORMAT, "Eagle3Speculator"),
+    DrafterKind("fasteagle", FastEagleDrafter, EagleConfig, SPECULATORS_FORMAT, "FastEagleSpeculator"),
 )}
 DRAFTER_KINDS: tuple[str, ...] = tuple(DRAFTERS)
 

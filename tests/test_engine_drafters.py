@@ -1,7 +1,7 @@
-"""The engine with model drafters (speculate="peagle" | "lstm" | "eagle3") on tiny random targets: greedy outputs are
-token-identical to plain greedy decoding (single, batched, sessions), the drafter's state follows exactly the
-committed tokens (after every step it drafts what a drafter fed the whole sequence's features drafts), sampling keeps
-the target's distribution, and mismatched drafters give clear errors."""
+"""The engine with model drafters (speculate="peagle" | "lstm" | "eagle3" | "fasteagle") on tiny random targets:
+greedy outputs are token-identical to plain greedy decoding (single, batched, sessions), the drafter's state follows
+exactly the committed tokens (after every step it drafts what a drafter fed the whole sequence's features drafts),
+sampling keeps the target's distribution, and mismatched drafters give clear errors."""
 from __future__ import annotations
 
 import random
@@ -12,8 +12,8 @@ import torch
 
 from hybridspec.engine import Engine
 from hybridspec.router import DraftCost, FunctionRouter, HybridProposer
-from hybridspec.speculators import (DrafterProposer, Eagle3Drafter, EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter,
-                                    PEagleDrafter, TargetFeatures)
+from hybridspec.speculators import (DrafterProposer, Eagle3Drafter, EagleConfig, FastEagleDrafter, LayerConfig,
+                                    LSTMConfig, LSTMDrafter, PEagleDrafter, TargetFeatures)
 from hybridspec.speculators.registry import DRAFTER_KINDS
 from hybridspec.target import TargetModel
 from hybridspec.stats import GenerationStats
@@ -33,12 +33,13 @@ def make_drafter(kind: str, model, seed: int = 0):
                                          num_speculative_tokens=3))
         head = drafter.head[0]
     else:
-        config = EagleConfig(layer=LayerConfig.like_target(c), num_layers=2 if kind == "peagle" else 1,
+        num_layers = {"peagle": 2, "eagle3": 1, "fasteagle": 4}[kind]  # FastEagle: one layer per draft position
+        config = EagleConfig(layer=LayerConfig.like_target(c), num_layers=num_layers,
                              target_hidden_size=c.hidden_size, target_vocab_size=c.vocab_size,
                              draft_vocab_size=c.vocab_size, aux_layer_ids=(2, c.num_hidden_layers // 2,
                                                                            c.num_hidden_layers - 3),
                              mask_token_id=0, num_speculative_tokens=4)
-        cls = PEagleDrafter if kind == "peagle" else Eagle3Drafter
+        cls = {"peagle": PEagleDrafter, "eagle3": Eagle3Drafter, "fasteagle": FastEagleDrafter}[kind]
         drafter = cls(config, embed_tokens=model.get_input_embeddings().weight)
         head = drafter.lm_head
     with torch.no_grad():
@@ -208,8 +209,8 @@ def test_drafter_proposer_rebuilds_when_the_prompt_does_not_continue(target_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["peagle", "lstm", "suffix+peagle", "suffix+peagle@free", "peagle/tree",
-                                  "suffix+peagle/tree"])
+@pytest.mark.parametrize("kind", ["peagle", "lstm", "fasteagle", "suffix+peagle", "suffix+peagle@free",
+                                  "suffix+fasteagle@free", "peagle/tree", "suffix+peagle/tree"])
 def test_sampling_with_a_drafter_keeps_the_target_distribution(kind):
     """Drafts sampled from the drafter (with its logits), and for the hybrid a mix of those and one-hot suffix drafts
     (the repeated prompt puts earlier answers in its cache; a drafter that costs nothing to run (@free) is run
@@ -378,7 +379,7 @@ def test_hybrid_runs_the_drafter_only_where_it_is_expected_to_pay():
     assert drafter.log == [("start", {"features": "F", "extends": None}), ("append", {"features": "G"})]
     first = hybrid.speculate("r")  # nothing known of the drafter yet: it runs once; the suffix draft (4.5) wins
     assert first.source == "suffix" and first.drafter_ran and drafter.calls == 1
-    assert hybrid.estimate.rate == pytest.approx(1 + 1.6)
+    assert hybrid.estimate("r").rate == pytest.approx(1 + 1.6)
     # the suffix's rate 5.5 beats the drafter's 2.6 / 1.1: not run
     again = hybrid.speculate("r")
     assert again.source == "suffix" and not again.drafter_ran and drafter.calls == 1
@@ -391,5 +392,17 @@ def test_hybrid_runs_the_drafter_only_where_it_is_expected_to_pay():
     drafter.skipped = 0
     assert hybrid.speculate("r", num_speculative_tokens=2).token_ids == [7, 8] and drafter.calls == 3
     assert hybrid.chosen == {"suffix": 3, "peagle": 2, "": 1} and hybrid.drafter_runs == 3
+    # the text may change: a sequence that has not run the drafter for PROBE_AFTER steps runs it once more, and after
+    # a probe that finds it still not paying, waits twice as long
+    from hybridspec.router.hybrid import PROBE_AFTER
+
+    suffix.proposal = Proposal.chain([1, 2, 3, 4, 5], [0.9] * 5, source="suffix")
+    for wait in (PROBE_AFTER, 2 * PROBE_AFTER):
+        calls = drafter.calls
+        for _ in range(wait):
+            assert not hybrid.speculate("r").drafter_ran
+        assert hybrid.speculate("r").drafter_ran and drafter.calls == calls + 1
+    hybrid.start_request("s", [1, 2], features="F")  # another sequence: its own estimate, so its first step runs it
+    assert hybrid.speculate("s").drafter_ran and hybrid.estimate("s").rate != hybrid.estimate("r").rate
     hybrid.finish_request("r")
     assert suffix.log[-1][0] == drafter.log[-1][0] == "finish"

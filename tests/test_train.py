@@ -2,6 +2,7 @@
 alignment, a few training steps per drafter (loss falls, acceptance rises above chance), resumption, the CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -34,14 +35,14 @@ def chat_file(tmp_path_factory) -> Path:
     return path
 
 
-def tiny_recipe(drafter: str, root: Path, chat_file: Path, **training) -> dict:
+def tiny_recipe(drafter: str, root: Path, chat_file: Path, architecture: dict | None = None, **training) -> dict:
     return {
         "drafter": drafter, "target": "tiny",
         "data": {"sources": [{"kind": "jsonl", "path": str(chat_file), "max_items": 24}], "heldout_fraction": 0.25,
                  "max_prompt_tokens": 24, "max_new_tokens": 40, "shard_size": 6, "generation_batch_size": 6,
                  "cache_dir": str(root / "features")},
-        "architecture": {"num_layers": 1, "draft_vocab_size": 96, "mask_token_id": 127, "dim": 32,
-                         "num_speculative_tokens": 7},
+        "architecture": {"num_layers": 7 if drafter == "fasteagle" else 1, "draft_vocab_size": 96,
+                         "mask_token_id": 127, "dim": 32, "num_speculative_tokens": 7, **(architecture or {})},
         "training": {"steps": 40, "tokens_per_step": 192, "lr": 3e-3, "warmup_steps": 4, "eval_every": 0,
                      "save_every": 10, **training},
         "output": {"dir": str(root / f"out-{drafter}"), "state_dir": str(root / f"state-{drafter}"),
@@ -79,14 +80,34 @@ def features(tmp_path_factory, target, tiny_tokenizer, chat_file, engine) -> Pat
 
 def test_shipped_recipes_load():
     names = {p.stem: load_recipe(p) for p in RECIPES.glob("*.yaml")}
-    assert {r.drafter for r in names.values()} == {"peagle", "eagle3", "lstm"}
+    assert {r.drafter for r in names.values()} == {"peagle", "eagle3", "lstm", "fasteagle"}
     for recipe in names.values():
         assert recipe.target == "smollm2" and recipe.data.sources
         assert recipe.output_dir().is_relative_to(RECIPES.parent)
-    # the three drafters share one feature cache, so they are trained on the same data; P-EAGLE and EAGLE-3 on the
-    # same budget too, so they can be compared
+    # the drafters share one feature cache, so they are trained on the same data; P-EAGLE, EAGLE-3 and FastEagle on
+    # the same budget too, so they can be compared
     assert len({r.feature_dir() for r in names.values()}) == 1
-    assert names["peagle-smollm2"].training.steps == names["eagle3-smollm2"].training.steps
+    steps = {names[f"{kind}-smollm2"].training.steps for kind in ("peagle", "eagle3", "fasteagle")}
+    assert len(steps) == 1
+
+
+def test_fasteagle_ablation_recipes_change_one_setting_each():
+    """The paper's ablations: each recipe differs from the base one in one setting, on the same data and budget."""
+    ablations = {p.stem: load_recipe(p) for p in (RECIPES / "ablations").glob("fasteagle-*.yaml")}
+    base = dataclasses.asdict(ablations.pop("fasteagle-base"))
+    shipped = load_recipe(RECIPES / "fasteagle-smollm2.yaml")
+    assert base["architecture"] == dataclasses.asdict(shipped.architecture)
+    changed = {"fasteagle-no-cascade": ("architecture", "independent_layers"),
+               "fasteagle-no-feature-loss": ("training", "feature_weight")}
+    assert set(ablations) == set(changed)
+    for name, recipe in ablations.items():
+        assert recipe.feature_dir() == shipped.feature_dir()
+        other = dataclasses.asdict(recipe)
+        section, key = changed[name]
+        assert other[section][key] != base[section][key]
+        other[section][key] = base[section][key]
+        assert {k: v for k, v in other.items() if k not in ("output", "base_dir")} == \
+            {k: v for k, v in base.items() if k not in ("output", "base_dir")}
 
 
 def test_recipe_errors(tmp_path):
@@ -110,6 +131,14 @@ def test_recipe_errors(tmp_path):
         recipe_from_dict({"drafter": "lstm", "training": {"max_depth": 3, "eval_ks": [3, 5]}})
     with pytest.raises(ValueError, match="max_prompt_slots"):
         recipe_from_dict({"drafter": "peagle", "training": {"max_prompt_slots": -1}})
+    with pytest.raises(ValueError, match="depth_weights"):
+        recipe_from_dict({"drafter": "peagle", "training": {"depth_weights": [1.0, 0.5]}})
+    with pytest.raises(ValueError, match="feature_weight"):
+        recipe_from_dict({"drafter": "peagle", "training": {"feature_weight": 0.1}})
+    with pytest.raises(ValueError, match="independent_layers"):
+        recipe_from_dict({"drafter": "eagle3", "architecture": {"independent_layers": True}})
+    with pytest.raises(ValueError, match="one token per layer"):
+        recipe_from_dict({"drafter": "fasteagle", "architecture": {"num_layers": 3}})
     with pytest.raises(FileNotFoundError):
         load_recipe(tmp_path / "missing.yaml")
     (tmp_path / "r.yaml").write_text("drafter: lstm\noutput: {dir: out}\n")
@@ -306,10 +335,13 @@ def test_chains_start_only_where_they_reach_a_trained_target(kind, features, cha
         assert torch.equal(origins, trained[batch.valid_depth[trained] >= d])
 
 
-@pytest.mark.parametrize("kind", ["peagle", "eagle3", "lstm"])
+@pytest.mark.parametrize("kind", ["peagle", "eagle3", "lstm", "fasteagle"])
 def test_a_few_steps_lower_the_loss_and_raise_acceptance(kind, features, chat_file, target):
-    steps = {"peagle": 80, "eagle3": 60, "lstm": 80}[kind]
-    recipe = recipe_from_dict(tiny_recipe(kind, features, chat_file, steps=steps, save_every=1000))
+    steps = {"peagle": 80, "eagle3": 60, "lstm": 80, "fasteagle": 80}[kind]
+    extra = {"feature_weight": 0.5, "depth_weights": [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4]} if kind == "fasteagle" else {}
+    architecture = {"intermediate_size": 64, "lm_head_from_target": True} if kind == "fasteagle" else None
+    recipe = recipe_from_dict(tiny_recipe(kind, features, chat_file, architecture, steps=steps, save_every=1000,
+                                          **extra))
     recipe.output.resume = False
     trainer = Trainer(recipe, features / "features", progress=False)
     before, before_heldout = trainer.evaluate(trainer.train), trainer.evaluate()

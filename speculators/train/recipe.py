@@ -1,6 +1,6 @@
 """Training recipes: one YAML file holds the data, the drafter's architecture, the hyper-parameters and the output.
 
-    drafter: peagle            # a kind of speculators.registry: peagle | lstm | eagle3
+    drafter: peagle            # a kind of speculators.registry: peagle | lstm | eagle3 | fasteagle
     target: smollm2            # "smollm2" or a local Hugging Face model directory
     data: {...}                # DataSpec
     architecture: {...}        # ArchitectureSpec
@@ -75,6 +75,8 @@ class ArchitectureSpec:
     mask_token_id: int | None = None    # P-EAGLE; default: the tokenizer's pad token, else 0
     aux_layer_ids: list[int] | None = None  # default: (2, L//2, L-3)
     norm_before_residual: bool = False
+    independent_layers: bool = False    # FastEagle without the cascade: every layer reads the fused features (ablation)
+    lm_head_from_target: bool = False   # EAGLE family: start lm_head from the target's rows of the draft vocabulary
     dim: int = 128                      # LSTM inner/proj/emb dimension
     num_speculative_tokens: int = 7     # LSTM heads trained
     scale_input: bool = True            # LSTM: normalise the target hidden state first
@@ -95,6 +97,9 @@ class TrainingSpec:
     keep_ratio: float = 0.7             # per-depth chain sampling (P-EAGLE, LSTM): ~n * max(keep^d, min) at depth d
     min_ratio: float = 0.2
     sample_chains: bool = True          # False: every chain to every depth (EAGLE-3's training-time test)
+    depth_weights: list[float] | None = None  # the loss's weight of each depth (normalised; None: all equal)
+    feature_weight: float = 0.0         # FastEagle: weight of the Smooth-L1 between each layer's normed output and
+                                        # the target's final hidden state at the position it drafts
     eval_every: int = 100
     save_every: int = 50
     eval_ks: list[int] = field(default_factory=lambda: [3, 5, 7])
@@ -205,9 +210,22 @@ def recipe_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
                          f"{training.max_prompt_slots}")
     if training.max_depth < max(training.eval_ks, default=1):
         raise ValueError(f"training.max_depth {training.max_depth} < the largest eval K {max(training.eval_ks)}")
+    if training.depth_weights is not None and (len(training.depth_weights) != training.max_depth
+                                               or min(training.depth_weights) < 0 or sum(training.depth_weights) <= 0):
+        raise ValueError(f"training.depth_weights needs max_depth ({training.max_depth}) weights >= 0, not all 0; "
+                         f"got {training.depth_weights}")
+    architecture = _build(ArchitectureSpec, raw.get("architecture"), "architecture")
+    fasteagle = raw["drafter"] == "fasteagle"
+    if training.feature_weight < 0 or (training.feature_weight and not fasteagle):
+        raise ValueError(f"training.feature_weight (got {training.feature_weight}) is FastEagle's and must be >= 0")
+    if architecture.independent_layers and not fasteagle:
+        raise ValueError("architecture.independent_layers is FastEagle's no-cascade ablation")
+    if fasteagle and architecture.num_layers < training.max_depth:
+        raise ValueError(f"FastEagle drafts one token per layer: architecture.num_layers ({architecture.num_layers}) "
+                         f"must be >= training.max_depth ({training.max_depth})")
     return Recipe(drafter=raw["drafter"], target=str(raw.get("target", "smollm2")), data=data,
-                  architecture=_build(ArchitectureSpec, raw.get("architecture"), "architecture"),
-                  training=training, output=_build(OutputSpec, raw.get("output"), "output"), base_dir=str(base_dir))
+                  architecture=architecture, training=training, output=_build(OutputSpec, raw.get("output"), "output"),
+                  base_dir=str(base_dir))
 
 
 def load_recipe(path: str | os.PathLike) -> Recipe:

@@ -1,4 +1,4 @@
-"""The training loop shared by the three drafters: packed batches of real slots, chains sampled per depth, the loss of
+"""The training loop shared by the drafters: packed batches of real slots, chains sampled per depth, the loss of
 each drafter, periodic evaluation of acceptance length on held-out text, resumable checkpoints.
 
 Slot j of a sequence x_0..x_{T-1} is the target's features at position j with the token x_{j+1} that followed; the
@@ -210,7 +210,7 @@ def build_drafter(recipe: Recipe, meta: dict[str, Any], embed: Tensor) -> Any:
     eagle = EagleConfig(layer=LayerConfig.like_target(cfg, arch.intermediate_size), num_layers=arch.num_layers,
                         target_hidden_size=meta["hidden_size"], target_vocab_size=meta["vocab_size"],
                         draft_vocab_size=arch.draft_vocab_size, aux_layer_ids=tuple(meta["aux_layer_ids"]),
-                        norm_before_residual=arch.norm_before_residual,
+                        norm_before_residual=arch.norm_before_residual, independent_layers=arch.independent_layers,
                         mask_token_id=mask_token if recipe.drafter == "peagle" else None,
                         num_speculative_tokens=max(recipe.training.eval_ks))
     return kind.drafter(eagle, embed_tokens=embed)
@@ -233,10 +233,15 @@ class Trainer:
             self.drafter.set_draft_vocab(d2t, t2d)
             # The target's lm_head rows of the draft vocabulary: KL targets over the draft vocabulary.
             self.draft_head = lm_head[self.drafter.draft_to_target()].float()
+            if recipe.architecture.lm_head_from_target:
+                with torch.no_grad():
+                    self.drafter.lm_head.weight.copy_(self.draft_head)
+        weights = torch.tensor(t.depth_weights or [1.0] * t.max_depth)
+        self.depth_weights = weights / weights.sum()
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
         self.generator = torch.Generator().manual_seed(t.seed)
-        self.step, self.elapsed, self.history = 0, 0.0, []
+        self.step, self.elapsed, self.history, self.slots = 0, 0.0, [], 0  # slots: real slots trained on so far
         self.epoch, self.cursor, self.order = 0, 0, torch.randperm(len(self.train), generator=self.generator)
         self.state_dir = recipe.state_dir()
 
@@ -281,9 +286,18 @@ class Trainer:
     # -- loss ---------------------------------------------------------------------------------------------------------
 
     def loss(self, batch: Batch) -> tuple[Tensor, dict[str, float]]:
-        """Mean over depths of each depth's masked mean loss (every depth weighs the same, as in P-EAGLE)."""
-        layout = self.layout(batch, self.recipe.training.sample_chains)
-        logits = chain_logits(self.drafter, batch, layout)
+        """Sum over depths of depth_weights[d] x depth d's masked mean loss (by default every depth weighs the same, as
+        in P-EAGLE); with feature_weight, each depth's loss adds that times the Smooth-L1 of its normed output
+        against the target's final hidden state (FastEagle)."""
+        t = self.recipe.training
+        layout = self.layout(batch, t.sample_chains)
+        hidden = None
+        if t.feature_weight:
+            hidden = self.drafter.chain_hidden(batch.aux, batch.next_tokens, layout)
+            logits = [self.drafter.lm_head(self.drafter.norm(h)) for h in hidden]
+        else:
+            logits = chain_logits(self.drafter, batch, layout)
+        weights = self.depth_weights[: len(logits)] / self.depth_weights[: len(logits)].sum()
         if self.is_eagle:
             with torch.no_grad():
                 target_logp = torch.log_softmax(batch.target_final @ self.draft_head.T, dim=-1)
@@ -296,8 +310,11 @@ class Trainer:
                 per = (tl.exp() * (tl - torch.log_softmax(lg, dim=-1))).sum(-1)
             else:              # per-head cross-entropy on the target's greedy token
                 per = F.cross_entropy(lg, batch.target_top1[slots], reduction="none")
+            if hidden is not None:
+                aligned = F.smooth_l1_loss(self.drafter.norm(hidden[d]), batch.target_final[slots], reduction="none")
+                per = per + t.feature_weight * aligned.mean(-1)
             count = mask.sum().clamp(min=1.0)
-            total = total + (per * mask).sum() / count / len(logits)
+            total = total + weights[d] * (per * mask).sum() / count
             with torch.no_grad():
                 correct = (predicted_ids(self.drafter, lg) == batch.target_top1[slots]).float()
                 metrics[f"acc{d}"] = float((correct * mask).sum() / count)
@@ -309,7 +326,9 @@ class Trainer:
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss, metrics = self.loss(self.next_batch())
+        batch = self.next_batch()
+        self.slots += len(batch)
+        loss, metrics = self.loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.recipe.training.grad_clip)
@@ -333,7 +352,8 @@ class Trainer:
 
     def save_state(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        state = {"step": self.step, "elapsed": self.elapsed, "history": self.history, "model": self.trainable_state(),
+        state = {"step": self.step, "elapsed": self.elapsed, "history": self.history, "slots": self.slots,
+                 "model": self.trainable_state(),
                  "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
                  "torch_rng": torch.get_rng_state(), "epoch": self.epoch, "cursor": self.cursor, "order": self.order}
         tmp = self.state_dir / (STATE_FILE + ".tmp")
@@ -352,6 +372,7 @@ class Trainer:
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.elapsed, self.history = state["step"], state["elapsed"], state["history"]
+        self.slots = state["slots"]
         self.epoch, self.cursor, self.order = state["epoch"], state["cursor"], state["order"]
         return True
 
@@ -372,7 +393,8 @@ class Trainer:
             metrics = self.train_step()
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc0']:.2f}")
-            record: dict[str, Any] = {"step": self.step, **{k: round(v, 4) for k, v in metrics.items()}}
+            record: dict[str, Any] = {"step": self.step, "slots": self.slots,
+                                      **{k: round(v, 4) for k, v in metrics.items()}}
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                 record["eval"] = self.evaluate()
                 final_eval = record["eval"] if self.step == t.steps else None
