@@ -60,7 +60,7 @@ from tqdm import tqdm
 
 from agent_calls import SMOLLM2_CONTEXT, AgentCall, load_replay
 from bench_vllm_peagle import VLLM_ENV, VLLM_PYTHON
-from common import TRACES_DIR, machine_info, write_json
+from common import TRACES_DIR, bar_plot, machine_info, write_json
 
 TRANSFORMERS_METHODS = ("transformers", "transformers-lookup")
 # name -> (speculate, prefix_cache_bytes): None leaves the engine's default budget, 0 turns prefix caching off
@@ -457,28 +457,10 @@ def print_table(title: str, summaries: dict[str, dict]) -> None:
 
 
 def plot(path: Path, methods: dict[str, dict], concurrent: dict[str, dict[str, dict]]) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    names = list(methods)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names)), 4))
-    width = 0.8 / (1 + len(concurrent))
-    for k, (label, per_method) in enumerate([("concurrency 1", methods), *concurrent.items()]):
-        xs = [i + k * width for i, m in enumerate(names) if m in per_method]
-        ax.bar(xs, [per_method[m]["tok_s"] for m in names if m in per_method], width, label=label)
-    ax.set_xticks([i + width * len(concurrent) / 2 for i in range(len(names))], names, rotation=30, ha="right")
-    ax.set_ylabel("whole-call tokens/s")
-    ax.set_title("SmolLM2 on real agent calls (CPU)")
-    ax.legend()
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    series = {label: {m: s["tok_s"] for m, s in per_method.items()}
+              for label, per_method in [("concurrency 1", methods), *concurrent.items()]}
+    return bar_plot(path, list(methods), series, "whole-call tokens/s", "SmolLM2 on real agent calls (CPU)",
+                    rotate=True)
 
 
 # ------------------------------------------------------------------------------------------------------------ main

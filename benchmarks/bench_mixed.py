@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from agent_calls import load_replay
 from bench_e2e import chat_questions, code_prompts
-from common import REPO, TRACES_DIR, WORKLOADS_DIR, machine_info, write_json
+from common import REPO, TRACES_DIR, WORKLOADS_DIR, bar_plot, machine_info, write_json
 
 RECIPE = REPO / "speculators" / "recipes" / "peagle-smollm2.yaml"  # its held-out prompts (the heads share the data)
 HYBRID, HALVES, TARGET = "suffix+peagle", ("suffix", "peagle"), 1.15
@@ -58,28 +58,9 @@ def summarize(runs: list[dict[str, Any]], reference: dict[str, list[int]]) -> di
 
 
 def plot(path: Path, table: dict[str, dict[str, dict]], methods: list[str]) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    workloads = list(table)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(workloads)), 4))
-    width = 0.8 / len(methods)
-    for k, method in enumerate(methods):
-        ax.bar([i + k * width for i in range(len(workloads))], [table[w][method]["tok_s"] for w in workloads], width,
-               label=method)
-    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(workloads))], workloads)
-    ax.set_ylabel("whole-call tokens/s")
-    ax.set_title("SmolLM2, mixed deployment by workload and method (CPU, greedy)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    series = {m: {w: per_method[m]["tok_s"] for w, per_method in table.items()} for m in methods}
+    return bar_plot(path, list(table), series, "whole-call tokens/s",
+                    "SmolLM2 on CPU, greedy: tokens/s by workload and method")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,3 +82,31 @@ def write_json(path: Path | str | None, result: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")
+
+
+def bar_plot(path: Path, groups: list[str], series: Mapping[str, Mapping[str, float]], ylabel: str, title: str,
+             rotate: bool = False) -> Path | None:
+    """Grouped bars beside `path` (its .png): one group per name in `groups`, one bar per series in it
+    (series[label][group]; a group a series lacks gets no bar). None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * len(groups) * max(1, len(series))), 4))
+    width = 0.8 / max(1, len(series))
+    for k, (label, values) in enumerate(series.items()):
+        xs = [i + k * width for i, g in enumerate(groups) if g in values]
+        ax.bar(xs, [values[g] for g in groups if g in values], width, label=label)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))], groups,
+                  rotation=30 if rotate else 0, ha="right" if rotate else "center")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path).with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
