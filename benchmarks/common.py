@@ -2,16 +2,14 @@
 JSON writer. Benchmarks run as scripts (`python benchmarks/bench_x.py`), so this module is importable as `common`."""
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
+
+from hybridspec.machine import machine_info  # noqa: F401 (the benchmarks import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -55,24 +53,6 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2,
               sync: Callable[[], None] | None = None) -> float:
     """`median_ms_each` for a single function."""
     return median_ms_each({0: fn}, repeats, warmup, sync=sync)[0]
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def machine_info() -> dict[str, Any]:
-    """The machine a result was measured on. torch's fields only where the benchmark imported torch (the peers'
-    environment has none)."""
-    torch = sys.modules.get("torch")
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": getattr(torch, "__version__", None), "threads": torch.get_num_threads() if torch else None,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def write_json(path: Path | str | None, result: dict) -> None:

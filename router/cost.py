@@ -95,9 +95,9 @@ class VerifyCost:
 # SmolLM2-shaped drafters, 1 thread, bfloat16 products where the CPU has them, as the engine runs them:
 # `python benchmarks/bench_drafters.py --catch-up 1,16,64,256,1024 --json PATH` ("catch_up_ms"; BENCHMARKS.md).
 DEFAULT_DRAFT_MS: dict[str, dict[int, float]] = {
-    "peagle": {1: 4.7, 16: 5.7, 64: 8.7, 256: 21.1, 1024: 123.2},
-    "eagle3": {1: 5.4, 16: 6.0, 64: 7.7, 256: 15.7, 1024: 72.4},
-    "fasteagle": {1: 8.6, 16: 11.5, 64: 19.1, 256: 56.8, 1024: 359.5},
+    "peagle": {1: 4.3, 16: 5.4, 64: 8.3, 256: 21.7, 1024: 119.5},
+    "eagle3": {1: 5.3, 16: 5.4, 64: 6.8, 256: 14.2, 1024: 72.9},
+    "fasteagle": {1: 7.7, 16: 10.2, 64: 17.8, 256: 54.5, 1024: 368.9},
     "lstm": {1: 8.2, 16: 8.1, 64: 8.2, 256: 8.2, 1024: 9.3},
 }
 

@@ -95,7 +95,7 @@ def test_session_matches_uncached_generation(engine, agent_prompt, references):
     assert reply.stats.prefill_tokens < len(agent_prompt) // 2
 
 
-@pytest.mark.parametrize("kind", ["peagle", "lstm", "eagle3", "suffix+peagle"])
+@pytest.mark.parametrize("kind", ["peagle", "lstm", "eagle3", "fasteagle", "suffix+peagle", "suffix+fasteagle"])
 def test_shipped_drafters_are_exact_and_accept_tokens(engine, agent_prompt, references, kind):
     results = engine.generate([agent_prompt, CHAT], max_new_tokens=MAX_NEW, speculate=kind)
     assert [r.token_ids for r in results] == [references["agent"], references["chat"]]

@@ -358,6 +358,7 @@ def test_a_few_steps_lower_the_loss_and_raise_acceptance(kind, features, chat_fi
     # the run wrote a checkpoint in the drafter's format and a log
     log = json.loads((recipe.output_dir() / "train_log.json").read_text())
     assert log["steps"] == steps and "acceptance@7" in log["final_eval"]
+    assert log["machine"]["cpu"] and log["machine"]["threads"] >= 1  # where it trained, with its time and data
     meta = trainer.meta
     loaded = load_drafter(recipe.output_dir(), target=TargetInfo(meta["num_layers"], meta["hidden_size"],
                                                                  meta["vocab_size"]),

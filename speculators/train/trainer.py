@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from hybridspec.machine import machine_info
 from hybridspec.speculators.chains import ChainLayout, full_chain_origins, sample_chain_origins
 from hybridspec.speculators.eagle import EagleBase, EagleConfig
 from hybridspec.speculators.features import build_draft_vocab
@@ -423,7 +424,7 @@ class Trainer:
         log = {"drafter": self.recipe.drafter, "target": self.recipe.target, "steps": self.step,
                "train_seconds": round(self.elapsed, 1), "train_sequences": len(self.train),
                "train_tokens": self.train.num_tokens, "heldout_sequences": len(self.heldout),
-               "heldout_tokens": self.heldout.num_tokens, "final_eval": final_eval,
+               "heldout_tokens": self.heldout.num_tokens, "final_eval": final_eval, "machine": machine_info(),
                "recipe": {k: v for k, v in asdict(self.recipe).items() if k != "base_dir"},
                "history": [h for h in self.history if "eval" in h]}
         (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
