@@ -46,7 +46,8 @@ class EagleState:
     pending_aux: list[Tensor] = field(default_factory=list)
     pending_tokens: list[Tensor] = field(default_factory=list)
     last_logits: Tensor | None = None       # [draft_vocab] of the last real slot
-    last_hidden: Tensor | None = None       # [H] pre-norm output of the last real slot (EAGLE-3 feeds it back)
+    last_hidden: Tensor | None = None       # [H] pre-norm output of the last real slot (EAGLE-3 feeds it back;
+                                            # FastEagle: [L, H], every layer's)
 
 
 class EagleBase(Drafter):
@@ -151,19 +152,24 @@ class EagleBase(Drafter):
             scratch = state.kv.fork()
             return self.forward_slots(scratch, extra_hidden, extra_tokens,
                                       torch.arange(extra_tokens.numel()) + state.num_slots, keep=0)
+        hidden, tokens, positions = self.take_pending(state)
+        n_real = tokens.numel()
+        if extra_hidden is not None:
+            hidden, tokens = torch.cat([hidden, extra_hidden]), torch.cat([tokens, extra_tokens])
+            positions = torch.arange(tokens.numel()) + positions[0]
+        out = self.forward_slots(state.kv, hidden, tokens, positions, keep=n_real)
+        state.last_hidden = out[n_real - 1]
+        state.last_logits = self.lm_head(self.norm(state.last_hidden))
+        return out[n_real:] if extra_hidden is not None else None
+
+    def take_pending(self, state: EagleState) -> tuple[Tensor, Tensor, Tensor]:
+        """The pending real slots, none left pending: fc of their aux features, their tokens and their positions."""
         param = self.fc.weight
         aux = torch.cat(state.pending_aux).to(param.device, param.dtype)
         tokens = torch.cat(state.pending_tokens)
-        first = state.num_slots - tokens.numel()
-        hidden, n_real = self.fc(aux), tokens.numel()
-        if extra_hidden is not None:
-            hidden, tokens = torch.cat([hidden, extra_hidden]), torch.cat([tokens, extra_tokens])
-        out = self.forward_slots(state.kv, hidden, tokens, torch.arange(tokens.numel()) + first, keep=n_real)
-        state.last_hidden = out[n_real - 1]
-        state.last_logits = self.lm_head(self.norm(state.last_hidden))
         state.pending_aux.clear()
         state.pending_tokens.clear()
-        return out[n_real:] if extra_hidden is not None else None
+        return self.fc(aux), tokens, torch.arange(tokens.numel()) + state.num_slots - tokens.numel()
 
     def draft(self, logits: Tensor, probs_fn: ProbsFn | None, generator: torch.Generator | None
               ) -> tuple[list[int], list[float], Tensor]:

@@ -39,15 +39,9 @@ class FastEagleDrafter(EagleBase):
             if state.last_hidden is None:
                 raise RuntimeError("propose() before any features were given: call begin() first")
             return
-        param = self.fc.weight
-        aux = torch.cat(state.pending_aux).to(param.device, param.dtype)
-        tokens = torch.cat(state.pending_tokens)
-        first = state.num_slots - tokens.numel()
-        outs = self.forward_slots(state.kv, self.fc(aux), tokens, torch.arange(tokens.numel()) + first,
-                                  keep=tokens.numel(), every_layer=True)
+        hidden, tokens, positions = self.take_pending(state)
+        outs = self.forward_slots(state.kv, hidden, tokens, positions, keep=tokens.numel(), every_layer=True)
         state.last_hidden = torch.stack([out[-1] for out in outs])
-        state.pending_aux.clear()
-        state.pending_tokens.clear()
 
     @torch.inference_mode()
     def propose(self, state: EagleState, num_speculative_tokens: int, probs_fn: ProbsFn | None = None,
