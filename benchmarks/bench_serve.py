@@ -16,9 +16,11 @@ Methods (a fresh server, or a fresh Engine, per method and concurrency: caches s
   through the plugin (hybridspec/vllm_plugin.py);
 - engine-none, engine-suffix, engine-suffix+peagle: `Engine.generate` in this process (no HTTP), the same prompts
   (the chat template's token ids) and options: what the server adds to the engine. engine-none is the reference of
-  the outputs and always runs at concurrency 1.
-`--methods` takes full names or speculation names (`suffix` = every method whose speculation is suffix:
-serve-suffix, vllm-suffix, vllm-plugin-suffix, engine-suffix).
+  the outputs and always runs at concurrency 1;
+- engine-suffix-whole-prefill: engine-suffix with each prompt run whole in one step (before chunked prefill: the
+  other calls wait for it), what `Engine(prefill_chunk=)` buys at concurrency C.
+`--methods` takes full names or speculation names (`suffix` = every method whose speculation is suffix, variants
+aside: serve-suffix, vllm-suffix, vllm-plugin-suffix, engine-suffix).
 
 Figures per method and concurrency: tok_s = completion tokens (the servers' usage; the engine's token count, EOS
 included as vLLM counts it) over the summed whole-call times at concurrency 1, over the wall time of the replay at
@@ -81,6 +83,10 @@ class Method:
     backend: str
     speculate: str  # hybridspec's --speculate, or the key of VLLM_SPECULATIVE_CONFIGS
     plugin: bool = False  # vLLM with HYBRIDSPEC_VLLM=suffix
+    prefill_chunk: int | None = None  # hybridspec's Engine(prefill_chunk=); None: its default
+
+
+WHOLE_PROMPT = 1 << 30  # a prefill_chunk no prompt reaches: each prompt runs whole in one step (before chunked prefill)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
@@ -90,6 +96,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("vllm-plugin-suffix", "vllm", "suffix", plugin=True),
     Method("engine-none", "engine", "none"), Method("engine-suffix", "engine", "suffix"),
     Method("engine-suffix+peagle", "engine", "suffix+peagle"),
+    Method("engine-suffix-whole-prefill", "engine", "suffix", prefill_chunk=WHOLE_PROMPT),
 ]}
 REFERENCE = "engine-none"
 TARGETS = {"serve_suffix_vs_engine_suffix": 0.95, "serve_suffix_vs_best_vllm": 1.0}
@@ -106,7 +113,8 @@ def select_methods(spec: str, no_vllm: bool = False) -> list[str]:
     for word in (w.strip() for w in spec.split(",")):
         if not word:
             continue
-        matches = [word] if word in METHODS else [m.name for m in METHODS.values() if m.speculate == word]
+        matches = [word] if word in METHODS else [m.name for m in METHODS.values()
+                                                  if m.speculate == word and m.prefill_chunk is None]
         if not matches:
             raise ValueError(f"unknown method {word!r}: choose from {', '.join(METHODS)} or a speculation "
                              f"({', '.join(dict.fromkeys(m.speculate for m in METHODS.values()))})")
@@ -217,12 +225,15 @@ def vllm_server_env(plugin: bool) -> dict[str, str]:
     return env
 
 
-def serve_argv(model: str, port: int, served_name: str, speculate: str, threads: int) -> list[str]:
+def serve_argv(model: str, port: int, served_name: str, speculate: str, threads: int,
+               prefill_chunk: int | None = None) -> list[str]:
     return [str(HYBRIDSPEC_CLI), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--speculate", speculate,
-            "--served-model-name", served_name, "--threads", str(threads), "--log-level", "warning"]
+            "--served-model-name", served_name, "--threads", str(threads), "--log-level", "warning",
+            *(["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else [])]
 
 
-def start_server(method: Method, model: str, model_dir: Path, threads: int, log_dir: Path, tag: str) -> Server:
+def start_server(method: Method, model: str, model_dir: Path, threads: int, log_dir: Path, tag: str,
+                 prefill_chunk: int | None = None) -> Server:
     port = free_port()
     log = log_dir / f"{method.name}-{tag}.log"
     if method.backend == "vllm":
@@ -233,7 +244,8 @@ def start_server(method: Method, model: str, model_dir: Path, threads: int, log_
     if not HYBRIDSPEC_CLI.exists():
         raise MethodFailed(f"{HYBRIDSPEC_CLI} is missing (scripts/setup.sh makes it)")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    return Server(serve_argv(model, port, method.name, method.speculate, threads), env, port, log)
+    return Server(serve_argv(model, port, method.name, method.speculate, threads, method.prefill_chunk or prefill_chunk),
+                  env, port, log)
 
 
 COUNTER_NAMES = re.compile(r"^(vllm|hybridspec):(spec_decode_num_(drafts|draft_tokens|accepted_tokens)|"
@@ -339,7 +351,7 @@ def run_http(method: Method, args, model_dir: Path, trajectories: list[list[Agen
     """A fresh server for `method`, warmed by one short call, then the replay; records, wall time, counters."""
     import openai
 
-    server = start_server(method, args.model, model_dir, args.threads, log_dir, f"c{concurrency}")
+    server = start_server(method, args.model, model_dir, args.threads, log_dir, f"c{concurrency}", args.prefill_chunk)
     try:
         load_s = server.wait_healthy(args.server_timeout)
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=args.request_timeout,
@@ -360,26 +372,30 @@ def run_http(method: Method, args, model_dir: Path, trajectories: list[list[Agen
 class InProcess:
     """The engine methods: one target model, a fresh Engine per run."""
 
-    def __init__(self, model_dir: Path, tokenizer, threads: int):
+    def __init__(self, model_dir: Path, tokenizer, threads: int, prefill_chunk: int | None = None):
         self.model_dir, self.tokenizer, self.threads = model_dir, tokenizer, threads
+        self.prefill_chunk = prefill_chunk
         self._target = None
 
-    def engine(self):
+    def engine(self, method: Method):
         import torch
 
         from hybridspec import Engine
+        from hybridspec.engine import PREFILL_CHUNK
         from hybridspec.target import TargetModel
 
         torch.set_num_threads(self.threads)
         if self._target is None:
             self._target = TargetModel.from_pretrained(self.model_dir)
-        return Engine(self._target, self.tokenizer)  # prefix caching on, the default budget (as `hybridspec serve`)
+        # prefix caching on, the default budget (as `hybridspec serve`)
+        return Engine(self._target, self.tokenizer,
+                      prefill_chunk=method.prefill_chunk or self.prefill_chunk or PREFILL_CHUNK)
 
     def run(self, method: Method, trajectories: list[list[AgentCall]], concurrency: int, max_tokens: int,
             warmup: AgentCall) -> dict[str, Any]:
         import torch
 
-        engine = self.engine()
+        engine = self.engine(method)
 
         def run_call(call: AgentCall) -> CallRecord:
             start = time.perf_counter()
@@ -495,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-vllm", action="store_true", help="leave the vllm-* methods out")
     parser.add_argument("--concurrency", default="1,4", help="comma-separated agent counts")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per method (default 1)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="hybridspec's prefill chunk for the serve and engine methods (default: the engine's)")
     parser.add_argument("--server-timeout", type=float, default=300.0, help="seconds a server may take to start")
     parser.add_argument("--request-timeout", type=float, default=900.0, help="seconds one request may take")
     parser.add_argument("--log-dir", type=Path, help="keep the servers' logs here (default: a temporary folder)")
@@ -516,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     warmup = warmup_call(tokenizer)
-    in_process = InProcess(model_dir, tokenizer, args.threads)
+    in_process = InProcess(model_dir, tokenizer, args.threads, args.prefill_chunk)
     runs: dict[int, dict[str, dict]] = {c: {} for c in levels}
     not_run: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench_serve-") as tmp:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -35,13 +36,16 @@ from hybridspec.speculators import TargetFeatures
 from hybridspec.speculators.proposer import DEFAULT_WINDOW
 from hybridspec.speculators.registry import DRAFTER_KINDS
 from hybridspec.stats import GenerationResult, GenerationStats
-from hybridspec.target import StepOutput, TargetModel
+from hybridspec.target import CAUSAL_CHUNK, MASKED_CHUNK, StepInput, StepOutput, TargetModel
 from hybridspec.verifier import VerifyResult, verify_batch
 
 __all__ = ["Engine", "GenerateOptions", "GenerationResult", "GenerationStats", "Session", "Stream", "DRAFTER_KINDS",
            "SPECULATE_CHOICES"]
 
 KV_HEADROOM_TOKENS = 64  # cache slots past prompt + max_new_tokens: the last step's draft fits without regrowth
+# Prompt tokens a call runs per decode step while other calls decode in the same pass (chunked prefill): they wait a
+# step of about this many tokens' compute rather than the whole prompt's (BENCHMARKS.md, issue 25).
+PREFILL_CHUNK = 256
 
 
 class Engine:
@@ -55,11 +59,13 @@ class Engine:
     budget of automatic prefix caching (`hybridspec.prefix_cache`): the KV of recent requests, reused by any later
     call whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off).
 
-    One Engine may serve several threads (`hybridspec.scheduler`): a call's prefill runs alone, its decode steps join
-    those of the calls decoding then, and one pass of the target verifies every sequence's draft.
+    One Engine may serve several threads (`hybridspec.scheduler`): each call's decode steps join those of the calls
+    decoding then, and one pass of the target verifies every sequence's draft. A single prompt's uncached tokens run
+    in those passes too, `prefill_chunk` tokens per step while other calls decode (the whole prompt in its first step
+    when none do), so the others go on decoding while it prefills (chunked prefill).
     """
 
-    # A single prompt's uncached tokens run in its first step's pass (see _prefill); False: in a pass of their own.
+    # A single prompt's uncached tokens run in its steps' passes (see _prefill); False: in a pass of their own.
     fuse_prefill_with_first_step = True
 
     def __init__(self, target: TargetModel, tokenizer: Any, *, verify_cost: Any = None,
@@ -67,8 +73,12 @@ class Engine:
                  suffix_cache: Any = None, num_speculative_tokens: int = 16,
                  drafters: Mapping[str, str | os.PathLike | Any] | None = None,
                  drafter_context: int = DEFAULT_WINDOW,
-                 drafter_bf16: bool | None = None, prefix_cache_bytes: int | None = None):
+                 drafter_bf16: bool | None = None, prefix_cache_bytes: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target, self.tokenizer = target, tokenizer
+        self.prefill_chunk = prefill_chunk
         self.router: Router = as_router(router if router is not None else CostGate(verify_cost))
         self.num_speculative_tokens = num_speculative_tokens
         self.proposers = Proposers(target, self.router, num_speculative_tokens, suffix_cache, drafters, drafter_bf16,
@@ -79,6 +89,7 @@ class Engine:
         budget = PREFIX_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
         self.prefix_cache: PrefixCache | None = PrefixCache(budget) if budget > 0 else None
         self.scheduler: StepScheduler[Call] = StepScheduler(self._decode_step)
+        self._running = 0  # calls begun and not ended (a step may hold only some of them: the others' threads lag)
         self._request_ids = itertools.count()
 
     @classmethod
@@ -172,6 +183,7 @@ class Engine:
         call.start = time.perf_counter()
         try:
             with self.scheduler.lock:
+                self._running += 1
                 self._begin(call)
             while call.live:
                 self.scheduler.join_step(call)
@@ -180,6 +192,7 @@ class Engine:
                 yield
         finally:  # also when a caller abandons its stream: its requests are aborted
             with self.scheduler.lock:
+                self._running -= 1
                 self._end(call)
 
     def _begin(self, call: Call) -> None:
@@ -207,8 +220,9 @@ class Engine:
         target's features at the prompt's last positions when the proposer reads them.
 
         The one decision about deferring: a single prompt whose proposer reads no features leaves its tokens to its
-        first step, whose pass runs them, the last token and a chain draft causally in one (`_first_pass`), reading
-        the weights once rather than twice."""
+        decode steps (`_prompt_chunk`): the pass of its first step runs them, the last token and the draft in one,
+        reading the weights once rather than twice; while other calls decode, it runs them a chunk per step in
+        their passes instead of stopping them for the whole prompt."""
         todo = [seq.tokens[call.cache.lengths[row]:-1] for row, seq in enumerate(call.seqs)]
         call.stats.sequences += len(call.seqs)
         call.stats.prompt_tokens += sum(seq.prompt_len for seq in call.seqs)
@@ -244,11 +258,15 @@ class Engine:
 
     def _decode_step(self, calls: list[Call]) -> None:
         """One decode step of every live sequence of `calls`: propose -> route -> verify (one pass of the target over
-        all of them) -> update. A call whose proposer or update fails gets the error (its thread raises it); the
-        others go on."""
+        all of them) -> update. A call still running its prompt (a chunk per step, `_prompt_chunk`) only runs its
+        chunk in that pass. A call whose proposer or update fails gets the error (its thread raises it); the others
+        go on."""
+        chunks = {id(c): self._prompt_chunk(c, sharing=self._running > 1) for c in calls}
         proposed: dict[int, list[Proposal]] = {}
         routed: dict[int, list[Proposal]] = {}
         for call in calls:
+            if chunks[id(call)].prefill_only:
+                continue
             with call.stats.timed("propose_s"), failing(call):
                 call.set_sampling()  # the proposer may serve other calls' sequences with other settings
                 proposed[id(call)] = self._propose(call)
@@ -257,16 +275,30 @@ class Engine:
         if not calls:
             return
         try:
-            verified = self._verify(calls, [routed[id(c)] for c in calls])
+            verified = self._verify(calls, [routed.get(id(c)) for c in calls], [chunks[id(c)] for c in calls])
         except Exception as e:
             for call in calls:
                 call.error, call.live = e, []
             return
         for call, (out, results) in zip(calls, verified):
+            if results is None:  # a prompt chunk alone: nothing to commit yet
+                continue
             with call.stats.timed("update_s"), failing(call):
                 self._update(call, proposed[id(call)], routed[id(call)], out, results)
             if not call.stats.first_token_s and call.stats.new_tokens:
                 call.stats.first_token_s = time.perf_counter() - call.start
+
+    def _prompt_chunk(self, call: Call, sharing: bool) -> "_PromptChunk":
+        """The deferred prompt tokens `call` runs in this step's pass: all that are left, with its first step, when
+        they fit in one step's share (`prefill_chunk` while other calls decode; else CAUSAL_CHUNK, and MASKED_CHUNK
+        with a draft tree, whose mask grows with the chunk); otherwise a chunk of that share alone."""
+        pending = call.deferred_prefill
+        if pending is None:
+            return _PromptChunk([], prefill_only=False)
+        share = self.prefill_chunk if sharing else CAUSAL_CHUNK
+        if len(pending) <= (min(share, MASKED_CHUNK) if call.params.tree else share):
+            return _PromptChunk(pending, prefill_only=False)
+        return _PromptChunk(pending[:share], prefill_only=True)
 
     def _propose(self, call: Call) -> list[Proposal]:
         """Each live sequence's draft: no longer than the budget, the context left, or the tokens still wanted."""
@@ -297,46 +329,41 @@ class Engine:
         call.stats.skipped_proposals += sum(1 for p, r in zip(proposals, routed) if len(p) and not len(r))
         return routed
 
-    def _verify(self, calls: list[Call], routed: list[list[Proposal]]) -> list[tuple[StepOutput, list[VerifyResult]]]:
-        """One pass of the target over [last token] + draft for every live sequence of every call (a call with a
-        deferred prefill: its own pass, `_first_pass`), then each call's acceptance rule.
+    def _verify(self, calls: list[Call], routed: list[list[Proposal] | None], chunks: list["_PromptChunk"]
+                ) -> list[tuple[StepOutput, list[VerifyResult] | None]]:
+        """One pass of the target over [last token] + draft for every live sequence of every call, and the prompt
+        chunks of the calls still prefilling (`_prompt_chunk`); then each call's acceptance rule (None for a chunk
+        alone).
 
         Greedy: a draft token is kept while it equals the target's argmax; sampling: x is kept with probability
         min(1, p_target(x) / p_draft(x)), else the target resamples from norm(max(0, p_target - p_draft))."""
-        outs = {}
-        for c, rs in zip(calls, routed):
-            out = self._first_pass(c, rs[0]) if c.deferred_prefill is not None else None
-            if out is not None:
-                outs[id(c)] = out
-        stepped = [(c, rs) for c, rs in zip(calls, routed) if id(c) not in outs]
-        if stepped:
-            start = time.perf_counter()
-            step_outs = self.target.step_many(
-                [(c.cache, [c.seqs[i].tokens[-1] for i in c.live], [r.token_ids for r in rs], [r.parents for r in rs])
-                 for c, rs in stepped], return_hidden=any(c.wants_target_features for c, _ in stepped),
-                argmax_only=all(c.params.temperature == 0 for c, _ in stepped))
-            elapsed = time.perf_counter() - start
-            for (c, _), out in zip(stepped, step_outs):
-                outs[id(c)] = out
-                c.stats.verify_s += elapsed
+        inputs = []
+        for c, rs, chunk in zip(calls, routed, chunks):
+            if chunk.prefill_only:
+                inputs.append(StepInput(c.cache, [], prompt=chunk.tokens))
+            else:
+                inputs.append(StepInput(c.cache, [c.seqs[i].tokens[-1] for i in c.live], [r.token_ids for r in rs],
+                                        [r.parents for r in rs], prompt=chunk.tokens))
+            if chunk.tokens:
+                c.deferred_prefill = c.deferred_prefill[len(chunk.tokens):] or None
+        stepping = [c for c, chunk in zip(calls, chunks) if not chunk.prefill_only]
+        start = time.perf_counter()
+        outs = self.target.step_many(inputs, return_hidden=any(c.wants_target_features for c in stepping),
+                                     argmax_only=all(c.params.temperature == 0 for c in stepping))
+        elapsed = time.perf_counter() - start
         verified = []
-        for c, rs in zip(calls, routed):
+        for c, rs, chunk, out in zip(calls, routed, chunks, outs):
+            if chunk.tokens:  # a pass that ran the call's prompt tokens is its prefill (its first step included)
+                c.stats.prefill_s += elapsed
+            else:
+                c.stats.verify_s += elapsed
+            if chunk.prefill_only:
+                verified.append((out, None))
+                continue
             with c.stats.timed("verify_s"):
-                verified.append((outs[id(c)], verify_batch(outs[id(c)].logits, rs, c.params.temperature,
-                                                           c.params.top_k, c.params.top_p, c.params.generator)))
+                verified.append((out, verify_batch(out.logits, rs, c.params.temperature, c.params.top_k,
+                                                   c.params.top_p, c.params.generator)))
         return verified
-
-    def _first_pass(self, call: Call, proposal: Proposal) -> StepOutput | None:
-        """A deferred prefill, timed as prefill: with a chain draft, the uncached prompt tokens, the last one and the
-        draft in one causal pass (its output); a tree attends by its own mask, so the prompt runs now and the tree
-        with the other calls' step (None)."""
-        pending, call.deferred_prefill = call.deferred_prefill, None
-        with call.stats.timed("prefill_s"):
-            if proposal.is_chain:
-                return self.target.prefill_and_step(call.cache, pending, call.seqs[0].tokens[-1], proposal.token_ids,
-                                                    argmax_only=call.params.temperature == 0)
-            self.target.prefill(call.cache, [pending])
-            return None
 
     def _update(self, call: Call, proposed: list[Proposal], routed: list[Proposal], out: StepOutput,
                 results: list[VerifyResult]) -> None:
@@ -386,3 +413,12 @@ class Engine:
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@dataclass
+class _PromptChunk:
+    """A call's deferred prompt tokens run in one step's pass; prefill_only: they are not all of them, so the call's
+    first step waits for a later pass."""
+
+    tokens: list[int]
+    prefill_only: bool

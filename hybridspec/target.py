@@ -3,7 +3,8 @@
 `TargetModel` runs the forward pass of a Llama-family causal LM (Llama, SmolLM2, Mistral, Qwen2) itself, over the
 weights of the loaded transformers model, with a preallocated KV cache of B rows (one per sequence in flight):
 
-- A step feeds each row its last committed token followed by its draft nodes ([B, q] tokens, rows padded to the same q).
+- A step feeds each row its last committed token followed by its draft nodes ([B, q] tokens, a cache's rows padded to
+  the same q; the caches of one pass, concurrent calls and a prompt's chunk beside them, packed without padding).
   Node i of a row sits at position base + depth(i) and attends to the row's committed prefix plus its own ancestors:
   one 4D boolean mask [B, 1, q, kv] serves chains, trees, per-row lengths and padding alike.
 - After verification only the accepted path is kept: for a chain the row's length just moves forward (a crop of the
@@ -129,11 +130,44 @@ class StepOutput:
 
 
 @dataclass
+class ForwardPart:
+    """One cache's rows in a forward pass: [b, q] input tokens at slots lengths[r] + i of its rows. The parts of a pass
+    may differ in q (a prefill chunk beside decode steps): their linear layers run over all their inputs at once, packed
+    without padding, and each part attends over its own cache.
+
+    depths [b, q]: each input's position offset from its row's length (a chain: 0..q-1; a tree: node depth).
+    tree_mask [b, q, q] bool: input i attends to input j of the same row (ancestor-or-self; padding: self only).
+    causal: every row's inputs are q consecutive tokens (a prefill chunk, no padding): tree_mask is causal.
+    output_index [b, n]: outputs (logits, hidden states) at these n inputs of each row only (None: at every input;
+    n = 0: none, a prefill chunk whose outputs nobody reads).
+    """
+
+    cache: KVCache
+    tokens: torch.Tensor
+    depths: torch.Tensor
+    tree_mask: torch.Tensor
+    causal: bool = False
+    output_index: torch.Tensor | None = None
+
+
+@dataclass
+class StepInput:
+    """One cache's part of a verification pass (`TargetModel.step_many`): row r gets [last_tokens[r]] + drafts[r]
+    (a tree when parents[r] is given). prompt: a one-row cache's uncached prompt tokens, run first in the same row (a
+    prefill chunk; they go into the cache); with no last token the part is that chunk alone."""
+
+    cache: KVCache
+    last_tokens: Sequence[int]
+    drafts: Sequence[Sequence[int]] = ()
+    parents: Sequence[Sequence[int] | None] | None = None
+    prompt: Sequence[int] = ()
+
+
+@dataclass
 class _Attention:
     """How one cache's rows of a forward pass attend: their positions' rotary rows, their mask over the cache."""
 
     cache: KVCache
-    rows: slice  # of the pass's [B, q] inputs
     kv_len: int
     mask: torch.Tensor | None  # [b, 1, heads per KV head * q, kv_len] (additive on a CPU); None: every input sees all
     slots: torch.Tensor  # [b, q]: where each input's key and value go
@@ -234,8 +268,7 @@ class TargetModel:
             return TargetModel._rotate(x.float(), rope).to(x.dtype)
         return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rope).flatten(-2)
 
-    def _attention(self, cache: KVCache, rows: slice, depths: torch.Tensor, tree_mask: torch.Tensor,
-                   causal: bool) -> _Attention:
+    def _attention(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, causal: bool) -> _Attention:
         """The attention mask and KV slots of one cache's rows in a pass (grows the cache if the inputs need it)."""
         bsz, q = depths.shape
         lengths = torch.tensor(cache.lengths, dtype=torch.long, device=self.device)
@@ -257,8 +290,7 @@ class TargetModel:
             folded = mask[:, None].repeat(1, 1, self.num_heads // self.num_kv_heads, 1)
             folded_mask = folded if not self._cpu_flash else \
                 torch.zeros(folded.shape, dtype=self.dtype, device=self.device).masked_fill_(~folded, float("-inf"))
-        return _Attention(cache, rows, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None,
-                          causal_chunk)
+        return _Attention(cache, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None, causal_chunk)
 
     def _attend(self, g: _Attention, layer_id: int, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> torch.Tensor:
@@ -287,61 +319,81 @@ class TargetModel:
         return out.view(bsz, self.num_heads, q, head_dim)
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache | Sequence[KVCache], tokens: torch.Tensor, depths: torch.Tensor,
-                tree_mask: torch.Tensor, *, output_index: torch.Tensor | None = None, return_hidden: bool = False,
-                hidden_at_every_input: bool = False, causal: bool = False, argmax_only: bool = False) -> StepOutput:
-        """Run [B, q] input tokens written at slots lengths[b] + i of each row; does not change the rows' lengths.
+    def forward(self, parts: Sequence[ForwardPart], *, return_hidden: bool = False,
+                hidden_at_every_input: bool = False, argmax_only: bool = False) -> list[StepOutput]:
+        """Run every part's inputs in one pass (`ForwardPart`); does not change the rows' lengths. One output per part:
+        [b, n, ...] at its output_index (n = q without one).
 
-        cache: one cache of B rows, or several whose rows, in order, are the B rows (concurrent calls in one pass:
-        the linear layers, where a decode step spends its time reading weights, run once for all of them).
-        depths [B, q]: position offset of each input from the row's length (a chain: 0..q-1; a tree: node depth).
-        tree_mask [B, q, q] bool: input i attends to input j of the same row (ancestor-or-self; padding: self only).
-        output_index [B, n]: compute the outputs (logits, hidden states) only at these n inputs of each row (prefill);
-        hidden_at_every_input keeps the hidden states at every input all the same (what a drafter reads of a prompt).
-        causal: every row's inputs are q consecutive tokens (a prefill chunk, no padding): tree_mask is causal.
-        argmax_only: the logits need to be right only where they are their row's maximum (greedy verification), which
-        a small pass gets sooner (`_GreedyHead`).
+        Concurrent calls share the pass: the linear layers, where a decode step spends its time reading weights, run
+        once for all of them. hidden_at_every_input keeps the hidden states at every input all the same (what a drafter
+        reads of a prompt). argmax_only: the logits need to be right only where they are their row's maximum (greedy
+        verification), which a small pass gets sooner (`_GreedyHead`).
         """
-        caches = [cache] if isinstance(cache, KVCache) else list(cache)
-        bsz, q = tokens.shape
-        if sum(c.batch_size for c in caches) != bsz:
-            raise ValueError(f"{bsz} input rows for caches of {[c.batch_size for c in caches]} rows")
-        groups, positions, begin = [], [], 0
-        for c in caches:
-            rows = slice(begin, begin + c.batch_size)
-            groups.append(self._attention(c, rows, depths[rows], tree_mask[rows], causal))
-            positions.append(torch.tensor(c.lengths, dtype=torch.long, device=self.device)[:, None] + depths[rows])
-            begin = rows.stop
-        rope = self.rope[torch.cat(positions)][:, :, None]  # [B, q, 1, D / 2]
+        groups, positions, spans, begin = [], [], [], 0
+        for part in parts:
+            b, q = part.tokens.shape
+            if part.cache.batch_size != b:
+                raise ValueError(f"{b} input rows for a cache of {part.cache.batch_size} rows")
+            groups.append(self._attention(part.cache, part.depths, part.tree_mask, part.causal))
+            lengths = torch.tensor(part.cache.lengths, dtype=torch.long, device=self.device)
+            positions.append((lengths[:, None] + part.depths).reshape(-1))
+            spans.append((begin, begin + b * q))
+            begin += b * q
+        total = begin
+        rope = self.rope[torch.cat(positions)][:, None]  # [T, 1, D / 2]
 
         hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        x = self.embed[tokens]  # [B, q, H]
+        x = self.embed[torch.cat([p.tokens.reshape(-1) for p in parts])]  # [T, H], every part's inputs packed
         layer_inputs = {}
         for layer_id, layer in enumerate(self.layers):
             if return_hidden and layer_id in self.aux_layer_ids:
                 layer_inputs[layer_id] = x
             qkv = layer.qkv(self._rms_norm(x, layer.input_norm))
-            query_key = self._rotate(qkv[..., :(hq + hk) * hd].view(bsz, q, hq + hk, hd), rope)
-            query, key = query_key[:, :, :hq].transpose(1, 2), query_key[:, :, hq:].transpose(1, 2)
-            value = qkv[..., (hq + hk) * hd:].view(bsz, q, hk, hd).transpose(1, 2)
-            if len(groups) == 1:
-                attn = self._attend(groups[0], layer_id, query, key, value)
-            else:
-                attn = torch.cat([self._attend(g, layer_id, query[g.rows], key[g.rows], value[g.rows]) for g in groups])
-            x = layer.o.plus(attn.transpose(1, 2).reshape(bsz, q, hq * hd), x)
+            query_key = self._rotate(qkv[:, :(hq + hk) * hd].view(total, hq + hk, hd), rope)
+            attn = []
+            for part, g, (lo, hi) in zip(parts, groups, spans):
+                b, q = part.tokens.shape
+                qk = query_key[lo:hi].view(b, q, hq + hk, hd)
+                value = qkv[lo:hi, (hq + hk) * hd:].view(b, q, hk, hd).transpose(1, 2)
+                out = self._attend(g, layer_id, qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2), value)
+                attn.append(out.transpose(1, 2).reshape(b * q, hq * hd))
+            x = layer.o.plus(attn[0] if len(attn) == 1 else torch.cat(attn), x)
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = layer.down.plus(F.silu(gate) * up, x)
-        pick = (lambda h: h) if output_index is None else (
-            lambda h: h[torch.arange(bsz, device=self.device)[:, None], output_index])
+
+        # Which inputs give outputs, as indices into the packed inputs (None: all of them, no gather).
+        shapes = [p.tokens.shape if p.output_index is None else p.output_index.shape for p in parts]
+        picked = None
+        if any(p.output_index is not None for p in parts):
+            picked = torch.cat([
+                torch.arange(lo, hi, device=self.device) if p.output_index is None else
+                (lo + torch.arange(p.tokens.shape[0], device=self.device)[:, None] * p.tokens.shape[1]
+                 + p.output_index).reshape(-1) for p, (lo, hi) in zip(parts, spans)])
+        pick = (lambda h: h) if picked is None else (lambda h: h[picked])
         hidden_pick = (lambda h: h) if hidden_at_every_input else pick
         final = self._rms_norm(hidden_pick(x), self.final_norm)
         final_out = pick(final) if hidden_at_every_input else final
-        greedy = argmax_only and self.greedy_head is not None and final_out.shape[:2].numel() <= _GreedyHead.MAX_ROWS
-        logits = (self.greedy_head if greedy else self.lm_head)(final_out)
+        greedy = argmax_only and self.greedy_head is not None and final_out.shape[0] <= _GreedyHead.MAX_ROWS
+        if final_out.shape[0]:
+            logits = (self.greedy_head if greedy else self.lm_head)(final_out)
+        else:  # prompt chunks alone: no outputs
+            logits = final_out.new_zeros(0, self.vocab_size)
+        aux = None
+        if return_hidden:
+            aux = torch.cat([hidden_pick(layer_inputs[i]) for i in self.aux_layer_ids], dim=-1) \
+                if self.aux_layer_ids else None
+        hidden_shapes = [p.tokens.shape for p in parts] if hidden_at_every_input else shapes
+
+        def split(t: torch.Tensor | None, sizes) -> list[torch.Tensor | None]:
+            if t is None:
+                return [None] * len(parts)
+            bounds = [0] + torch.tensor([b * n for b, n in sizes]).cumsum(0).tolist()
+            return [t[lo:hi].view(b, n, t.shape[-1]) for (lo, hi), (b, n) in zip(zip(bounds, bounds[1:]), sizes)]
+
         if not return_hidden:
-            return StepOutput(logits)
-        aux = [hidden_pick(layer_inputs[i]) for i in self.aux_layer_ids]
-        return StepOutput(logits, torch.cat(aux, dim=-1) if aux else None, final)
+            return [StepOutput(lg) for lg in split(logits, shapes)]
+        return [StepOutput(lg, a, f) for lg, a, f in zip(split(logits, shapes), split(aux, hidden_shapes),
+                                                         split(final, hidden_shapes))]
 
     # ------------------------------------------------------------------------------------------------------------
     # prefill and verification steps
@@ -391,11 +443,11 @@ class TargetModel:
                 mask[b, :len(chunk), :len(chunk)] = torch.ones(len(chunk), len(chunk), dtype=torch.bool).tril()
                 if chunk:
                     last[b] = len(chunk) - 1
-            step = self.forward(cache, ids.to(self.device), torch.arange(q, device=self.device).expand(bsz, q),
-                                mask.to(self.device),
-                                output_index=(last[:, None] + torch.arange(1 - logits_tail, 1)).to(self.device),
-                                return_hidden=return_hidden or hidden_tail > 0, hidden_at_every_input=hidden_tail > 0,
-                                causal=all(len(c) == q for c in chunks), argmax_only=argmax_only)
+            part = ForwardPart(cache, ids.to(self.device), torch.arange(q, device=self.device).expand(bsz, q),
+                               mask.to(self.device), causal=all(len(c) == q for c in chunks),
+                               output_index=(last[:, None] + torch.arange(1 - logits_tail, 1)).to(self.device))
+            step = self.forward([part], return_hidden=return_hidden or hidden_tail > 0,
+                                hidden_at_every_input=hidden_tail > 0, argmax_only=argmax_only)[0]
             if hidden_tail > 0:
                 for b, chunk in enumerate(chunks):
                     skip = max(0, counts[b] - hidden_tail - begin)  # row b's inputs begin.. in this chunk
@@ -422,11 +474,7 @@ class TargetModel:
         left as `step` leaves it: the step's inputs in the slots past the row's length, for `commit`."""
         if cache.batch_size != 1:
             raise ValueError(f"prefill_and_step runs one row, got a cache of {cache.batch_size}")
-        base = cache.lengths[0] + len(tokens)
-        out = self.prefill(cache, [[*tokens, last_token, *draft]], logits_tail=1 + len(draft),
-                           argmax_only=argmax_only)
-        cache.truncate(0, base)
-        return out
+        return self.step_many([StepInput(cache, [last_token], [draft], prompt=tokens)], argmax_only=argmax_only)[0]
 
     def step(self, cache: KVCache, last_tokens: Sequence[int], drafts: Sequence[Sequence[int]] | None = None,
              parents: Sequence[Sequence[int] | None] | None = None, *, return_hidden: bool = False,
@@ -442,35 +490,54 @@ class TargetModel:
         return self.step_many([(cache, last_tokens, drafts, parents or [None] * bsz)], return_hidden=return_hidden,
                               argmax_only=argmax_only)[0]
 
-    def step_many(self, batches: Sequence[tuple[KVCache, Sequence[int], Sequence[Sequence[int]],
-                                                Sequence[Sequence[int] | None]]],
-                  *, return_hidden: bool = False, argmax_only: bool = False) -> list[StepOutput]:
-        """`step` for several caches (cache, last_tokens, drafts, parents) in one pass; an output per cache."""
-        rows = [(b, last, list(draft), row_parents) for b, (cache, last_tokens, drafts, parents) in enumerate(batches)
-                for last, draft, row_parents in zip(last_tokens, drafts, parents, strict=True)]
-        for cache, last_tokens, _, _ in batches:
-            if len(last_tokens) != cache.batch_size:
-                raise ValueError(f"got {len(last_tokens)} rows for a cache of {cache.batch_size}")
-        q = 1 + max(len(draft) for _, _, draft, _ in rows)
-        tokens = torch.zeros(len(rows), q, dtype=torch.long)
-        depths = torch.zeros(len(rows), q, dtype=torch.long)
-        tree_mask = torch.eye(q, dtype=torch.bool).repeat(len(rows), 1, 1)
-        for b, (_, last, draft, row_parents) in enumerate(rows):
+    def step_many(self, inputs: Sequence[StepInput | tuple], *, return_hidden: bool = False,
+                  argmax_only: bool = False) -> list[StepOutput]:
+        """`step` for several caches in one pass (`StepInput`s, or tuples of its fields); an output per input, of the
+        inputs [last token] + draft (none for a prefill chunk alone). An input's prompt tokens go into its cache."""
+        inputs = [i if isinstance(i, StepInput) else StepInput(*i) for i in inputs]
+        parts = [self._step_part(i) for i in inputs]
+        outs = self.forward(parts, return_hidden=return_hidden, argmax_only=argmax_only)
+        for i in inputs:
+            i.cache.lengths[0] += len(i.prompt)
+        return outs
+
+    def _step_part(self, step: StepInput) -> ForwardPart:
+        """A StepInput's rows: [prompt] + [last token] + draft, padded to the longest row (padding sees only itself)."""
+        cache, prompt = step.cache, list(step.prompt)
+        if len(step.last_tokens) != cache.batch_size and not (prompt and not step.last_tokens):
+            raise ValueError(f"got {len(step.last_tokens)} rows for a cache of {cache.batch_size}")
+        if prompt and cache.batch_size != 1:
+            raise ValueError(f"prompt tokens go with a one-row cache, got {cache.batch_size} rows")
+        drafts = [list(d) for d in step.drafts] if step.drafts else [[] for _ in step.last_tokens]
+        parents = list(step.parents) if step.parents is not None else [None] * len(drafts)
+        if not len(drafts) == len(parents) == len(step.last_tokens):
+            raise ValueError(f"{len(step.last_tokens)} rows, {len(drafts)} drafts, {len(parents)} parent lists")
+        width = len(prompt)
+        q = width + (1 + max(map(len, drafts)) if drafts else 0)
+        rows = max(1, len(drafts))
+        tokens = torch.zeros(rows, q, dtype=torch.long)
+        depths = torch.zeros(rows, q, dtype=torch.long)
+        tree_mask = torch.eye(q, dtype=torch.bool).repeat(rows, 1, 1)
+        if prompt:  # the prompt's chunk is causal, and every step input sees all of it
+            tokens[0, :width] = torch.as_tensor(prompt, dtype=torch.long)
+            depths[0, :width] = torch.arange(width)
+            tree_mask[0, :, :width] = torch.ones(q, width, dtype=torch.bool).tril()
+        causal = True
+        for b, (last, draft, row_parents) in enumerate(zip(step.last_tokens, drafts, parents)):
             n = len(draft)
+            chain = row_parents is None or list(row_parents) == list(range(-1, n - 1))
             row_parents = list(row_parents) if row_parents is not None else list(range(-1, n - 1))
             if len(row_parents) != n:
                 raise ValueError(f"row {b}: {n} draft tokens but {len(row_parents)} parents")
+            causal = causal and chain and width + 1 + n == q
             depth, mask = tree_depths_and_mask(row_parents)
-            tokens[b, 0] = int(last)
-            tokens[b, 1:n + 1] = torch.as_tensor(draft, dtype=torch.long)
-            depths[b, :n + 1] = torch.as_tensor(depth)
-            tree_mask[b, :n + 1, :n + 1] = mask
+            tokens[b, width] = int(last)
+            tokens[b, width + 1:width + n + 1] = torch.as_tensor(draft, dtype=torch.long)
+            depths[b, width:width + n + 1] = width + torch.as_tensor(depth)
+            tree_mask[b, width:width + n + 1, width:width + n + 1] = mask
         if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
-        caches = [cache for cache, *_ in batches]
-        out = self.forward(caches, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
-                           return_hidden=return_hidden, argmax_only=argmax_only)
-        if len(caches) == 1:
-            return [out]
-        bounds = torch.tensor([0] + [c.batch_size for c in caches]).cumsum(0).tolist()
-        return [out.rows(begin, end) for begin, end in zip(bounds, bounds[1:])]
+        output_index = torch.arange(width, q)[None].expand(rows, q - width) if prompt else None
+        return ForwardPart(cache, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
+                           causal=causal and bool(prompt),  # a step alone attends by its mask (_attend's folding)
+                           output_index=None if output_index is None else output_index.to(self.device))

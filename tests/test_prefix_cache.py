@@ -331,6 +331,48 @@ def test_concurrent_calls_share_decode_steps(tiny_model, tiny_tokenizer, uncache
     assert engine.suffix_cache.stats()["live_requests"] == 0
 
 
+def test_a_long_prompt_prefills_in_chunks_while_another_call_decodes(tiny_model, tiny_tokenizer, uncached):
+    """Chunked prefill: a prompt that arrives while another call decodes runs `prefill_chunk` tokens per step in the
+    passes that verify the other call's drafts, so that call keeps decoding meanwhile; both get their outputs alone."""
+    engine = make_engine(tiny_model, tiny_tokenizer, prefill_chunk=8)
+    passes: list[list[tuple[int, int]]] = []  # per pass: (prompt tokens, step rows) of each part
+    step_many = engine.target.step_many
+
+    def recording(inputs, **kwargs):
+        passes.append([(len(i.prompt), len(i.last_tokens)) for i in inputs])
+        return step_many(inputs, **kwargs)
+
+    engine.target.step_many = recording
+    rng = random.Random(4)
+    short, long = tokens(rng, 6), tokens(rng, 90)
+    decoding, got = threading.Event(), {}
+
+    def first() -> None:
+        stream = engine.stream(short, max_new_tokens=120, speculate="none")
+        pieces = []
+        for piece in stream:
+            pieces.append(piece)
+            if len(pieces) == 3:
+                decoding.set()
+        got["short"] = stream.result.token_ids
+
+    def second() -> None:
+        decoding.wait(timeout=60)
+        got["long"] = engine.generate(long, max_new_tokens=20, speculate="suffix").token_ids
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got["short"] == uncached.generate(short, max_new_tokens=120, speculate="none").token_ids
+    assert got["long"] == uncached.generate(long, max_new_tokens=20, speculate="suffix").token_ids
+    chunks = [prompt for parts in passes for prompt, rows in parts if prompt]
+    assert sum(chunks) == len(short) - 1 + len(long) - 1 and max(chunks) <= 8 and len(chunks) >= 12
+    shared = [parts for parts in passes if any(p and not r for p, r in parts) and any(r and not p for p, r in parts)]
+    assert len(shared) >= 5  # passes that ran a chunk of the long prompt and a decode step of the short call
+
+
 def test_calls_take_turns_step_by_step(tiny_model, tiny_tokenizer):
     """Two long calls started together finish close together: the lock is granted in arrival order, step by step,
     not to one call until its end."""

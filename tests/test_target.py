@@ -10,7 +10,7 @@ import torch
 from bench_verify_cost import measure_prefill, measure_verify_cost
 from hybridspec.kv_cache import tree_depths_and_mask
 from hybridspec.speculators import default_aux_layer_ids
-from hybridspec.target import TargetModel
+from hybridspec.target import StepInput, TargetModel
 
 ATOL = 2e-4
 
@@ -361,3 +361,45 @@ def test_logits_tail_needs_one_row_of_enough_tokens(target):
         target.prefill(target.new_cache(2, 16), [[5, 6, 7], [8, 9, 10]], logits_tail=2)
     with pytest.raises(ValueError, match="logits_tail"):
         target.prefill(target.new_cache(1, 16), [[5, 6]], logits_tail=3)
+
+
+def test_one_pass_of_parts_of_any_length_matches_separate_passes(target):
+    """step_many packs parts of different lengths without padding them to one another: a two-row step with a chain
+    and a tree, a prompt chunk alone, and a prompt chunk fused with its first step (a tree draft) give what separate
+    passes give, and the chunks go into their caches."""
+    rng = random.Random(3)
+    seq = lambda n: [rng.randrange(3, 128) for _ in range(n)]  # noqa: E731
+    prompts = [seq(9), seq(14), seq(5), seq(7)]
+    drafts, parents = [seq(3), seq(5)], [None, [-1, 0, 0, 1, 1]]
+    chunk, fused_prompt, fused_draft, fused_parents = seq(23), seq(11), seq(4), [-1, -1, 0, 2]
+
+    def caches():
+        step, alone, fused = target.new_cache(2, 64), target.new_cache(1, 64), target.new_cache(1, 64)
+        target.prefill(step, [prompts[0][:-1], prompts[1][:-1]])
+        target.prefill(alone, [prompts[2]])
+        target.prefill(fused, [prompts[3]])
+        return step, alone, fused
+
+    step, alone, fused = caches()
+    got = target.step_many([(step, [prompts[0][-1], prompts[1][-1]], drafts, parents),
+                            StepInput(alone, [], prompt=chunk),
+                            StepInput(fused, [fused_prompt[-1]], [fused_draft], [fused_parents],
+                                      prompt=fused_prompt[:-1])], return_hidden=True)
+    step2, alone2, fused2 = caches()
+    want_step = target.step(step2, [prompts[0][-1], prompts[1][-1]], drafts, parents, return_hidden=True)
+    target.prefill(alone2, [chunk])
+    target.prefill(fused2, [fused_prompt[:-1]])
+    want_fused = target.step(fused2, [fused_prompt[-1]], [fused_draft], [fused_parents], return_hidden=True)
+    assert got[0].logits.shape == (2, 6, target.vocab_size) and got[1].logits.shape == (1, 0, target.vocab_size)
+    assert got[2].logits.shape == (1, 5, target.vocab_size)
+    for name in ("logits", "aux_hidden", "final_hidden"):  # real slots: row 0's chain of 3, row 1's tree of 5
+        mine, theirs = getattr(got[0], name), getattr(want_step, name)
+        assert torch.allclose(mine[0, :4], theirs[0, :4], atol=ATOL) and torch.allclose(mine[1], theirs[1], atol=ATOL)
+        assert torch.allclose(getattr(got[2], name), getattr(want_fused, name), atol=ATOL), name
+    assert alone.lengths == alone2.lengths == [5 + 23] and fused.lengths == fused2.lengths == [7 + 10]
+    alone_again = target.step_many([StepInput(alone, [], prompt=chunk[:6])], argmax_only=True)  # no outputs at all
+    assert alone_again[0].logits.shape == (1, 0, target.vocab_size) and alone.lengths == [5 + 23 + 6]
+    target.prefill(alone2, [chunk[:6]])
+    for mine, theirs in ((alone, alone2), (fused, fused2)):
+        n = mine.lengths[0]
+        assert torch.allclose(mine.keys[:, :, :, :n], theirs.keys[:, :, :, :n], atol=ATOL)

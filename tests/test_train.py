@@ -98,7 +98,8 @@ def test_fasteagle_ablation_recipes_change_one_setting_each():
     shipped = load_recipe(RECIPES / "fasteagle-smollm2.yaml")
     assert base["architecture"] == dataclasses.asdict(shipped.architecture)
     changed = {"fasteagle-no-cascade": ("architecture", "independent_layers"),
-               "fasteagle-no-feature-loss": ("training", "feature_weight")}
+               "fasteagle-no-feature-loss": ("training", "feature_weight"),
+               "fasteagle-data-25": ("training", "train_fraction"), "fasteagle-data-50": ("training", "train_fraction")}
     assert set(ablations) == set(changed)
     for name, recipe in ablations.items():
         assert recipe.feature_dir() == shipped.feature_dir()
@@ -333,6 +334,27 @@ def test_chains_start_only_where_they_reach_a_trained_target(kind, features, cha
     assert 0 < trained.numel() < len(batch)  # the prompt's slots are context only
     for d, origins in enumerate(layout.origins[1:], start=1):
         assert torch.equal(origins, trained[batch.valid_depth[trained] >= d])
+
+
+def test_a_train_fraction_trains_on_a_nested_share_of_the_sequences(features, chat_file):
+    """train_fraction (data scaling): batches and the draft vocabulary come from a fixed share of the training
+    sequences, a smaller share inside a larger one; 1.0 is every sequence in the order training always had."""
+    trainers = {f: Trainer(recipe_from_dict(tiny_recipe("peagle", features, chat_file, train_fraction=f)),
+                           features / "features", progress=False) for f in (0.25, 0.5, 1.0)}
+    n = len(trainers[1.0].train)
+    pools = {f: set(t.pool.tolist()) for f, t in trainers.items()}
+    assert pools[1.0] == set(range(n)) and len(pools[0.5]) == round(0.5 * n) and len(pools[0.25]) == round(0.25 * n)
+    assert pools[0.25] < pools[0.5] < pools[1.0]
+    quarter = trainers[0.25]
+    for _ in range(2 * n):  # several epochs: every epoch's order is a shuffle of the same share
+        quarter.next_batch()
+    assert quarter.epoch >= 2 and sorted(quarter.order.tolist()) == sorted(pools[0.25])
+    assert torch.equal(trainers[1.0].order, torch.randperm(n, generator=torch.Generator().manual_seed(0)))
+    counts = quarter.train.response_target_counts(quarter.meta["vocab_size"], sorted(pools[0.25]))
+    assert counts.sum() < trainers[1.0].train.response_target_counts(quarter.meta["vocab_size"]).sum()
+    assert quarter.train_tokens < trainers[1.0].train_tokens == trainers[1.0].train.num_tokens
+    with pytest.raises(ValueError, match="train_fraction"):
+        recipe_from_dict(tiny_recipe("peagle", features, chat_file, train_fraction=0.0))
 
 
 @pytest.mark.parametrize("kind", ["peagle", "eagle3", "lstm", "fasteagle"])

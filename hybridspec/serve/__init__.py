@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="the context (default: the model's)")
     parser.add_argument("--prefix-cache-bytes", type=int, default=None,
                         help="the KV budget of automatic prefix caching (default 2 GiB; 0: off)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="prompt tokens a request runs per decode step while others decode (chunked prefill; "
+                             "default 256)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1, as for `hybridspec demo`; 0 = torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -51,14 +54,17 @@ def _main(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from hybridspec.engine import Engine
+    from hybridspec.engine import PREFILL_CHUNK, Engine
 
     if args.max_tokens <= 0:
         raise SystemExit("--max-tokens must be positive")
+    if args.prefill_chunk is not None and args.prefill_chunk <= 0:
+        raise SystemExit("--prefill-chunk must be positive")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(args.model, max_seq_len=args.max_model_len,
-                                    prefix_cache_bytes=args.prefix_cache_bytes)
+                                    prefix_cache_bytes=args.prefix_cache_bytes,
+                                    prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
     try:  # an unknown name fails here, at start, not at the first request
         engine.stream("x", speculate=args.speculate, max_new_tokens=1).close()
     except (ValueError, TypeError) as e:

@@ -424,11 +424,12 @@ class FeatureStore:
     def num_tokens(self) -> int:
         return self.data["tokens"].numel()
 
-    def response_target_counts(self, vocab_size: int) -> Tensor:
-        """How often each token is the target's greedy next token inside the responses (draft vocabulary input)."""
+    def response_target_counts(self, vocab_size: int, indices: Sequence[int] | None = None) -> Tensor:
+        """How often each token is the target's greedy next token inside the responses of the sequences `indices`
+        (default: all), the draft vocabulary's input."""
         counts = torch.zeros(vocab_size, dtype=torch.long)
         top1 = self.data["topk_ids"][:, 0].long()
-        for start, end, rs in self.spans:
+        for start, end, rs in (self.spans if indices is None else [self.spans[i] for i in indices]):
             counts += torch.bincount(top1[start + rs - 1: end - 1], minlength=vocab_size)
         return counts
 

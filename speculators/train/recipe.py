@@ -104,6 +104,7 @@ class TrainingSpec:
     save_every: int = 50
     eval_ks: list[int] = field(default_factory=lambda: [3, 5, 7])
     eval_max_sequences: int | None = None  # held-out sequences evaluated, evenly spaced (None: all)
+    train_fraction: float = 1.0         # train on this fixed random share of the training sequences (data scaling)
     seed: int = 0
     threads: int = 1                    # more OpenMP threads than free cores slows training down, not up
 
@@ -159,6 +160,8 @@ class Recipe:
         # Everything that shapes the training run, not where or how its result is written.
         shape = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("base_dir", "output")}
         del shape["training"]["threads"]  # how fast, not what
+        if shape["training"]["train_fraction"] == 1.0:  # the key's default: earlier runs' states keep their place
+            del shape["training"]["train_fraction"]
         blob = json.dumps(shape, sort_keys=True)
         return cache_root() / "train" / hashlib.sha1(blob.encode()).hexdigest()[:12]
 
@@ -214,6 +217,8 @@ def recipe_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
                                                or min(training.depth_weights) < 0 or sum(training.depth_weights) <= 0):
         raise ValueError(f"training.depth_weights needs max_depth ({training.max_depth}) weights >= 0, not all 0; "
                          f"got {training.depth_weights}")
+    if not 0.0 < training.train_fraction <= 1.0:
+        raise ValueError(f"training.train_fraction must be in (0, 1], got {training.train_fraction}")
     architecture = _build(ArchitectureSpec, raw.get("architecture"), "architecture")
     fasteagle = raw["drafter"] == "fasteagle"
     if training.feature_weight < 0 or (training.feature_weight and not fasteagle):

@@ -228,8 +228,14 @@ class Trainer:
         embed, lm_head = load_target_head(feature_dir)
         self.drafter = build_drafter(recipe, self.meta, embed)
         self.is_eagle = isinstance(self.drafter, EagleBase)
+        # The sequences trained on: all, or a fixed random share (train_fraction, for data scaling) whose shares
+        # nest: a smaller share is a subset of a larger one. Nothing else (the draft vocabulary included) sees more.
+        share = max(1, round(t.train_fraction * len(self.train)))
+        self.pool = (torch.arange(len(self.train)) if share == len(self.train) else torch.randperm(
+            len(self.train), generator=torch.Generator().manual_seed(t.seed + 1))[:share].sort().values)
         if self.is_eagle:
-            d2t, t2d = build_draft_vocab(self.train.response_target_counts(self.meta["vocab_size"]),
+            pool = None if share == len(self.train) else self.pool.tolist()
+            d2t, t2d = build_draft_vocab(self.train.response_target_counts(self.meta["vocab_size"], pool),
                                          recipe.architecture.draft_vocab_size)
             self.drafter.set_draft_vocab(d2t, t2d)
             # The target's lm_head rows of the draft vocabulary: KL targets over the draft vocabulary.
@@ -243,7 +249,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
         self.generator = torch.Generator().manual_seed(t.seed)
         self.step, self.elapsed, self.history, self.slots = 0, 0.0, [], 0  # slots: real slots trained on so far
-        self.epoch, self.cursor, self.order = 0, 0, torch.randperm(len(self.train), generator=self.generator)
+        self.epoch, self.cursor, self.order = 0, 0, self.shuffled_pool()
+        # The sequences trained on: all, or a fixed random share of them (train_fraction), drawn by its own seed so
+        # that the shares of one split nest (a smaller share is a subset of a larger one).
         self.state_dir = recipe.state_dir()
 
     # -- schedule and batches -----------------------------------------------------------------------------------------
@@ -255,13 +263,21 @@ class Trainer:
         progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
         return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
+    def shuffled_pool(self) -> Tensor:
+        return self.pool[torch.randperm(len(self.pool), generator=self.generator)]
+
+    @property
+    def train_tokens(self) -> int:
+        """Tokens of the sequences trained on."""
+        return sum(self.train.spans[i][1] - self.train.spans[i][0] for i in self.pool.tolist())
+
     def next_batch(self) -> Batch:
         t = self.recipe.training
         chosen, slots = [], 0
         while slots < t.tokens_per_step:
             if self.cursor >= len(self.order):
                 self.epoch, self.cursor = self.epoch + 1, 0
-                self.order = torch.randperm(len(self.train), generator=self.generator)
+                self.order = self.shuffled_pool()
             index = int(self.order[self.cursor])
             self.cursor += 1
             start, end, rs = self.train.spans[index]
@@ -422,8 +438,8 @@ class Trainer:
                      verifier_name_or_path=self.recipe.output.verifier or self.recipe.target,
                      verifier_architectures=self.meta.get("architectures", []))
         log = {"drafter": self.recipe.drafter, "target": self.recipe.target, "steps": self.step,
-               "train_seconds": round(self.elapsed, 1), "train_sequences": len(self.train),
-               "train_tokens": self.train.num_tokens, "heldout_sequences": len(self.heldout),
+               "train_seconds": round(self.elapsed, 1), "train_sequences": len(self.pool),
+               "train_tokens": self.train_tokens, "heldout_sequences": len(self.heldout),
                "heldout_tokens": self.heldout.num_tokens, "final_eval": final_eval, "machine": machine_info(),
                "recipe": {k: v for k, v in asdict(self.recipe).items() if k != "base_dir"},
                "history": [h for h in self.history if "eval" in h]}
