@@ -39,7 +39,8 @@ def exercise_proposer(proposer: Proposer | FeatureProposer, prompt: Sequence[int
                       vocab_size: int, features_for: FeaturesFor | None = None,
                       budgets: Sequence[int] = (1, 3, 8)) -> int:
     """start -> (speculate -> append)* -> finish of one request, a second request that extends it and is aborted,
-    and the error rules for request ids. Each step appends the next 1-3 tokens of `continuation` (what a verifier
+    the error rules for request ids, and a request whose prompt features come late where a FeatureProposer takes
+    them so (`late_prompt_features`). Each step appends the next 1-3 tokens of `continuation` (what a verifier
     would commit). Returns how many proposals were non-empty, so callers can check that the proposer drafted at all.
     features_for(n) gives the target's features for n positions; required for a FeatureProposer."""
     check_proposer(proposer)
@@ -93,4 +94,16 @@ def exercise_proposer(proposer: Proposer | FeatureProposer, prompt: Sequence[int
     _raises(KeyError, proposer.speculate, "contract-b", 4)
     _raises(KeyError, proposer.speculate, "never-started", 4)
     _raises(KeyError, proposer.finish_request, "never-started")
+
+    if wants and getattr(proposer, "late_prompt_features", False):
+        # the prompt's features after start_request (the engine runs a prompt with its first step): drafts meanwhile
+        # need none, an append must wait for them, and they come once
+        proposer.start_request("contract-c", list(prompt), features=None)
+        check_proposal(proposer.speculate("contract-c", 4), 4, tree=False, vocab_size=vocab_size)
+        _raises(ValueError, append, "contract-c", continuation[:1])
+        proposer.prompt_features("contract-c", features_for(len(prompt) - 1))
+        _raises(ValueError, proposer.prompt_features, "contract-c", features_for(len(prompt) - 1))
+        append("contract-c", continuation[:2])
+        check_proposal(proposer.speculate("contract-c", 4), 4, tree=False, vocab_size=vocab_size)
+        proposer.abort_request("contract-c")
     return drafted

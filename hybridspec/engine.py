@@ -219,18 +219,22 @@ class Engine:
         """Run each prompt's uncached tokens (all but its last, the first step's input) into the cache; returns the
         target's features at the prompt's last positions when the proposer reads them.
 
-        The one decision about deferring: a single prompt whose proposer reads no features leaves its tokens to its
-        decode steps (`_prompt_chunk`): the pass of its first step runs them, the last token and the draft in one,
-        reading the weights once rather than twice; while other calls decode, it runs them a chunk per step in
-        their passes instead of stopping them for the whole prompt."""
+        The one decision about deferring: a single prompt leaves its tokens to its decode steps (`_prompt_chunk`):
+        the pass of its first step runs them, the last token and the draft in one, reading the weights once rather
+        than twice; while other calls decode, it runs them a chunk per step in their passes instead of stopping them
+        for the whole prompt. A proposer that reads features must take them late (`late_prompt_features`): it
+        starts without them, and gets those of the prompt's last positions from the passes that ran them."""
         todo = [seq.tokens[call.cache.lengths[row]:-1] for row, seq in enumerate(call.seqs)]
         call.stats.sequences += len(call.seqs)
         call.stats.prompt_tokens += sum(seq.prompt_len for seq in call.seqs)
         call.stats.prefill_tokens += sum(len(t) for t in todo)
         features: list[TargetFeatures | None] = [None] * len(call.seqs)
-        if len(todo) == 1 and todo[0] and not call.wants_target_features and self.fuse_prefill_with_first_step:
+        late = not call.wants_target_features or getattr(call.proposer, "late_prompt_features", False)
+        if len(todo) == 1 and todo[0] and late and self.fuse_prefill_with_first_step:
             call.deferred_prefill = todo[0]
-            return features
+            if call.wants_target_features:
+                call.features_from = max(0, len(todo[0]) - self.drafter_context)
+            return features  # None: they come later (prompt_features)
         with call.stats.timed("prefill_s"):
             if any(todo):
                 out = self.target.prefill(call.cache, todo,
@@ -281,7 +285,10 @@ class Engine:
                 call.error, call.live = e, []
             return
         for call, (out, results) in zip(calls, verified):
-            if results is None:  # a prompt chunk alone: nothing to commit yet
+            if call.features_from is not None and call.deferred_prefill is None:  # its prompt has run
+                with failing(call):
+                    self._hand_prompt_features(call)
+            if results is None or call.error is not None:  # a prompt chunk alone: nothing to commit yet
                 continue
             with call.stats.timed("update_s"), failing(call):
                 self._update(call, proposed[id(call)], routed[id(call)], out, results)
@@ -299,6 +306,13 @@ class Engine:
         if len(pending) <= (min(share, MASKED_CHUNK) if call.params.tree else share):
             return _PromptChunk(pending, prefill_only=False)
         return _PromptChunk(pending[:share], prefill_only=True)
+
+    def _hand_prompt_features(self, call: Call) -> None:
+        """A late-features proposer gets the target's features at the prompt's last positions, which the passes of
+        its deferred prompt gathered, before its first step's tokens."""
+        aux, final = (torch.cat(parts) for parts in zip(*call.prompt_features))
+        call.features_from, call.prompt_features = None, []
+        call.proposer.prompt_features(call.seqs[0].request_id, TargetFeatures(aux, final))
 
     def _propose(self, call: Call) -> list[Proposal]:
         """Each live sequence's draft: no longer than the budget, the context left, or the tokens still wanted."""
@@ -339,20 +353,26 @@ class Engine:
         min(1, p_target(x) / p_draft(x)), else the target resamples from norm(max(0, p_target - p_draft))."""
         inputs = []
         for c, rs, chunk in zip(calls, routed, chunks):
+            # the chunk's tokens whose features the proposer wants: those from features_from on
+            tail = 0 if c.features_from is None else max(0, c.prompt_ran + len(chunk.tokens) - max(
+                c.prompt_ran, c.features_from))
             if chunk.prefill_only:
-                inputs.append(StepInput(c.cache, [], prompt=chunk.tokens))
+                inputs.append(StepInput(c.cache, [], prompt=chunk.tokens, prompt_tail=tail))
             else:
                 inputs.append(StepInput(c.cache, [c.seqs[i].tokens[-1] for i in c.live], [r.token_ids for r in rs],
-                                        [r.parents for r in rs], prompt=chunk.tokens))
+                                        [r.parents for r in rs], prompt=chunk.tokens, prompt_tail=tail))
             if chunk.tokens:
                 c.deferred_prefill = c.deferred_prefill[len(chunk.tokens):] or None
+                c.prompt_ran += len(chunk.tokens)
         stepping = [c for c, chunk in zip(calls, chunks) if not chunk.prefill_only]
         start = time.perf_counter()
-        outs = self.target.step_many(inputs, return_hidden=any(c.wants_target_features for c in stepping),
+        outs = self.target.step_many(inputs, return_hidden=any(c.wants_target_features for c in calls),
                                      argmax_only=all(c.params.temperature == 0 for c in stepping))
         elapsed = time.perf_counter() - start
         verified = []
-        for c, rs, chunk, out in zip(calls, routed, chunks, outs):
+        for c, rs, chunk, out, step_input in zip(calls, routed, chunks, outs, inputs):
+            if step_input.prompt_tail:
+                c.prompt_features.append(out.hidden_tail[0])
             if chunk.tokens:  # a pass that ran the call's prompt tokens is its prefill (its first step included)
                 c.stats.prefill_s += elapsed
             else:

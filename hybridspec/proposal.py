@@ -123,6 +123,10 @@ class FeatureProposer(_ProposerBase, Protocol):
     """
 
     wants_target_features: Literal[True]
+    # Optional: True where start_request takes features=None and prompt_features(rid, features) gives them later,
+    # before the request's first append (the engine then runs a prompt with the request's first step). Meanwhile
+    # speculate drafts from what needs no features, or nothing.
+    late_prompt_features: bool
 
     def set_sampling(self, probs_fn: Callable[[Any], Any] | None, generator: Any = None) -> None:
         """probs_fn: logits -> the verifier's probabilities (temperature, top-k, top-p), None for greedy drafts;
@@ -131,7 +135,8 @@ class FeatureProposer(_ProposerBase, Protocol):
 
     def start_request(self, request_id: Hashable, prompt: Sequence[int], *, features: Any,
                       extends: Hashable | None = None) -> None:
-        """Begin a request; features: one row per prompt position before the last (or the last len(features))."""
+        """Begin a request; features: one row per prompt position before the last (or the last len(features)).
+        features=None only where late_prompt_features is True: they come with prompt_features."""
         ...
 
     def append(self, request_id: Hashable, tokens: Sequence[int], *, features: Any) -> None:
@@ -147,6 +152,7 @@ def check_proposer(proposer: object) -> Proposer | FeatureProposer:
     """Return `proposer` if it has every member of the contract; else raise a TypeError naming what it lacks."""
     wants = getattr(proposer, "wants_target_features", False) is True
     needed = _ATTRIBUTES + _METHODS + (("set_sampling",) if wants else ())
+    needed += ("prompt_features",) if wants and getattr(proposer, "late_prompt_features", False) else ()
     missing = [name for name in needed if not hasattr(proposer, name)]
     if missing:
         contract = "FeatureProposer" if wants else "Proposer"

@@ -140,6 +140,8 @@ class ForwardPart:
     causal: every row's inputs are q consecutive tokens (a prefill chunk, no padding): tree_mask is causal.
     output_index [b, n]: outputs (logits, hidden states) at these n inputs of each row only (None: at every input;
     n = 0: none, a prefill chunk whose outputs nobody reads).
+    tail_index [m] (one row): the hidden states at these inputs too, as the output's hidden_tail (a drafter's prompt
+    context, from a prompt chunk).
     """
 
     cache: KVCache
@@ -148,19 +150,22 @@ class ForwardPart:
     tree_mask: torch.Tensor
     causal: bool = False
     output_index: torch.Tensor | None = None
+    tail_index: torch.Tensor | None = None
 
 
 @dataclass
 class StepInput:
     """One cache's part of a verification pass (`TargetModel.step_many`): row r gets [last_tokens[r]] + drafts[r]
     (a tree when parents[r] is given). prompt: a one-row cache's uncached prompt tokens, run first in the same row (a
-    prefill chunk; they go into the cache); with no last token the part is that chunk alone."""
+    prefill chunk; they go into the cache); with no last token the part is that chunk alone. prompt_tail: the hidden
+    states at the prompt's last prompt_tail tokens come back as the output's hidden_tail (with return_hidden)."""
 
     cache: KVCache
     last_tokens: Sequence[int]
     drafts: Sequence[Sequence[int]] = ()
     parents: Sequence[Sequence[int] | None] | None = None
     prompt: Sequence[int] = ()
+    prompt_tail: int = 0
 
 
 @dataclass
@@ -392,8 +397,14 @@ class TargetModel:
 
         if not return_hidden:
             return [StepOutput(lg) for lg in split(logits, shapes)]
-        return [StepOutput(lg, a, f) for lg, a, f in zip(split(logits, shapes), split(aux, hidden_shapes),
+        outs = [StepOutput(lg, a, f) for lg, a, f in zip(split(logits, shapes), split(aux, hidden_shapes),
                                                          split(final, hidden_shapes))]
+        for out, part, (lo, _) in zip(outs, parts, spans):
+            if part.tail_index is not None:
+                rows = lo + part.tail_index
+                tail_aux = torch.cat([layer_inputs[i][rows] for i in self.aux_layer_ids], dim=-1)
+                out.hidden_tail = [(tail_aux, self._rms_norm(x[rows], self.final_norm))]
+        return outs
 
     # ------------------------------------------------------------------------------------------------------------
     # prefill and verification steps
@@ -537,7 +548,11 @@ class TargetModel:
             tree_mask[b, width:width + n + 1, width:width + n + 1] = mask
         if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        if not 0 <= step.prompt_tail <= width:
+            raise ValueError(f"prompt_tail {step.prompt_tail} for a prompt chunk of {width} tokens")
         output_index = torch.arange(width, q)[None].expand(rows, q - width) if prompt else None
         return ForwardPart(cache, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
                            causal=causal and bool(prompt),  # a step alone attends by its mask (_attend's folding)
-                           output_index=None if output_index is None else output_index.to(self.device))
+                           output_index=None if output_index is None else output_index.to(self.device),
+                           tail_index=torch.arange(width - step.prompt_tail, width, device=self.device)
+                           if step.prompt_tail else None)

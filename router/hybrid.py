@@ -86,6 +86,7 @@ class HybridProposer:
 
     wants_target_features = True
     prefers_trees = True  # the engine's default, as for the drafter alone
+    late_prompt_features = True  # the suffix draft needs none: the first step drafts from it alone
 
     def __init__(self, suffix: Proposer, drafter: FeatureProposer, router: Router, num_speculative_tokens: int = 16,
                  draft_cost: DraftCost | str = "peagle") -> None:
@@ -113,6 +114,9 @@ class HybridProposer:
             self.suffix.abort_request(request_id)
             raise
         self.sequences[request_id] = _Sequence()
+
+    def prompt_features(self, request_id: Hashable, features: Any) -> None:
+        self.drafter.prompt_features(request_id, features)
 
     def estimate(self, request_id: Hashable) -> DrafterEstimate:
         """What the drafter is expected to yield for this sequence."""

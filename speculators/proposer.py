@@ -18,6 +18,7 @@ class _Track:
     last_token: int  # the sequence's last token (a request extending this one must continue from it)
     pending: list[tuple[TargetFeatures, Sequence[int]]] = field(default_factory=list)  # not given to the drafter yet
     pending_slots: int = 0  # positions in `pending`
+    awaiting: tuple[list[int], Hashable | None] | None = None  # (prompt, extends) until its features come
 
     def take_pending(self, window: int) -> tuple[TargetFeatures, list[int]] | None:
         """The pending positions (at most the last `window` of them) as one batch, and none left pending."""
@@ -50,9 +51,14 @@ class DrafterProposer:
     it nothing. At most the last `window` positions are kept: a request that skipped more restarts the drafter from
     them (a drafter reads positions relative to its first one), and a prompt gives it at most its last `window`.
     `pending(rid)` is the catch-up the next draft will run.
+
+    Late prompt features: start_request(rid, tokens, features=None) begins the request before the target has run the
+    prompt (the engine runs it with the first step, `late_prompt_features`); it drafts nothing until
+    prompt_features(rid, F) gives what start_request would have had.
     """
 
     wants_target_features = True
+    late_prompt_features = True
     drafts_trees = True
     prefers_trees = True  # one more guess per depth buys more than the chain's tail
 
@@ -78,10 +84,13 @@ class DrafterProposer:
         self.probs_fn, self.generator = probs_fn, generator
 
     @torch.inference_mode()
-    def start_request(self, request_id: Hashable, tokens: Sequence[int], *, features: TargetFeatures,
+    def start_request(self, request_id: Hashable, tokens: Sequence[int], *, features: TargetFeatures | None,
                       extends: Hashable | None = None) -> None:
         if request_id in self.live:
             raise ValueError(f"request {request_id!r} is already running")
+        if features is None:  # they come with prompt_features
+            self.live[request_id] = _Track(None, len(tokens), int(tokens[-1]), awaiting=(list(tokens), extends))
+            return
         if len(features) >= len(tokens):
             raise ValueError(f"{len(features)} feature rows for a prompt of {len(tokens)} tokens: pass one row per "
                              "position before the prompt's last token")
@@ -94,6 +103,15 @@ class DrafterProposer:
         self.live[request_id] = track
         if len(features):
             self._keep(track, features[-self.window:], list(tokens[first + 1:])[-self.window:])
+
+    def prompt_features(self, request_id: Hashable, features: TargetFeatures) -> None:
+        """The features a start_request(features=None) went without (see the class docstring)."""
+        track = self._track(request_id)
+        if track.awaiting is None:
+            raise ValueError(f"request {request_id!r} already has its prompt's features")
+        tokens, extends = track.awaiting
+        del self.live[request_id]
+        self.start_request(request_id, tokens, features=features, extends=extends)
 
     def _keep(self, track: _Track, features: TargetFeatures, tokens: Sequence[int]) -> None:
         track.pending.append((features, tokens))
@@ -128,6 +146,8 @@ class DrafterProposer:
     @torch.inference_mode()
     def append(self, request_id: Hashable, tokens: Sequence[int], *, features: TargetFeatures) -> None:
         track = self._track(request_id)
+        if track.awaiting is not None:
+            raise ValueError(f"request {request_id!r} is waiting for its prompt's features (prompt_features)")
         if len(tokens):
             self._keep(track, features, tokens)
 

@@ -92,6 +92,55 @@ def test_greedy_with_a_drafter_is_token_identical(engine, kind, batch, tree):
     assert all(r.stats.draft_tokens <= 4 * r.stats.steps for r in results)  # K (chain) or nodes (tree): the drafter's
 
 
+@pytest.mark.parametrize("speculate", ["peagle", "suffix+peagle"])
+@pytest.mark.parametrize("context", [64, 16], ids=["whole-prompt", "window"])
+def test_a_drafters_prompt_runs_in_its_steps_passes(target_model, speculate, context, monkeypatch):
+    """A drafter's (or a hybrid's) single prompt runs in its steps' passes, as any other: with its first step (one
+    pass less than a prefill of its own), or a chunk per step while another call runs. The features of the prompt's
+    last `drafter_context` positions reach the drafter all the same (across chunk boundaries too): the same tokens
+    and the same drafts (steps, accepted tokens) as with a prefill of its own."""
+    def make(**kwargs) -> tuple[Engine, list[int]]:
+        target, passes = TargetModel(target_model), []
+        forward = target.forward
+        target.forward = lambda *args, **kw: passes.append(1) or forward(*args, **kw)
+        return Engine(target, tiny_tokenizer(VOCAB), drafters={"peagle": make_drafter("peagle", target_model)},
+                      router=lambda proposals, contexts: list(proposals), prefix_cache_bytes=0,
+                      drafter_context=context, **kwargs), passes
+
+    (apart, apart_passes), (fused, fused_passes), (chunked, chunked_passes) = make(), make(), make(prefill_chunk=5)
+    apart.fuse_prefill_with_first_step = False
+    prompt = [t for p in random_prompts(8, seed=9) for t in p][:40]
+    given = []  # the prompt features each drafter started from
+    start_request = DrafterProposer.start_request
+
+    def recording(self, request_id, tokens, *, features, extends=None):
+        if features is not None:
+            given.append(features)
+        return start_request(self, request_id, tokens, features=features, extends=extends)
+
+    monkeypatch.setattr(DrafterProposer, "start_request", recording)
+    results = {}
+    for name, engine in (("apart", apart), ("fused", fused)):
+        results[name] = engine.generate(prompt, max_new_tokens=24, speculate=speculate, tree=False)
+    other = chunked.stream(prompt[:6], max_new_tokens=40, speculate="none")
+    next(other)  # a call running beside it: the prompt goes in chunks of 5
+    chunked_passes.clear()
+    results["chunked"] = chunked.generate(prompt, max_new_tokens=24, speculate=speculate, tree=False)
+    other.close()
+    want = results["apart"]
+    for name, result in results.items():
+        assert result.token_ids == want.token_ids, name
+        assert (result.stats.steps, result.stats.accepted_tokens) == (want.stats.steps, want.stats.accepted_tokens)
+    assert want.stats.accepted_tokens > 0
+    assert len(given) == 3 and len(given[0]) == min(context, len(prompt) - 1)
+    for features in given[1:]:
+        assert len(features) == len(given[0])
+        assert torch.allclose(features.aux, given[0].aux, atol=1e-4)
+        assert torch.allclose(features.final, given[0].final, atol=1e-4)
+    assert len(apart_passes) - len(fused_passes) == 1
+    assert len(chunked_passes) == len(fused_passes) + 7  # 39 prompt tokens: 7 chunks alone, the 8th with a step
+
+
 def test_drafters_draft_trees_by_default(target_model):
     """tree=None: drafters and hybrids draft trees, the suffix cache chains; tree=False forces chains."""
     seen = []

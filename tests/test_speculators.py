@@ -347,6 +347,33 @@ def test_a_lazy_drafter_drafts_what_an_eager_one_drafts(kind, target):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_prompt_features_given_late_draft_what_features_given_at_start_draft(kind, target, sequence):
+    """start_request(features=None) then prompt_features(F) (the engine runs a prompt with its first step) is
+    start_request(features=F): nothing is drafted before F comes, and the same drafts after it, extends included."""
+    tokens, features = sequence
+    drafter = make_drafter(kind, target)
+    early, late = DrafterProposer(drafter, num_speculative_tokens=3), DrafterProposer(drafter, num_speculative_tokens=3)
+    early.start_request("a", tokens[:8].tolist(), features=features[:7])
+    late.start_request("a", tokens[:8].tolist(), features=None)
+    assert len(late.speculate("a")) == 0 and late.pending("a") == 0 and late.context_length("a") == 8
+    with pytest.raises(ValueError, match="prompt_features"):
+        late.append("a", [int(tokens[8])], features=features[7:8])
+    late.prompt_features("a", features[:7])
+    with pytest.raises(ValueError, match="already has"):
+        late.prompt_features("a", features[:7])
+    for proposer in (early, late):
+        assert len(proposer.speculate("a")) == 3  # the drafter has run: a state "b" can continue
+        proposer.append("a", tokens[8:10].tolist(), features=features[7:9])
+        proposer.finish_request("a")
+        proposer.start_request("b", tokens[:14].tolist(), features=None if proposer is late else features[9:13],
+                               extends="a")
+    late.prompt_features("b", features[9:13])  # continues "a": the positions after the ones it had
+    assert late.live["b"].state is not None and early.live["b"].state is not None  # the drafter state of "a"
+    assert late.speculate("b").token_ids == early.speculate("b").token_ids
+    assert late.live["b"].length == early.live["b"].length == 14
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_drafter_that_skipped_more_than_its_window_restarts_from_the_window(kind, target, sequence):
     """Past `window` skipped positions the drafter starts afresh from the last `window`: it drafts what a drafter
     begun on those positions drafts."""

@@ -365,8 +365,8 @@ def test_logits_tail_needs_one_row_of_enough_tokens(target):
 
 def test_one_pass_of_parts_of_any_length_matches_separate_passes(target):
     """step_many packs parts of different lengths without padding them to one another: a two-row step with a chain
-    and a tree, a prompt chunk alone, and a prompt chunk fused with its first step (a tree draft) give what separate
-    passes give, and the chunks go into their caches."""
+    and a tree, a prompt chunk alone, and a prompt chunk fused with its first step (a tree draft, and the hidden states
+    at the prompt's last positions) give what separate passes give, and the chunks go into their caches."""
     rng = random.Random(3)
     seq = lambda n: [rng.randrange(3, 128) for _ in range(n)]  # noqa: E731
     prompts = [seq(9), seq(14), seq(5), seq(7)]
@@ -384,11 +384,11 @@ def test_one_pass_of_parts_of_any_length_matches_separate_passes(target):
     got = target.step_many([(step, [prompts[0][-1], prompts[1][-1]], drafts, parents),
                             StepInput(alone, [], prompt=chunk),
                             StepInput(fused, [fused_prompt[-1]], [fused_draft], [fused_parents],
-                                      prompt=fused_prompt[:-1])], return_hidden=True)
+                                      prompt=fused_prompt[:-1], prompt_tail=4)], return_hidden=True)
     step2, alone2, fused2 = caches()
     want_step = target.step(step2, [prompts[0][-1], prompts[1][-1]], drafts, parents, return_hidden=True)
     target.prefill(alone2, [chunk])
-    target.prefill(fused2, [fused_prompt[:-1]])
+    want_tail = target.prefill(fused2, [fused_prompt[:-1]], hidden_tail=4).hidden_tail[0]
     want_fused = target.step(fused2, [fused_prompt[-1]], [fused_draft], [fused_parents], return_hidden=True)
     assert got[0].logits.shape == (2, 6, target.vocab_size) and got[1].logits.shape == (1, 0, target.vocab_size)
     assert got[2].logits.shape == (1, 5, target.vocab_size)
@@ -396,6 +396,9 @@ def test_one_pass_of_parts_of_any_length_matches_separate_passes(target):
         mine, theirs = getattr(got[0], name), getattr(want_step, name)
         assert torch.allclose(mine[0, :4], theirs[0, :4], atol=ATOL) and torch.allclose(mine[1], theirs[1], atol=ATOL)
         assert torch.allclose(getattr(got[2], name), getattr(want_fused, name), atol=ATOL), name
+    assert got[0].hidden_tail is None and len(got[2].hidden_tail) == 1  # the prompt's last 4 positions' states
+    for mine, theirs in zip(got[2].hidden_tail[0], want_tail):
+        assert mine.shape == theirs.shape and mine.shape[0] == 4 and torch.allclose(mine, theirs, atol=ATOL)
     assert alone.lengths == alone2.lengths == [5 + 23] and fused.lengths == fused2.lengths == [7 + 10]
     alone_again = target.step_many([StepInput(alone, [], prompt=chunk[:6])], argmax_only=True)  # no outputs at all
     assert alone_again[0].logits.shape == (1, 0, target.vocab_size) and alone.lengths == [5 + 23 + 6]
