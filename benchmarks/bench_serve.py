@@ -244,8 +244,8 @@ def start_server(method: Method, model: str, model_dir: Path, threads: int, log_
     if not HYBRIDSPEC_CLI.exists():
         raise MethodFailed(f"{HYBRIDSPEC_CLI} is missing (scripts/setup.sh makes it)")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    return Server(serve_argv(model, port, method.name, method.speculate, threads, method.prefill_chunk or prefill_chunk),
-                  env, port, log)
+    argv = serve_argv(model, port, method.name, method.speculate, threads, method.prefill_chunk or prefill_chunk)
+    return Server(argv, env, port, log)
 
 
 COUNTER_NAMES = re.compile(r"^(vllm|hybridspec):(spec_decode_num_(drafts|draft_tokens|accepted_tokens)|"

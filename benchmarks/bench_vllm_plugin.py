@@ -49,6 +49,15 @@ CONCURRENCY = (1, 4)
 VLLM_ENV = {**common.VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
+def vllm_peagle(model: Path, dst: Path) -> tuple[Path, int]:
+    """The shipped P-EAGLE head as vLLM loads it (a copy in `dst` naming the local target) and the K it drafts."""
+    from bench_vllm_peagle import vllm_checkpoint
+
+    peagle = vllm_checkpoint(PEAGLE, model, dst)
+    config = json.loads((peagle / "config.json").read_text())
+    return peagle, config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+
+
 def method_config(name: str, k: int, peagle_dir: Path, peagle_k: int) -> tuple[dict | None, dict[str, str]]:
     """(speculative_config, extra environment) of a method."""
     if name == "none":
@@ -168,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from bench_vllm_peagle import vllm_checkpoint
     from hybridspec.models import resolve_model
 
     started = time.perf_counter()
@@ -180,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict[int, dict]]] = {}
     load_s: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="bench_vllm_plugin-") as tmp:
-        peagle = vllm_checkpoint(PEAGLE, model, Path(tmp) / "peagle")
-        peagle_k = json.loads((peagle / "config.json").read_text())["speculators_config"]["proposal_methods"][0][
-            "speculative_tokens"]
+        peagle, peagle_k = vllm_peagle(model, Path(tmp) / "peagle")
         for name in methods:
             spec, env = method_config(name, args.num_speculative_tokens, peagle, peagle_k)
             results[name] = {workload: {} for workload in workloads_in}

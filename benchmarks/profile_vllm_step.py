@@ -275,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from agent_calls import load_agent_calls
-    from bench_vllm_peagle import vllm_checkpoint
-    from bench_vllm_plugin import GATED, METHODS, PEAGLE, VLLM_ENV, method_config
+    from bench_vllm_plugin import GATED, METHODS, VLLM_ENV, method_config, vllm_peagle
     from common import machine_info, write_json
     from hybridspec.models import resolve_model
 
@@ -293,9 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     raw_steps: dict[str, list[dict]] = {}  # every step's record, for analyses the means hide (cost against width)
     first_calls = None
     with tempfile.TemporaryDirectory(prefix="profile_vllm_step-") as tmp:
-        peagle = vllm_checkpoint(PEAGLE, model, Path(tmp) / "peagle")
-        peagle_k = json.loads((peagle / "config.json").read_text())["speculators_config"]["proposal_methods"][0][
-            "speculative_tokens"]
+        peagle, peagle_k = vllm_peagle(model, Path(tmp) / "peagle")
         for name in methods:
             spec, env = method_config(name, args.num_speculative_tokens, peagle, peagle_k)
             config = Path(tmp) / f"{name}.json"

@@ -98,6 +98,8 @@ def test_health_models_and_cli(server, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["serve", "--help"])
     assert e.value.code == 0 and "--served-model-name" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--prefill-chunk must be positive"):  # before any model loads
+        cli_main(["serve", "--prefill-chunk", "0"])
 
 
 def test_chat_greedy_equals_engine(client, engine):
