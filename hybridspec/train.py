@@ -56,6 +56,13 @@ def run(args: argparse.Namespace) -> int:
     if args.data_only:
         print(f"features ready in {recipe.feature_dir()}")
         return 0
-    result = Trainer(recipe, recipe.feature_dir(), progress=progress).run(max_steps=args.max_steps)
+    target_layers = None
+    if recipe.architecture.layers_from_target:  # the target's last num_layers decoder layers, in order
+        from hybridspec.models import load_model
+
+        layers = load_model(recipe.target).model.layers
+        target_layers = [layer.state_dict() for layer in layers[max(0, len(layers) - recipe.architecture.num_layers):]]
+    result = Trainer(recipe, recipe.feature_dir(), progress=progress,
+                     target_layers=target_layers).run(max_steps=args.max_steps)
     print(json.dumps(result, indent=1))
     return 0

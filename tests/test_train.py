@@ -99,7 +99,9 @@ def test_fasteagle_ablation_recipes_change_one_setting_each():
     assert base["architecture"] == dataclasses.asdict(shipped.architecture)
     changed = {"fasteagle-no-cascade": ("architecture", "independent_layers"),
                "fasteagle-no-feature-loss": ("training", "feature_weight"),
-               "fasteagle-data-25": ("training", "train_fraction"), "fasteagle-data-50": ("training", "train_fraction")}
+               "fasteagle-data-25": ("training", "train_fraction"), "fasteagle-data-50": ("training", "train_fraction"),
+               "fasteagle-layers-from-target": ("architecture", "layers_from_target"),
+               "fasteagle-vocab-8192": ("architecture", "draft_vocab_size")}
     assert set(ablations) == set(changed)
     for name, recipe in ablations.items():
         assert recipe.feature_dir() == shipped.feature_dir()
@@ -355,6 +357,29 @@ def test_a_train_fraction_trains_on_a_nested_share_of_the_sequences(features, ch
     assert quarter.train_tokens < trainers[1.0].train_tokens == trainers[1.0].train.num_tokens
     with pytest.raises(ValueError, match="train_fraction"):
         recipe_from_dict(tiny_recipe("peagle", features, chat_file, train_fraction=0.0))
+
+
+def test_layers_from_target_start_from_the_targets_last_layers(features, chat_file, target):
+    """architecture.layers_from_target: drafter layer i starts from the target's i-th of its last layers, every weight
+    of the same shape (FastEagle's later layers: attention and norms; its first layer reads 2H, its MLP is smaller)."""
+    raw = tiny_recipe("fasteagle", features, chat_file, architecture={"layers_from_target": True, "num_layers": 5,
+                                                                      "intermediate_size": 24},
+                      max_depth=5, eval_ks=[3, 5])
+    layers = target.model.layers[-5:]
+    trainer = Trainer(recipe_from_dict(raw), features / "features", progress=False,
+                      target_layers=[layer.state_dict() for layer in layers])
+    copied = set(trainer.layers_copied)
+    assert "layers.3.self_attn.q_proj.weight" in copied and "layers.4.post_attention_layernorm.weight" in copied
+    assert "layers.0.self_attn.q_proj.weight" not in copied and "layers.0.self_attn.o_proj.weight" in copied
+    assert not any(".mlp." in name for name in copied)
+    assert torch.equal(trainer.drafter.layers[3].self_attn.k_proj.weight, layers[3].self_attn.k_proj.weight)
+    with pytest.raises(ValueError, match="needs the target's layers"):
+        Trainer(recipe_from_dict(raw), features / "features", progress=False)
+    with pytest.raises(ValueError, match="4 target layers for a drafter of 5"):
+        Trainer(recipe_from_dict(raw), features / "features", progress=False,
+                target_layers=[layer.state_dict() for layer in layers[1:]])
+    with pytest.raises(ValueError, match="LSTM"):
+        recipe_from_dict(tiny_recipe("lstm", features, chat_file, architecture={"layers_from_target": True}))
 
 
 @pytest.mark.parametrize("kind", ["peagle", "eagle3", "lstm", "fasteagle"])

@@ -25,6 +25,8 @@ import yaml
 from hybridspec.speculators.registry import DRAFTER_KINDS
 
 SOURCE_KINDS = ("agent_traces", "mt_bench", "humaneval", "jsonl", "self_instruct")
+# Keys added after runs were made (section, key, default): left out of the state directory's hash at their default.
+ADDED_KEYS = (("training", "train_fraction", 1.0), ("architecture", "layers_from_target", False))
 
 
 def cache_root() -> Path:
@@ -77,6 +79,8 @@ class ArchitectureSpec:
     norm_before_residual: bool = False
     independent_layers: bool = False    # FastEagle without the cascade: every layer reads the fused features (ablation)
     lm_head_from_target: bool = False   # EAGLE family: start lm_head from the target's rows of the draft vocabulary
+    layers_from_target: bool = False    # EAGLE family: start decoder layer i from the target's i-th of its last
+                                        # num_layers layers, every weight whose shape matches (`init_from_target`)
     dim: int = 128                      # LSTM inner/proj/emb dimension
     num_speculative_tokens: int = 7     # LSTM heads trained
     scale_input: bool = True            # LSTM: normalise the target hidden state first
@@ -160,8 +164,9 @@ class Recipe:
         # Everything that shapes the training run, not where or how its result is written.
         shape = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("base_dir", "output")}
         del shape["training"]["threads"]  # how fast, not what
-        if shape["training"]["train_fraction"] == 1.0:  # the key's default: earlier runs' states keep their place
-            del shape["training"]["train_fraction"]
+        for section, key, default in ADDED_KEYS:  # at their defaults, earlier runs' states keep their place
+            if shape[section][key] == default:
+                del shape[section][key]
         blob = json.dumps(shape, sort_keys=True)
         return cache_root() / "train" / hashlib.sha1(blob.encode()).hexdigest()[:12]
 
@@ -223,6 +228,8 @@ def recipe_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
     fasteagle = raw["drafter"] == "fasteagle"
     if training.feature_weight < 0 or (training.feature_weight and not fasteagle):
         raise ValueError(f"training.feature_weight (got {training.feature_weight}) is FastEagle's and must be >= 0")
+    if architecture.layers_from_target and raw["drafter"] == "lstm":
+        raise ValueError("architecture.layers_from_target starts decoder layers: the LSTM speculator has none")
     if architecture.independent_layers and not fasteagle:
         raise ValueError("architecture.independent_layers is FastEagle's no-cascade ablation")
     if fasteagle and architecture.num_layers < training.max_depth:

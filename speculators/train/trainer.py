@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -217,8 +217,30 @@ def build_drafter(recipe: Recipe, meta: dict[str, Any], embed: Tensor) -> Any:
     return kind.drafter(eagle, embed_tokens=embed)
 
 
+def init_from_target(drafter: Any, target_layers: Sequence[Mapping[str, Tensor]]) -> list[str]:
+    """Copy into drafter layer i every weight of target_layers[i] (a decoder layer's state dict, transformers' names:
+    self_attn.q_proj.weight, mlp.up_proj.weight, input_layernorm.weight, ...) that the drafter's layer has with the
+    same shape; returns the names copied. The rest (a first layer's 2H-wide projections, smaller MLPs) keeps its
+    random start."""
+    if len(target_layers) < len(drafter.layers):
+        raise ValueError(f"{len(target_layers)} target layers for a drafter of {len(drafter.layers)}")
+    copied = []
+    with torch.no_grad():
+        for i, (layer, source) in enumerate(zip(drafter.layers, target_layers)):
+            own = dict(layer.named_parameters())
+            for name, value in source.items():
+                if name in own and own[name].shape == value.shape:
+                    own[name].copy_(value)
+                    copied.append(f"layers.{i}.{name}")
+    return copied
+
+
 class Trainer:
-    def __init__(self, recipe: Recipe, feature_dir: str | os.PathLike, progress: bool = True) -> None:
+    """Trains a recipe's drafter on its feature cache. target_layers: the target's last decoder layers' state dicts,
+    for architecture.layers_from_target (`hybridspec train` loads them)."""
+
+    def __init__(self, recipe: Recipe, feature_dir: str | os.PathLike, progress: bool = True,
+                 target_layers: Sequence[Mapping[str, Tensor]] | None = None) -> None:
         self.recipe, self.progress = recipe, progress
         t = recipe.training
         torch.manual_seed(t.seed)
@@ -243,6 +265,12 @@ class Trainer:
             if recipe.architecture.lm_head_from_target:
                 with torch.no_grad():
                     self.drafter.lm_head.weight.copy_(self.draft_head)
+        self.layers_copied: list[str] = []
+        if recipe.architecture.layers_from_target:
+            if target_layers is None:
+                raise ValueError("architecture.layers_from_target needs the target's layers (target_layers=; "
+                                 "`hybridspec train` passes them)")
+            self.layers_copied = init_from_target(self.drafter, target_layers)
         weights = torch.tensor(t.depth_weights or [1.0] * t.max_depth)
         self.depth_weights = weights / weights.sum()
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -441,6 +469,7 @@ class Trainer:
                "train_seconds": round(self.elapsed, 1), "train_sequences": len(self.pool),
                "train_tokens": self.train_tokens, "heldout_sequences": len(self.heldout),
                "heldout_tokens": self.heldout.num_tokens, "final_eval": final_eval, "machine": machine_info(),
+               "layers_from_target": self.layers_copied,
                "recipe": {k: v for k, v in asdict(self.recipe).items() if k != "base_dir"},
                "history": [h for h in self.history if "eval" in h]}
         (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
