@@ -45,7 +45,7 @@ __all__ = ["Engine", "GenerateOptions", "GenerationResult", "GenerationStats", "
 KV_HEADROOM_TOKENS = 64  # cache slots past prompt + max_new_tokens: the last step's draft fits without regrowth
 # Prompt tokens a call runs per decode step while other calls decode in the same pass (chunked prefill): they wait a
 # step of about this many tokens' compute rather than the whole prompt's (BENCHMARKS.md, issue 25).
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 512
 
 
 class Engine:

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the KV budget of automatic prefix caching (default 2 GiB; 0: off)")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="prompt tokens a request runs per decode step while others decode (chunked prefill; "
-                             "default 256)")
+                             "default 512)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1, as for `hybridspec demo`; 0 = torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
