@@ -36,7 +36,7 @@ from hybridspec.speculators import TargetFeatures
 from hybridspec.speculators.proposer import DEFAULT_WINDOW
 from hybridspec.speculators.registry import DRAFTER_KINDS
 from hybridspec.stats import GenerationResult, GenerationStats
-from hybridspec.target import CAUSAL_CHUNK, MASKED_CHUNK, StepInput, StepOutput, TargetModel
+from hybridspec.target import CAUSAL_CHUNK, StepInput, StepOutput, TargetModel
 from hybridspec.verifier import VerifyResult, verify_batch
 
 __all__ = ["Engine", "GenerateOptions", "GenerationResult", "GenerationStats", "Session", "Stream", "DRAFTER_KINDS",
@@ -297,13 +297,13 @@ class Engine:
 
     def _prompt_chunk(self, call: Call, sharing: bool) -> "_PromptChunk":
         """The deferred prompt tokens `call` runs in this step's pass: all that are left, with its first step, when
-        they fit in one step's share (`prefill_chunk` while other calls decode; else CAUSAL_CHUNK, and MASKED_CHUNK
-        with a draft tree, whose mask grows with the chunk); otherwise a chunk of that share alone."""
+        they fit in one step's share (`prefill_chunk` while other calls decode; else CAUSAL_CHUNK, and with a draft
+        tree no more than the target's tree_prompt_chunk); otherwise a chunk of that share alone."""
         pending = call.deferred_prefill
         if pending is None:
             return _PromptChunk([], prefill_only=False)
         share = self.prefill_chunk if sharing else CAUSAL_CHUNK
-        if len(pending) <= (min(share, MASKED_CHUNK) if call.params.tree else share):
+        if len(pending) <= (min(share, self.target.tree_prompt_chunk) if call.params.tree else share):
             return _PromptChunk(pending, prefill_only=False)
         return _PromptChunk(pending[:share], prefill_only=True)
 

@@ -142,6 +142,8 @@ class ForwardPart:
     n = 0: none, a prefill chunk whose outputs nobody reads).
     tail_index [m] (one row): the hidden states at these inputs too, as the output's hidden_tail (a drafter's prompt
     context, from a prompt chunk).
+    causal_rows (one row): its first causal_rows inputs are consecutive tokens (a prompt chunk before a draft tree):
+    they attend causally without a mask, the rest by tree_mask; the mask then spans the rest only.
     """
 
     cache: KVCache
@@ -151,6 +153,7 @@ class ForwardPart:
     causal: bool = False
     output_index: torch.Tensor | None = None
     tail_index: torch.Tensor | None = None
+    causal_rows: int = 0
 
 
 @dataclass
@@ -178,6 +181,7 @@ class _Attention:
     slots: torch.Tensor  # [b, q]: where each input's key and value go
     start: int | None  # every row has this length: the inputs go to one slice of slots
     causal_chunk: bool  # rows of equal length whose q inputs are consecutive: attend in two mask-free parts
+    causal_rows: int = 0  # one row: its first inputs attend as a causal chunk, the others by `mask` (theirs only)
 
 
 class _Layer:
@@ -229,6 +233,9 @@ class TargetModel:
         self.dtype = decoder.embed_tokens.weight.dtype
         self.device = decoder.embed_tokens.weight.device
         self._cpu_flash = _FLASH_CPU is not None and self.device.type == "cpu"
+        # The longest prompt chunk a step with a draft tree runs in one pass: where the chunk attends causally apart
+        # (`ForwardPart.causal_rows`) the mask spans the tree alone; elsewhere it spans the chunk too.
+        self.tree_prompt_chunk = CAUSAL_CHUNK if self._cpu_flash else MASKED_CHUNK
         with torch.no_grad():
             self.embed = decoder.embed_tokens.weight
             self.layers = [_Layer(layer, pack_weights, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -273,9 +280,11 @@ class TargetModel:
             return TargetModel._rotate(x.float(), rope).to(x.dtype)
         return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rope).flatten(-2)
 
-    def _attention(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, causal: bool) -> _Attention:
+    def _attention(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, causal: bool,
+                   causal_rows: int = 0) -> _Attention:
         """The attention mask and KV slots of one cache's rows in a pass (grows the cache if the inputs need it)."""
         bsz, q = depths.shape
+        causal_rows = causal_rows if self._cpu_flash and bsz == 1 and not causal else 0
         lengths = torch.tensor(cache.lengths, dtype=torch.long, device=self.device)
         kv_len = max(cache.lengths) + q
         if kv_len > self.max_seq_len:
@@ -290,12 +299,14 @@ class TargetModel:
         same_length = all(n == cache.lengths[0] for n in cache.lengths)
         causal_chunk = causal and same_length and self._cpu_flash
         folded_mask = None
+        mask = mask[:, causal_rows:]  # rows of a causal chunk need none
         if not causal_chunk and not bool(mask.all()):
             # Row r of a folded head is input r % q (see _attend); CPU flash attention takes an additive mask.
             folded = mask[:, None].repeat(1, 1, self.num_heads // self.num_kv_heads, 1)
             folded_mask = folded if not self._cpu_flash else \
                 torch.zeros(folded.shape, dtype=self.dtype, device=self.device).masked_fill_(~folded, float("-inf"))
-        return _Attention(cache, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None, causal_chunk)
+        return _Attention(cache, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None, causal_chunk,
+                          causal_rows)
 
     def _attend(self, g: _Attention, layer_id: int, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> torch.Tensor:
@@ -312,6 +323,16 @@ class TargetModel:
             values[row_ids, :, g.slots] = value.transpose(1, 2)
         if g.causal_chunk:
             return _prefix_then_causal(query, keys[:, :, :g.start], values[:, :, :g.start], key, value)
+        if g.causal_rows:  # a prompt chunk, then a draft tree that sees all of it
+            n = g.causal_rows
+            chunk = _prefix_then_causal(query[:, :, :n], keys[:, :, :g.start], values[:, :, :g.start], key[:, :, :n],
+                                        value[:, :, :n])
+            return torch.cat([chunk, self._attend_masked(g, keys, values, query[:, :, n:])], dim=2)
+        return self._attend_masked(g, keys, values, query)
+
+    def _attend_masked(self, g: _Attention, keys: torch.Tensor, values: torch.Tensor,
+                       query: torch.Tensor) -> torch.Tensor:
+        """Attention of `query` [b, heads, q, D] over the cache's first kv_len slots, by g.mask."""
         # The query heads that share a KV head attend as the rows of one head, so each KV head is read once per step
         # rather than once per query head (BENCHMARKS.md, "Verification cost on this CPU").
         bsz, _, q, head_dim = query.shape
@@ -339,7 +360,7 @@ class TargetModel:
             b, q = part.tokens.shape
             if part.cache.batch_size != b:
                 raise ValueError(f"{b} input rows for a cache of {part.cache.batch_size} rows")
-            groups.append(self._attention(part.cache, part.depths, part.tree_mask, part.causal))
+            groups.append(self._attention(part.cache, part.depths, part.tree_mask, part.causal, part.causal_rows))
             lengths = torch.tensor(part.cache.lengths, dtype=torch.long, device=self.device)
             positions.append((lengths[:, None] + part.depths).reshape(-1))
             spans.append((begin, begin + b * q))
@@ -553,6 +574,7 @@ class TargetModel:
         output_index = torch.arange(width, q)[None].expand(rows, q - width) if prompt else None
         return ForwardPart(cache, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
                            causal=causal and bool(prompt),  # a step alone attends by its mask (_attend's folding)
+                           causal_rows=width if prompt and not causal else 0,
                            output_index=None if output_index is None else output_index.to(self.device),
                            tail_index=torch.arange(width - step.prompt_tail, width, device=self.device)
                            if step.prompt_tail else None)

@@ -363,10 +363,13 @@ def test_logits_tail_needs_one_row_of_enough_tokens(target):
         target.prefill(target.new_cache(1, 16), [[5, 6]], logits_tail=3)
 
 
-def test_one_pass_of_parts_of_any_length_matches_separate_passes(target):
+@pytest.mark.parametrize("cpu_flash", [True, False], ids=["chunk-apart", "one-mask"])
+def test_one_pass_of_parts_of_any_length_matches_separate_passes(target, cpu_flash, monkeypatch):
     """step_many packs parts of different lengths without padding them to one another: a two-row step with a chain
     and a tree, a prompt chunk alone, and a prompt chunk fused with its first step (a tree draft, and the hidden states
-    at the prompt's last positions) give what separate passes give, and the chunks go into their caches."""
+    at the prompt's last positions) give what separate passes give, and the chunks go into their caches; with the CPU's
+    flash kernel the chunk before a tree attends apart (causal_rows), without it under one mask."""
+    monkeypatch.setattr(target, "_cpu_flash", cpu_flash and target._cpu_flash)
     rng = random.Random(3)
     seq = lambda n: [rng.randrange(3, 128) for _ in range(n)]  # noqa: E731
     prompts = [seq(9), seq(14), seq(5), seq(7)]
