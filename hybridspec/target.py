@@ -499,15 +499,6 @@ class TargetModel:
                                for parts in tails]
         return out
 
-    def prefill_and_step(self, cache: KVCache, tokens: Sequence[int], last_token: int, draft: Sequence[int], *,
-                         argmax_only: bool = False) -> StepOutput:
-        """`prefill(cache, [tokens])` then `step(cache, [last_token], [draft])` for a chain draft, in one causal pass:
-        a call's uncached prompt tokens and its first verification read the weights once (one row). The cache is
-        left as `step` leaves it: the step's inputs in the slots past the row's length, for `commit`."""
-        if cache.batch_size != 1:
-            raise ValueError(f"prefill_and_step runs one row, got a cache of {cache.batch_size}")
-        return self.step_many([StepInput(cache, [last_token], [draft], prompt=tokens)], argmax_only=argmax_only)[0]
-
     def step(self, cache: KVCache, last_tokens: Sequence[int], drafts: Sequence[Sequence[int]] | None = None,
              parents: Sequence[Sequence[int] | None] | None = None, *, return_hidden: bool = False,
              argmax_only: bool = False) -> StepOutput:

@@ -327,7 +327,7 @@ def test_a_bfloat16_model_follows_its_reference(tiny_model):
 
 @pytest.mark.parametrize("cached, new, draft, chunk_size", [(0, 9, 4, None), (5, 12, 0, None), (3, 20, 6, 8),
                                                              (0, 16, 3, 8)])
-def test_prefill_and_step_is_a_prefill_then_a_step(target, cached, new, draft, chunk_size):
+def test_a_prompt_with_its_first_step_is_a_prefill_then_a_step(target, cached, new, draft, chunk_size):
     """One causal pass over a call's uncached tokens, its last token and a chain draft: the logits of `step` after
     `prefill`, and the same cache once the step's accepted slots are committed (chunk boundaries included)."""
     rng = random.Random(cached * 100 + new)
@@ -340,7 +340,7 @@ def test_prefill_and_step_is_a_prefill_then_a_step(target, cached, new, draft, c
     target.prefill(apart, [prompt[cached:]], chunk_size=chunk_size)
     want = target.step(apart, [last], [chain])
     if chunk_size is None:
-        got = target.prefill_and_step(fused, prompt[cached:], last, chain)
+        got = target.step_many([StepInput(fused, [last], [chain], prompt=prompt[cached:])])[0]
     else:  # the same pass, chunked: the draft's logits stay in one chunk
         got = target.prefill(fused, [prompt[cached:] + [last] + chain], chunk_size=chunk_size,
                              logits_tail=1 + draft)
