@@ -44,8 +44,7 @@ class Call:
     live: list[int]
     started: list[Hashable] = field(default_factory=list)  # request ids started on the proposer
     deferred_prefill: list[int] | None = None  # a single prompt's uncached tokens not run yet (in its steps' passes)
-    prompt_ran: int = 0  # of the deferred tokens, those run so far
-    features_from: int | None = None  # the deferred tokens from which the proposer wants the target's features
+    features_wanted: int | None = None  # the deferred tokens' last ones whose features the proposer wants
     prompt_features: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # gathered so far
     error: Exception | None = None  # what ended the call in a step another thread ran
     start: float = field(default_factory=time.perf_counter)

@@ -233,7 +233,7 @@ class Engine:
         if len(todo) == 1 and todo[0] and late and self.fuse_prefill_with_first_step:
             call.deferred_prefill = todo[0]
             if call.wants_target_features:
-                call.features_from = max(0, len(todo[0]) - self.drafter_context)
+                call.features_wanted = min(len(todo[0]), self.drafter_context)
             return features  # None: they come later (prompt_features)
         with call.stats.timed("prefill_s"):
             if any(todo):
@@ -285,7 +285,7 @@ class Engine:
                 call.error, call.live = e, []
             return
         for call, (out, results) in zip(calls, verified):
-            if call.features_from is not None and call.deferred_prefill is None:  # its prompt has run
+            if call.features_wanted is not None and call.deferred_prefill is None:  # its prompt has run
                 with failing(call):
                     self._hand_prompt_features(call)
             if results is None or call.error is not None:  # a prompt chunk alone: nothing to commit yet
@@ -311,7 +311,7 @@ class Engine:
         """A late-features proposer gets the target's features at the prompt's last positions, which the passes of
         its deferred prompt gathered, before its first step's tokens."""
         aux, final = (torch.cat(parts) for parts in zip(*call.prompt_features))
-        call.features_from, call.prompt_features = None, []
+        call.features_wanted, call.prompt_features = None, []
         call.proposer.prompt_features(call.seqs[0].request_id, TargetFeatures(aux, final))
 
     def _propose(self, call: Call) -> list[Proposal]:
@@ -353,9 +353,9 @@ class Engine:
         min(1, p_target(x) / p_draft(x)), else the target resamples from norm(max(0, p_target - p_draft))."""
         inputs = []
         for c, rs, chunk in zip(calls, routed, chunks):
-            # the chunk's tokens whose features the proposer wants: those from features_from on
-            tail = 0 if c.features_from is None else max(0, c.prompt_ran + len(chunk.tokens) - max(
-                c.prompt_ran, c.features_from))
+            # the chunk's tokens among the prompt's last features_wanted
+            tail = 0 if c.features_wanted is None else max(
+                0, len(chunk.tokens) - max(0, len(c.deferred_prefill or ()) - c.features_wanted))
             if chunk.prefill_only:
                 inputs.append(StepInput(c.cache, [], prompt=chunk.tokens, prompt_tail=tail))
             else:
@@ -363,7 +363,6 @@ class Engine:
                                         [r.parents for r in rs], prompt=chunk.tokens, prompt_tail=tail))
             if chunk.tokens:
                 c.deferred_prefill = c.deferred_prefill[len(chunk.tokens):] or None
-                c.prompt_ran += len(chunk.tokens)
         stepping = [c for c, chunk in zip(calls, chunks) if not chunk.prefill_only]
         start = time.perf_counter()
         outs = self.target.step_many(inputs, return_hidden=any(c.wants_target_features for c in calls),

@@ -29,6 +29,7 @@ The KV cache is `hybridspec.kv_cache`, the linear layers `hybridspec.linear`.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -120,13 +121,6 @@ class StepOutput:
 
         return StepOutput(pick(self.logits, other.logits), pick(self.aux_hidden, other.aux_hidden),
                           pick(self.final_hidden, other.final_hidden))
-
-    def rows(self, begin: int, end: int) -> "StepOutput":
-        """Rows begin..end-1 of this output."""
-        def cut(t):
-            return None if t is None else t[begin:end]
-
-        return StepOutput(cut(self.logits), cut(self.aux_hidden), cut(self.final_hidden))
 
 
 @dataclass
@@ -413,7 +407,7 @@ class TargetModel:
         def split(t: torch.Tensor | None, sizes) -> list[torch.Tensor | None]:
             if t is None:
                 return [None] * len(parts)
-            bounds = [0] + torch.tensor([b * n for b, n in sizes]).cumsum(0).tolist()
+            bounds = [0, *itertools.accumulate(b * n for b, n in sizes)]
             return [t[lo:hi].view(b, n, t.shape[-1]) for (lo, hi), (b, n) in zip(zip(bounds, bounds[1:]), sizes)]
 
         if not return_hidden:
@@ -508,16 +502,13 @@ class TargetModel:
         see only themselves and their outputs are meaningless). Lengths are unchanged: call `cache.commit` after
         verification with the slots to keep. argmax_only: only each row's argmax of the logits is needed (greedy).
         """
-        bsz = len(last_tokens)
-        drafts = drafts if drafts is not None else [[]] * bsz
-        return self.step_many([(cache, last_tokens, drafts, parents or [None] * bsz)], return_hidden=return_hidden,
+        return self.step_many([StepInput(cache, last_tokens, drafts or (), parents)], return_hidden=return_hidden,
                               argmax_only=argmax_only)[0]
 
-    def step_many(self, inputs: Sequence[StepInput | tuple], *, return_hidden: bool = False,
+    def step_many(self, inputs: Sequence[StepInput], *, return_hidden: bool = False,
                   argmax_only: bool = False) -> list[StepOutput]:
-        """`step` for several caches in one pass (`StepInput`s, or tuples of its fields); an output per input, of the
-        inputs [last token] + draft (none for a prefill chunk alone). An input's prompt tokens go into its cache."""
-        inputs = [i if isinstance(i, StepInput) else StepInput(*i) for i in inputs]
+        """`step` for several caches in one pass; an output per input, of the inputs [last token] + draft (none for a
+        prefill chunk alone). An input's prompt tokens go into its cache."""
         parts = [self._step_part(i) for i in inputs]
         outs = self.forward(parts, return_hidden=return_hidden, argmax_only=argmax_only)
         for i in inputs:

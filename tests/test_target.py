@@ -384,7 +384,7 @@ def test_one_pass_of_parts_of_any_length_matches_separate_passes(target, cpu_fla
         return step, alone, fused
 
     step, alone, fused = caches()
-    got = target.step_many([(step, [prompts[0][-1], prompts[1][-1]], drafts, parents),
+    got = target.step_many([StepInput(step, [prompts[0][-1], prompts[1][-1]], drafts, parents),
                             StepInput(alone, [], prompt=chunk),
                             StepInput(fused, [fused_prompt[-1]], [fused_draft], [fused_parents],
                                       prompt=fused_prompt[:-1], prompt_tail=4)], return_hidden=True)

@@ -256,8 +256,7 @@ class Trainer:
         self.pool = (torch.arange(len(self.train)) if share == len(self.train) else torch.randperm(
             len(self.train), generator=torch.Generator().manual_seed(t.seed + 1))[:share].sort().values)
         if self.is_eagle:
-            pool = None if share == len(self.train) else self.pool.tolist()
-            d2t, t2d = build_draft_vocab(self.train.response_target_counts(self.meta["vocab_size"], pool),
+            d2t, t2d = build_draft_vocab(self.train.response_target_counts(self.meta["vocab_size"], self.pool.tolist()),
                                          recipe.architecture.draft_vocab_size)
             self.drafter.set_draft_vocab(d2t, t2d)
             # The target's lm_head rows of the draft vocabulary: KL targets over the draft vocabulary.
@@ -278,8 +277,6 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(t.seed)
         self.step, self.elapsed, self.history, self.slots = 0, 0.0, [], 0  # slots: real slots trained on so far
         self.epoch, self.cursor, self.order = 0, 0, self.shuffled_pool()
-        # The sequences trained on: all, or a fixed random share of them (train_fraction), drawn by its own seed so
-        # that the shares of one split nest (a smaller share is a subset of a larger one).
         self.state_dir = recipe.state_dir()
 
     # -- schedule and batches -----------------------------------------------------------------------------------------
