@@ -22,6 +22,15 @@ ext = Extension(
     depends=["suffix/_tree_nodes.pxi", "suffix/_tree_insert.pxi", "suffix/_tree_draft.pxi"],  # included by _tree.pyx
     extra_compile_args=["-O3"],
 )
+# the attention of decode steps on a CPU; its AVX-512 code is compiled for that target only and runs where the CPU
+# has it (hybridspec.target falls back to PyTorch's attention elsewhere)
+attention = Extension(
+    "hybridspec._attention",
+    sources=["hybridspec/_attention.pyx"],
+    depends=["hybridspec/attention_kernel.h"],
+    include_dirs=["hybridspec"],
+    extra_compile_args=["-O3"],
+)
 
 setup(
     package_dir=package_dir,
@@ -29,5 +38,5 @@ setup(
     # the shipped recipes and drafter checkpoints; only these patterns: their folders are data, not packages
     package_data={"hybridspec.speculators": ["checkpoints/*/*", "recipes/*.yaml"]},
     include_package_data=False,
-    ext_modules=[ext],
+    ext_modules=[ext, attention],
 )

@@ -1,7 +1,9 @@
 """The target's verification cost on this machine: t(1 + k tokens) / t(1 token), per warm context length.
 
-The router's cost gate plans with such a table (`router/cost.py` holds the built-in ones, measured with this script on
-SmolLM2; `Engine(verify_cost=PATH)` takes a table of your own machine). --batch also times a plain step at batch
+The router's cost gate plans with such a table: the engine measures its own once per machine and model
+(`hybridspec.calibration`, `Engine(verify_cost="auto")`, what `hybridspec calibrate` re-measures); `router/cost.py`
+holds the built-in ones (`verify_cost=None`), measured with this script on SmolLM2; `Engine(verify_cost=PATH)` takes
+the JSON this script writes. --batch also times a plain step at batch
 1, 2, 4 and 8 (one padded cache, the weights read once per step); --prefill P+N,... times a prefill of N new tokens
 after P cached ones (a cold call: 0+N; an agent's next call: its earlier calls cached, the rest new).
 
@@ -17,50 +19,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from common import machine_info, write_json
-from hybridspec.linear import Linear
+from hybridspec.calibration import DEFAULT_COST_DRAFT_TOKENS, measure_verify_cost
+from hybridspec.linear import untuned_routes
 from hybridspec.target import TargetModel
-
-DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
-
-
-def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAULT_COST_DRAFT_TOKENS,
-                        context: int = 512, batch_size: int = 1, repeats: int = 7, seed: int = 0,
-                        greedy: bool = True) -> dict:
-    """Time one pass over [last token] + k draft tokens at a warm `context`-token cache, for each k; greedy: as the
-    engine runs a greedy step (only the logits' argmax needed), else with full logits (sampling).
-
-    Reports the median wall time of `repeats` passes per k (and the process CPU time, less disturbed by other
-    processes on a shared machine), interleaving the sizes round by round so that load from other processes spreads
-    over all of them alike; `relative[i]` = t(1 + k_i) / t(1).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    cache = target.new_cache(batch_size, capacity=context + max(draft_tokens) + 1)
-    target.prefill(cache, torch.randint(0, target.vocab_size, (batch_size, context), generator=gen).tolist())
-    wall: dict[int, list[float]] = {k: [] for k in draft_tokens}
-    cpu: dict[int, list[float]] = {k: [] for k in draft_tokens}
-    for round_ in range(repeats + 1):
-        for k in draft_tokens:
-            drafts = [torch.randint(0, target.vocab_size, (k,), generator=gen).tolist() for _ in range(batch_size)]
-            start, start_cpu = time.perf_counter(), time.process_time()
-            target.step(cache, [1] * batch_size, drafts, argmax_only=greedy)
-            if round_ > 0:  # round 0 warms up every shape
-                wall[k].append(time.perf_counter() - start)
-                cpu[k].append(time.process_time() - start_cpu)
-    ms = [1000 * statistics.median(wall[k]) for k in draft_tokens]
-    cpu_ms = [1000 * statistics.median(cpu[k]) for k in draft_tokens]
-    base = ms[list(draft_tokens).index(0)] if 0 in draft_tokens else ms[0]
-    return {"draft_tokens": list(draft_tokens), "ms": [round(t, 3) for t in ms],
-            "relative": [round(t / base, 4) for t in ms], "cpu_ms": [round(t, 3) for t in cpu_ms],
-            "context": context, "batch_size": batch_size, "greedy": greedy,
-            "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-            "plain_max_rows": Linear.PLAIN_MAX_ROWS, "model": target.config.name_or_path, "machine": machine_info(),
-            "repeats": repeats}
-
 
 def measure_prefill(target: TargetModel, cached: int, new: int, repeats: int = 3, seed: int = 0) -> dict:
     """Median wall time of prefilling `new` tokens into a cache already holding `cached` (random token ids)."""
@@ -91,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-pack", action="store_true", help="plain F.linear instead of prepacked oneDNN weights")
     parser.add_argument("--plain-max-rows", type=int,
-                        help=f"rows up to which a product runs MKL's on the plain weight (default: "
-                             f"Linear.PLAIN_MAX_ROWS = {Linear.PLAIN_MAX_ROWS}; 0: always oneDNN's)")
+                        help="untuned products: MKL's product up to this many rows, oneDNN's for more, no padding "
+                             "(0: always oneDNN's; default: the routes tuned for this machine)")
     parser.add_argument("--sampling", action="store_true", help="steps with full logits (default: greedy steps)")
     parser.add_argument("--json", type=Path, help="write the measurement here")
     args = parser.parse_args(argv)
@@ -106,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prefill takes P+N pairs with P >= 0 and N >= 1, got {args.prefill!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    target = TargetModel.from_pretrained(args.model, dtype=getattr(torch, args.dtype), pack_weights=not args.no_pack,
+                                         tune=args.plain_max_rows is None)
     if args.plain_max_rows is not None:
-        Linear.PLAIN_MAX_ROWS = args.plain_max_rows
-    target = TargetModel.from_pretrained(args.model, dtype=getattr(torch, args.dtype), pack_weights=not args.no_pack)
+        for lin in target.linears():
+            lin.routes = untuned_routes(args.plain_max_rows)
     result = {}
     contexts = [int(c) for c in args.context.split(",")]
     if not args.no_verify_cost:
@@ -116,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         by_context = []
         for context in contexts:
             cost = measure_verify_cost(target, ks, context=context, repeats=args.repeats, greedy=not args.sampling)
+            cost.update(machine=machine_info(), products="tuned" if args.plain_max_rows is None else
+                        f"untuned, MKL up to {args.plain_max_rows} rows")
             by_context.append(cost)
             print(f"verify cost at {cost['context']} context, {cost['dtype']}, {cost['threads']} threads, "
                   f"{'greedy' if cost['greedy'] else 'sampling'} steps")

@@ -7,6 +7,7 @@ import sys
 
 # sub-command -> module exposing `register(subparsers)`, which adds a parser whose `func(args) -> int` runs it.
 COMMANDS = {
+    "calibrate": "hybridspec.calibration",
     "demo": "hybridspec.demo",
     "replay": "hybridspec.agent_traces.cli",
     "serve": "hybridspec.serve",

@@ -21,12 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
+from hybridspec.calibration import machine_verify_cost
 from hybridspec.call import Call, SequenceState, Stream
 from hybridspec.commit import StopRules, commit_tokens, draft_budget, stop_cut
 from hybridspec.options import DEFAULTS, GenerateOptions, resolve_options
-from hybridspec.prefix_cache import PREFIX_CACHE_BYTES, PrefixCache, cache_for_prompts
+from hybridspec.prefix_cache import PREFIX_CACHE_BYTES, PrefixCache, cache_for_prompts, common_prefix
 from hybridspec.proposal import FeatureProposer, Proposal, Proposer
 from hybridspec.proposers import SPECULATE_CHOICES, Proposers
 from hybridspec.router import CostGate, Router, as_router
@@ -36,15 +38,16 @@ from hybridspec.speculators import TargetFeatures
 from hybridspec.speculators.proposer import DEFAULT_WINDOW
 from hybridspec.speculators.registry import DRAFTER_KINDS
 from hybridspec.stats import GenerationResult, GenerationStats
-from hybridspec.target import CAUSAL_CHUNK, StepInput, StepOutput, TargetModel
+from hybridspec.target import StepInput, StepOutput, TargetModel
 from hybridspec.verifier import VerifyResult, verify_batch
 
 __all__ = ["Engine", "GenerateOptions", "GenerationResult", "GenerationStats", "Session", "Stream", "DRAFTER_KINDS",
            "SPECULATE_CHOICES"]
 
 KV_HEADROOM_TOKENS = 64  # cache slots past prompt + max_new_tokens: the last step's draft fits without regrowth
-# Prompt tokens a call runs per decode step while other calls decode in the same pass (chunked prefill): they wait a
-# step of about this many tokens' compute rather than the whole prompt's (BENCHMARKS.md, issue 25).
+# Prompt tokens a call runs per decode step (chunked prefill), in the pass of the other calls' steps: they wait a step
+# of about this many tokens' compute rather than the whole prompt's, and so does a call that arrives meanwhile
+# (BENCHMARKS.md, issue 25).
 PREFILL_CHUNK = 512
 
 
@@ -52,6 +55,9 @@ class Engine:
     """Generates with a `TargetModel`, speculating with a suffix cache, an n-gram proposer, a model drafter (P-EAGLE,
     the LSTM speculator, EAGLE-3) or any `Proposer` / `FeatureProposer` (the contract in `hybridspec.proposal`).
 
+    verify_cost: what a verification pass costs, which the default router plans with: "auto" (this machine's
+    table for this model, measured on first use and kept in the user cache: `hybridspec.calibration`), None (the
+    built-in tables of `hybridspec.router.cost`), or a table / the JSON path of one (`CostGate`).
     drafters, drafter_bf16: see `hybridspec.proposers.Proposers`. A drafter reads the target's hidden states at the
     last `drafter_context` positions of a prompt, then at every committed token, lazily (when it drafts) and never
     more than that many positions (`DrafterProposer`'s window). router: a `Router` (default: the
@@ -61,14 +67,15 @@ class Engine:
 
     One Engine may serve several threads (`hybridspec.scheduler`): each call's decode steps join those of the calls
     decoding then, and one pass of the target verifies every sequence's draft. A single prompt's uncached tokens run
-    in those passes too, `prefill_chunk` tokens per step while other calls decode (the whole prompt in its first step
-    when none do), so the others go on decoding while it prefills (chunked prefill).
+    in those passes too, `prefill_chunk` tokens per step (its last chunk with its first step), so the others go on
+    decoding while it prefills (chunked prefill); the positions another running call has run of the same tokens are
+    copied from that call (in-flight prefix sharing).
     """
 
     # A single prompt's uncached tokens run in its steps' passes (see _prefill); False: in a pass of their own.
     fuse_prefill_with_first_step = True
 
-    def __init__(self, target: TargetModel, tokenizer: Any, *, verify_cost: Any = None,
+    def __init__(self, target: TargetModel, tokenizer: Any, *, verify_cost: Any = "auto",
                  router: Router | Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]] | None = None,
                  suffix_cache: Any = None, num_speculative_tokens: int = 16,
                  drafters: Mapping[str, str | os.PathLike | Any] | None = None,
@@ -79,7 +86,9 @@ class Engine:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target, self.tokenizer = target, tokenizer
         self.prefill_chunk = prefill_chunk
-        self.router: Router = as_router(router if router is not None else CostGate(verify_cost))
+        if router is None:
+            router = CostGate(machine_verify_cost(target) if verify_cost == "auto" else verify_cost)
+        self.router: Router = as_router(router)
         self.num_speculative_tokens = num_speculative_tokens
         self.proposers = Proposers(target, self.router, num_speculative_tokens, suffix_cache, drafters, drafter_bf16,
                                    drafter_context)
@@ -88,8 +97,8 @@ class Engine:
         self.stats = GenerationStats()  # cumulative over every call
         budget = PREFIX_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
         self.prefix_cache: PrefixCache | None = PrefixCache(budget) if budget > 0 else None
-        self.scheduler: StepScheduler[Call] = StepScheduler(self._decode_step)
-        self._running = 0  # calls begun and not ended (a step may hold only some of them: the others' threads lag)
+        self._live: list[Call] = []  # calls begun and not ended, oldest first (a step may hold only some of them)
+        self.scheduler: StepScheduler[Call] = StepScheduler(self._decode_step, live=lambda: len(self._live))
         self._request_ids = itertools.count()
 
     @classmethod
@@ -183,7 +192,7 @@ class Engine:
         call.start = time.perf_counter()
         try:
             with self.scheduler.lock:
-                self._running += 1
+                self._live.append(call)
                 self._begin(call)
             while call.live:
                 self.scheduler.join_step(call)
@@ -192,7 +201,7 @@ class Engine:
                 yield
         finally:  # also when a caller abandons its stream: its requests are aborted
             with self.scheduler.lock:
-                self._running -= 1
+                self._live.remove(call)
                 self._end(call)
 
     def _begin(self, call: Call) -> None:
@@ -220,9 +229,9 @@ class Engine:
         target's features at the prompt's last positions when the proposer reads them.
 
         The one decision about deferring: a single prompt leaves its tokens to its decode steps (`_prompt_chunk`):
-        the pass of its first step runs them, the last token and the draft in one, reading the weights once rather
-        than twice; while other calls decode, it runs them a chunk per step in their passes instead of stopping them
-        for the whole prompt. A proposer that reads features must take them late (`late_prompt_features`): it
+        a chunk of them per step, in the passes of the other calls' steps rather than stopping them for the whole
+        prompt, and the last chunk with its own first step (the last token and the draft: the weights read once
+        rather than twice). A proposer that reads features must take them late (`late_prompt_features`): it
         starts without them, and gets those of the prompt's last positions from the passes that ran them."""
         todo = [seq.tokens[call.cache.lengths[row]:-1] for row, seq in enumerate(call.seqs)]
         call.stats.sequences += len(call.seqs)
@@ -263,9 +272,16 @@ class Engine:
     def _decode_step(self, calls: list[Call]) -> None:
         """One decode step of every live sequence of `calls`: propose -> route -> verify (one pass of the target over
         all of them) -> update. A call still running its prompt (a chunk per step, `_prompt_chunk`) only runs its
-        chunk in that pass. A call whose proposer or update fails gets the error (its thread raises it); the others
-        go on."""
-        chunks = {id(c): self._prompt_chunk(c, sharing=self._running > 1) for c in calls}
+        chunk in that pass, after taking what other calls ran of the same tokens (`_share_prompt`). A call whose
+        proposer or update fails gets the error (its thread raises it); the others go on."""
+        waiting = []  # calls that copy their next prompt positions from an earlier call's pass, after it
+        for call in calls:
+            if call.deferred_prefill is not None:
+                with failing(call):
+                    if self._share_prompt(call, calls):
+                        waiting.append(call)
+        calls = [c for c in calls if c.error is None and not any(c is w for w in waiting)]
+        chunks = {id(c): self._prompt_chunk(c) for c in calls}
         proposed: dict[int, list[Proposal]] = {}
         routed: dict[int, list[Proposal]] = {}
         for call in calls:
@@ -295,14 +311,44 @@ class Engine:
             if not call.stats.first_token_s and call.stats.new_tokens:
                 call.stats.first_token_s = time.perf_counter() - call.start
 
-    def _prompt_chunk(self, call: Call, sharing: bool) -> "_PromptChunk":
+    def _share_prompt(self, call: Call, stepping: list[Call]) -> bool:
+        """In-flight prefix sharing: the positions of `call`'s deferred prompt that another running call has run
+        already (the same tokens from the first one on: agents of one framework share its long system prompt) are
+        copied from that call's cache instead of run again. Returns True when a call begun earlier runs the position
+        `call` would run next in this step's pass: `call` then waits a step and copies it after. A proposer that
+        reads the prompt's last features keeps those positions to run (their features come from its passes)."""
+        prompt, done = call.seqs[0].tokens, call.cache.lengths[0]
+        limit = len(prompt) - 1 - (call.features_wanted or 0)  # positions that may come from elsewhere
+        if limit <= done:
+            return False
+        mine = np.asarray(prompt[:limit], dtype=np.int64)
+        best, source, wait = done, None, False
+        for other in self._live:
+            if other is call or other.cache is None or other.cache.batch_size != 1:
+                continue
+            shared = common_prefix(np.asarray(other.seqs[0].tokens, dtype=np.int64), mine)
+            if min(shared, other.cache.lengths[0]) > best:
+                best, source = min(shared, other.cache.lengths[0]), other
+            # a call begun earlier whose chunk of this pass runs position `done`, which `call` shares with it
+            ahead = other.cache.lengths[0] <= done < min(shared, other.cache.lengths[0] + self.prefill_chunk)
+            wait = wait or (ahead and other.deferred_prefill is not None and any(other is c for c in stepping)
+                            and self._live.index(other) < self._live.index(call))
+        if source is not None:
+            call.cache.copy_prefix(0, source.cache, 0, best, start=done)
+            call.deferred_prefill = prompt[best:-1] or None
+            call.stats.prefill_tokens -= best - done
+            return self._share_prompt(call, stepping)  # a copy from one may leave positions another runs
+        return wait
+
+    def _prompt_chunk(self, call: Call) -> "_PromptChunk":
         """The deferred prompt tokens `call` runs in this step's pass: all that are left, with its first step, when
-        they fit in one step's share (`prefill_chunk` while other calls decode; else CAUSAL_CHUNK, and with a draft
-        tree no more than the target's tree_prompt_chunk); otherwise a chunk of that share alone."""
+        they fit in one step's share (`prefill_chunk`; with a draft tree no more than the target's
+        tree_prompt_chunk); otherwise a chunk of that share alone. Also alone, a prompt runs in chunks: a call that
+        arrives meanwhile joins at the next chunk rather than after the whole prompt."""
         pending = call.deferred_prefill
         if pending is None:
             return _PromptChunk([], prefill_only=False)
-        share = self.prefill_chunk if sharing else CAUSAL_CHUNK
+        share = self.prefill_chunk
         if len(pending) <= (min(share, self.target.tree_prompt_chunk) if call.params.tree else share):
             return _PromptChunk(pending, prefill_only=False)
         return _PromptChunk(pending[:share], prefill_only=True)

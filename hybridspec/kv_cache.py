@@ -72,13 +72,14 @@ class KVCache:
         self.lengths[row] = length
 
     @torch.inference_mode()
-    def copy_prefix(self, row: int, source: "KVCache", source_row: int, length: int) -> None:
-        """Make this row the first `length` tokens of `source`'s row `source_row` (a prefix cache hit)."""
-        if length > min(source.lengths[source_row], self.capacity):
-            raise ValueError(f"cannot copy {length} tokens: the source row holds {source.lengths[source_row]}, this "
-                             f"cache {self.capacity}")
-        self.keys[:, row, :, :length] = source.keys[:, source_row, :, :length]
-        self.values[:, row, :, :length] = source.values[:, source_row, :, :length]
+    def copy_prefix(self, row: int, source: "KVCache", source_row: int, length: int, start: int = 0) -> None:
+        """Make this row the first `length` tokens of `source`'s row `source_row` (a prefix cache hit); with `start`,
+        the row's first `start` tokens are those already and only the rest is copied."""
+        if length > min(source.lengths[source_row], self.capacity) or not 0 <= start <= min(length, self.lengths[row]):
+            raise ValueError(f"cannot copy tokens {start}..{length}: the source row holds "
+                             f"{source.lengths[source_row]}, this row {self.lengths[row]} of {self.capacity}")
+        self.keys[:, row, :, start:length] = source.keys[:, source_row, :, start:length]
+        self.values[:, row, :, start:length] = source.values[:, source_row, :, start:length]
         self.lengths[row] = length
 
     @torch.inference_mode()

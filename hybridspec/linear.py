@@ -1,9 +1,26 @@
-"""Linear layers for small-batch inference on a CPU: MKL's product for a few rows, oneDNN's with a weight packed once
-for more; `pack_linears` swaps them into any module (the drafters)."""
+"""Linear layers for small-batch inference on a CPU. A product of n rows runs the kernel and the row count that this
+machine multiplies fastest, measured once per machine (`tune_products`): MKL's product on the plain weight or oneDNN's
+on a weight packed once, the input padded with zero rows where a few more rows run faster than n. `pack_linears`
+swaps them into any module (the drafters)."""
 from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+PLANNED_ROWS = 8   # row counts a plan covers; more rows run oneDNN's product as they are
+MKL_ROWS = 4       # row counts MKL's product is timed at (it repacks the weight on every call above a few rows)
+PAD_MARGIN = 1.03  # padding must beat the unpadded product by this much: a gain within the timing noise is not one
+PLAN_VERSION = 1   # bump when what a plan means changes: cached plans of older versions are measured again
+
+Route = tuple[bool, int]  # (MKL's product on the plain weight, rows after padding)
 
 
 def _onednn_available(weight: torch.Tensor) -> bool:
@@ -11,20 +28,25 @@ def _onednn_available(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-class Linear:
-    """y = x @ weight.T (+ bias): MKL's product for a few rows, oneDNN's with a prepacked weight for more (CPUs).
+def untuned_routes(plain_max_rows: int = 3) -> tuple[Route, ...]:
+    """The rule before any measurement (right on the Intel Xeons this project measured until session 14): MKL's
+    product for up to `plain_max_rows` rows, oneDNN's for more, no padding. Index n: the route of n rows."""
+    return ((True, 0),) + tuple((n <= plain_max_rows, n) for n in range(1, PLANNED_ROWS + 1))
 
-    Why two: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix, and a decode step is
-    bound by reading those weights. MKL (torch's default, F.linear) streams a plain weight fastest for up to
-    `PLAIN_MAX_ROWS` rows (a matrix-vector product), but repacks it on every call from there on, so its cost grows with
-    the rows; oneDNN with a weight packed once stays near its one-row cost up to several rows, with a higher fixed cost
-    (measured: BENCHMARKS.md, "Verification cost on this CPU"). A float32 weight is kept in both layouts (the packed
-    copy is as large as the weight); elsewhere it is F.linear.
+
+class Linear:
+    """y = x @ weight.T (+ bias), the product of n rows by `routes[n]`: MKL's (F.linear on the plain weight) or
+    oneDNN's (on the weight packed once), on n rows or on n padded with zero rows to a count that runs faster.
+
+    Why: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix, and a decode step is
+    bound by reading those weights. Which kernel streams a weight fastest for a few rows depends on the CPU, and so does
+    the blocking oneDNN picks per row count: on an Intel Xeon MKL won up to three rows; on an AMD EPYC (Zen 4) oneDNN
+    wins at every count and reads weights faster for four to six rows than for one or two (BENCHMARKS.md,
+    "Products by row count"). `tune_products` measures it; until then the routes are `untuned_routes()`. A float32
+    weight is kept in both layouts (the packed copy is as large as the weight); without oneDNN it is F.linear.
     """
 
-    PLAIN_MAX_ROWS = 3  # on this CPU, for SmolLM2's matrices (`bench_verify_cost.py --plain-max-rows N` compares)
-
-    __slots__ = ("weight", "bias", "packed", "compute_dtype")
+    __slots__ = ("weight", "bias", "packed", "compute_dtype", "routes", "shape", "dtype")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  compute_dtype: torch.dtype | None = None):
@@ -33,31 +55,146 @@ class Linear:
         if self.compute_dtype is not None:
             weight = weight.to(self.compute_dtype)
             bias = None if bias is None else bias.to(self.compute_dtype)
-        self.bias = bias
+        self.bias, self.shape, self.dtype = bias, tuple(weight.shape), weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack and _onednn_available(weight) \
             else None
         # the plain weight stays for MKL's few-row products, except in bfloat16 (torch repacks it for every call)
         self.weight = weight if self.packed is None or weight.dtype == torch.float32 else None
+        self.routes: tuple[Route, ...] = untuned_routes()
 
-    def _plain(self, x: torch.Tensor) -> bool:
-        return self.packed is None or (self.weight is not None and x.numel() <= self.PLAIN_MAX_ROWS * x.shape[-1])
+    @property
+    def family(self) -> str:
+        """What a product's speed depends on besides the rows: the weight's shape and dtype, the kernels at hand."""
+        return (f"{self.shape[0]}x{self.shape[1]} {str(self.dtype).removeprefix('torch.')} "
+                f"mkl={self.weight is not None} bias={self.bias is not None}")
+
+    def _route(self, rows: int) -> Route:
+        if self.packed is None:
+            return True, rows
+        if rows < len(self.routes):
+            plain, padded = self.routes[rows]
+            return plain and self.weight is not None, padded
+        return False, rows
+
+    def _product(self, x: torch.Tensor, plain: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, in] (and residual [n, out]) -> [n, out] by the kernel named."""
+        if plain:
+            if residual is None:
+                return F.linear(x, self.weight, self.bias)
+            return torch.addmm(residual if self.bias is None else residual + self.bias, x, self.weight.t())
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), self.packed, self.bias, "add")
+
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        plain, padded = self._route(rows)
+        flat = x.reshape(rows, x.shape[-1])
+        flat_residual = None if residual is None else residual.reshape(rows, residual.shape[-1])
+        if padded > rows:  # zero rows cost nothing to make and are cut away after
+            flat = F.pad(flat, (0, 0, 0, padded - rows))
+            flat_residual = None if residual is None else F.pad(flat_residual, (0, 0, 0, padded - rows))
+        out = self._product(flat, plain, flat_residual)[:rows]
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is not None and x.dtype != self.compute_dtype:
             return self(x.to(self.compute_dtype)).to(x.dtype)
-        if self._plain(x):
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self._run(x)
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + self(x), the addition fused into the product (a residual connection: one pass less)."""
         if self.compute_dtype is not None or residual.shape[:-1] != x.shape[:-1]:
             return residual + self(x)
-        if self._plain(x):
-            bias_and_residual = residual if self.bias is None else residual + self.bias
-            return torch.addmm(bias_and_residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]),
-                               self.weight.t()).view(residual.shape)
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), self.packed, self.bias, "add")
+        return self._run(x, residual)
+
+
+# ------------------------------------------------------------------------------------------------ tuning
+
+
+def _time_routes(linears: Sequence[Linear], repeats: int) -> dict[str, dict[Route, float]]:
+    """Seconds of each family's products (summed over its members) by route, timed as a forward pass meets them:
+    every Linear in order, so each weight comes from memory as in a decode step, not from a cache a repeat warmed."""
+    routes = [(False, m) for m in range(1, PLANNED_ROWS + 1)] + [(True, m) for m in range(1, MKL_ROWS + 1)]
+    best: dict[str, dict[Route, float]] = defaultdict(dict)
+    inputs: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+    with torch.inference_mode():
+        for round_ in range(repeats + 1):  # round 0 warms every kernel's shape up
+            for plain, m in routes:
+                sums: dict[str, float] = defaultdict(float)
+                for lin in linears:
+                    if plain and lin.weight is None:
+                        continue
+                    key = (lin.shape[1], m, lin.dtype)
+                    if key not in inputs:
+                        inputs[key] = torch.randn(m, lin.shape[1], dtype=lin.dtype)
+                    start = time.perf_counter()
+                    lin._product(inputs[key], plain)
+                    sums[lin.family] += time.perf_counter() - start
+                if round_:
+                    for family, seconds in sums.items():
+                        best[family][plain, m] = min(best[family].get((plain, m), float("inf")), seconds)
+    return best
+
+
+def plan_routes(times: dict[Route, float]) -> tuple[Route, ...]:
+    """The fastest route for each row count n from one family's timings: MKL's at n, or oneDNN's at n or at a larger
+    count (padding), where padding must win by PAD_MARGIN."""
+    plan: list[Route] = [(True, 0)]
+    for n in range(1, PLANNED_ROWS + 1):
+        options = [(t * (PAD_MARGIN if m > n else 1.0), (plain, m)) for (plain, m), t in times.items()
+                   if m == n or (not plain and m > n)]
+        plan.append(min(options)[1] if options else (False, n))
+    return tuple(plan)
+
+
+def _machine_key() -> str:
+    from hybridspec.machine import cpu_model
+
+    return f"{cpu_model()} | {os.cpu_count()} cpus | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def _plans_path() -> Path:
+    from hybridspec.models import cache_dir
+
+    return cache_dir() / f"product_plans_v{PLAN_VERSION}.json"
+
+
+def tune_products(linears: Iterable[Linear], *, repeats: int = 2, remeasure: bool = False) -> dict[str, list[Route]]:
+    """Give every packed Linear the fastest route per row count on this machine (`plan_routes`), measured over these
+    Linears in order (`_time_routes`: about 2 s for SmolLM2) and kept per machine in the user cache, so later loads on
+    the same machine read it back (remeasure=True measures again). Returns {family: routes}.
+
+    The measurement is as good as the machine is quiet while it runs: `hybridspec calibrate` measures again."""
+    linears = [lin for lin in linears if lin.packed is not None]
+    if not linears:
+        return {}
+    path, machine = _plans_path(), _machine_key()
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    known = stored.get(machine, {})
+    families = {lin.family for lin in linears}
+    if remeasure or not families <= known.keys():
+        measured = _time_routes(linears, repeats)
+        known = {**known, **{family: [list(r) for r in plan_routes(times)] for family, times in measured.items()}}
+        stored[machine] = known
+        _write_json_atomically(path, stored)
+    for lin in linears:
+        lin.routes = tuple((bool(plain), int(m)) for plain, m in known[lin.family])
+    return {family: known[family] for family in families}
+
+
+def _write_json_atomically(path: Path, data: object) -> None:
+    """Write to a temporary file beside `path` and rename it into place: a reader never sees half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump(data, f, indent=1)
+        os.replace(f.name, path)
+    except OSError:  # a read-only cache: the plan holds for this process only
+        pass
 
 
 class PackedLinear(torch.nn.Module):
@@ -81,12 +218,15 @@ def fast_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_linears(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+def pack_linears(module: torch.nn.Module, compute_dtype: torch.dtype | None = None, tune: bool = True
+                 ) -> torch.nn.Module:
     """Swap every nn.Linear inside `module` for a `PackedLinear` (a drafter run next to the target at small batch),
-    multiplying in compute_dtype if given."""
+    multiplying in compute_dtype if given, its products routed as this machine runs them fastest (`tune_products`)."""
     for name, child in module.named_children():
         if type(child) is torch.nn.Linear:
             setattr(module, name, PackedLinear(child, compute_dtype))
         else:
-            pack_linears(child, compute_dtype)
+            pack_linears(child, compute_dtype, tune=False)
+    if tune:
+        tune_products([m.linear for m in module.modules() if isinstance(m, PackedLinear)])
     return module

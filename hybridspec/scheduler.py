@@ -48,26 +48,35 @@ class TurnLock:
 
 class StepScheduler(Generic[Call]):
     """Runs `run_step(calls)` for every call whose thread is waiting for its next decode step. Anything else that
-    touches shared state (a call's prefill, its end) runs under `lock` too."""
+    touches shared state (a call's prefill, its end) runs under `lock` too.
 
-    def __init__(self, run_step: Callable[[list[Call]], None]) -> None:
+    live(): how many calls are running (begun, not ended). A thread that gets to run a step while some of them have
+    not asked for it yet waits up to `gather_s` for them: a thread a moment late (handing its text delta to an HTTP
+    response, say) would otherwise miss the step and run the next one alone, a pass of the target for fewer rows."""
+
+    def __init__(self, run_step: Callable[[list[Call]], None], live: Callable[[], int] | None = None,
+                 gather_s: float = 0.002) -> None:
         self.lock = TurnLock()
         self._run_step = run_step
+        self._live, self._gather_s = live, gather_s
         self._waiting: list[Call] = []
-        self._waiting_lock = threading.Lock()
+        self._arrived = threading.Condition()  # guards _waiting
 
     def join_step(self, call: Call) -> None:
         """Return once `call`'s next decode step has run: run by this thread, with every call waiting then, or by
         another thread that got the lock first."""
-        with self._waiting_lock:
+        with self._arrived:
             self._waiting.append(call)
+            self._arrived.notify_all()
         with self.lock:
-            with self._waiting_lock:
-                batch = self._waiting if any(c is call for c in self._waiting) else []
-                if batch:
-                    self._waiting = []
-            if batch:
-                self._run_step(batch)
+            with self._arrived:
+                if not any(c is call for c in self._waiting):
+                    return  # another thread ran this call's step
+                if self._live is not None:
+                    expected = self._live()
+                    self._arrived.wait_for(lambda: len(self._waiting) >= expected, timeout=self._gather_s)
+                batch, self._waiting = self._waiting, []
+            self._run_step(batch)
 
 
 @contextlib.contextmanager

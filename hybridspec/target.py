@@ -38,12 +38,19 @@ import torch
 import torch.nn.functional as F
 
 from hybridspec.kv_cache import KVCache, tree_depths_and_mask
-from hybridspec.linear import Linear, fast_bf16
+from hybridspec.linear import Linear, fast_bf16, tune_products
 from hybridspec.speculators.features import default_aux_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # PyTorch's CPU flash attention, which also returns the log-sum-exp of each query's scores (GQA without repeats).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+try:  # the attention kernel of decode and verification steps on a CPU (built with the package; AVX-512 CPUs)
+    from hybridspec import _attention as _step_attention
+except ImportError:  # pragma: no cover - a build without it: PyTorch's attention throughout
+    _step_attention = None
+# The most step inputs per cache that attend by the kernel: it reads every key once for all of them, where PyTorch's
+# flash attention is faster only for long prompt chunks (BENCHMARKS.md, "Attention of a step").
+STEP_KERNEL_MAX_QUERIES = 64
 # Prefill chunks: long where the chunk attends causally without a mask (the causal kernel skips more of the blocks
 # above the diagonal in one long chunk than in several short ones), short where a mask is needed (its memory).
 CAUSAL_CHUNK, MASKED_CHUNK = 2048, 512
@@ -176,6 +183,9 @@ class _Attention:
     start: int | None  # every row has this length: the inputs go to one slice of slots
     causal_chunk: bool  # rows of equal length whose q inputs are consecutive: attend in two mask-free parts
     causal_rows: int = 0  # one row: its first inputs attend as a causal chunk, the others by `mask` (theirs only)
+    # The step kernel's inputs (`hybridspec._attention`) where it runs instead of `mask`: per row the keys every input
+    # sees ([b] int64), which of the step's own keys each input sees ([b, q, q] uint8), a scratch for the scores
+    kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class _Layer:
@@ -204,7 +214,7 @@ class _Layer:
 class TargetModel:
     """A Llama-family transformers model run with a static KV cache, tree attention and hidden-state capture."""
 
-    def __init__(self, model, max_seq_len: int | None = None, pack_weights: bool = True):
+    def __init__(self, model, max_seq_len: int | None = None, pack_weights: bool = True, tune: bool = True):
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
@@ -227,6 +237,9 @@ class TargetModel:
         self.dtype = decoder.embed_tokens.weight.dtype
         self.device = decoder.embed_tokens.weight.device
         self._cpu_flash = _FLASH_CPU is not None and self.device.type == "cpu"
+        # A step's attention (not a prompt chunk's) runs our CPU kernel where it can (see STEP_KERNEL_MAX_QUERIES)
+        self._step_kernel = (_step_attention is not None and self.device.type == "cpu" and self.dtype == torch.float32
+                             and self.head_dim in (16, 32, 64, 128) and _step_attention.supported())
         # The longest prompt chunk a step with a draft tree runs in one pass: where the chunk attends causally apart
         # (`ForwardPart.causal_rows`) the mask spans the tree alone; elsewhere it spans the chunk too.
         self.tree_prompt_chunk = CAUSAL_CHUNK if self._cpu_flash else MASKED_CHUNK
@@ -238,6 +251,8 @@ class TargetModel:
             self.lm_head = Linear(model.get_output_embeddings().weight, pack=pack_weights)
             self.greedy_head = _GreedyHead(model.get_output_embeddings().weight) \
                 if pack_weights and self.dtype == torch.float32 and self.device.type == "cpu" and fast_bf16() else None
+            if pack_weights and tune:  # each product's kernel and rows as this machine runs them fastest
+                tune_products(self.linears())
             # The rotary table for every position, computed once by the model's own rotary module (any RoPE scaling),
             # as one complex number per pair of dimensions (see _interleave_rotary_pairs).
             positions = torch.arange(self.max_seq_len, device=self.device)[None]
@@ -249,10 +264,17 @@ class TargetModel:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
-                        max_seq_len: int | None = None, pack_weights: bool = True) -> "TargetModel":
+                        max_seq_len: int | None = None, pack_weights: bool = True,
+                        tune: bool = True) -> "TargetModel":
         from hybridspec.models import load_model
 
-        return cls(load_model(name_or_path, dtype=dtype), max_seq_len=max_seq_len, pack_weights=pack_weights)
+        return cls(load_model(name_or_path, dtype=dtype), max_seq_len=max_seq_len, pack_weights=pack_weights,
+                   tune=tune)
+
+    def linears(self) -> list[Linear]:
+        """Every product of a forward pass, in the order a pass runs them."""
+        products = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return products + [self.lm_head] + ([self.greedy_head.bf16] if self.greedy_head is not None else [])
 
     def new_cache(self, batch_size: int = 1, capacity: int = 1024) -> KVCache:
         return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim,
@@ -292,6 +314,12 @@ class TargetModel:
         mask[row_ids, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = tree_mask
         same_length = all(n == cache.lengths[0] for n in cache.lengths)
         causal_chunk = causal and same_length and self._cpu_flash
+        if not causal_chunk and self._step_kernel and q - causal_rows <= STEP_KERNEL_MAX_QUERIES:
+            steps = q - causal_rows
+            see = tree_mask[:, causal_rows:, causal_rows:].to(torch.uint8).contiguous()
+            scores = torch.empty(self.num_heads // self.num_kv_heads * steps * (kv_len + 16), dtype=torch.float32)
+            return _Attention(cache, kv_len, None, slots, cache.lengths[0] if same_length else None, False,
+                              causal_rows, (lengths + causal_rows, see, scores))
         folded_mask = None
         mask = mask[:, causal_rows:]  # rows of a causal chunk need none
         if not causal_chunk and not bool(mask.all()):
@@ -331,6 +359,14 @@ class TargetModel:
         # rather than once per query head (BENCHMARKS.md, "Verification cost on this CPU").
         bsz, _, q, head_dim = query.shape
         folded = query.reshape(bsz, self.num_kv_heads, self.num_heads // self.num_kv_heads * q, head_dim)
+        if g.kernel is not None:
+            prefix, see, scores = g.kernel
+            folded, out = folded.contiguous(), torch.empty_like(folded)
+            _step_attention.decode_attention(
+                folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scores.data_ptr(), bsz,
+                self.num_kv_heads, folded.shape[2], head_dim, q, prefix.data_ptr(), see.data_ptr(), keys.stride(0),
+                keys.stride(1), keys.stride(2), head_dim ** -0.5)
+            return out.view(bsz, self.num_heads, q, head_dim)
         keys, values = keys[:, :, :g.kv_len], values[:, :, :g.kv_len]
         if self._cpu_flash:
             out = _FLASH_CPU(folded, keys, values, attn_mask=g.mask)[0]

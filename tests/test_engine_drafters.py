@@ -97,8 +97,9 @@ def test_greedy_with_a_drafter_is_token_identical(engine, kind, batch, tree):
 def test_a_drafters_prompt_runs_in_its_steps_passes(target_model, speculate, context, monkeypatch):
     """A drafter's (or a hybrid's) single prompt runs in its steps' passes, as any other: with its first step (one
     pass less than a prefill of its own), or a chunk per step while another call runs. The features of the prompt's
-    last `drafter_context` positions reach the drafter all the same (across chunk boundaries too): the same tokens
-    and the same drafts (steps, accepted tokens) as with a prefill of its own."""
+    last `drafter_context` positions reach the drafter all the same (across chunk boundaries too, and when a running
+    call that began with the same tokens lends it the positions before them): the same tokens and the same drafts
+    (steps, accepted tokens) as with a prefill of its own."""
     def make(**kwargs) -> tuple[Engine, list[int]]:
         target, passes = TargetModel(target_model), []
         forward = target.forward
@@ -138,7 +139,12 @@ def test_a_drafters_prompt_runs_in_its_steps_passes(target_model, speculate, con
         assert torch.allclose(features.aux, given[0].aux, atol=1e-4)
         assert torch.allclose(features.final, given[0].final, atol=1e-4)
     assert len(apart_passes) - len(fused_passes) == 1
-    assert len(chunked_passes) == len(fused_passes) + 7  # 39 prompt tokens: 7 chunks alone, the 8th with a step
+    # the running call began with the same tokens: those positions whose features the drafter does not read are
+    # copied from it (in-flight prefix sharing); the rest, 39 prompt tokens at most, run in chunks of 5, the last
+    # with the first step
+    copied = results["chunked"].stats.cached_tokens
+    assert (copied > 0) == (context < len(prompt) - 1)
+    assert len(chunked_passes) == len(fused_passes) + -(-(len(prompt) - 1 - copied) // 5) - 1
 
 
 def test_drafters_draft_trees_by_default(target_model):

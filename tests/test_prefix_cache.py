@@ -373,6 +373,61 @@ def test_a_long_prompt_prefills_in_chunks_while_another_call_decodes(tiny_model,
     assert len(shared) >= 5  # passes that ran a chunk of the long prompt and a decode step of the short call
 
 
+@pytest.mark.parametrize("speculate", ["none", "suffix"])
+def test_a_prompt_copies_what_a_running_call_ran_of_the_same_tokens(tiny_model, tiny_tokenizer, uncached, speculate):
+    """In-flight prefix sharing: a call that begins while another call runs (nothing in the prefix cache yet) copies
+    the KV of the prompt tokens the two share from that call's cache and runs only the rest; outputs are those of
+    each call alone (a drafter's: tests/test_engine_drafters.py)."""
+    engine = make_engine(tiny_model, tiny_tokenizer, prefill_chunk=8)
+    rng = random.Random(11)
+    system = tokens(rng, 60)
+    first, second = system + tokens(rng, 10), system + tokens(rng, 7)
+    a = engine.stream(first, max_new_tokens=12, speculate=speculate)
+    a_text = next(a)  # a runs its whole prompt (no one else is running) and is still live
+    b = engine.stream(second, max_new_tokens=12, speculate=speculate)
+    b_text = "".join(b)
+    a_text += "".join(a)
+    assert a.result.token_ids == uncached.generate(first, max_new_tokens=12, speculate=speculate).token_ids
+    assert b.result.token_ids == uncached.generate(second, max_new_tokens=12, speculate=speculate).token_ids
+    assert a_text == a.result.text and b_text == b.result.text
+    assert b.result.stats.prefill_tokens == len(second) - 1 - len(system)
+    assert b.result.stats.cached_tokens == len(system)
+
+
+def test_a_call_waits_for_an_earlier_call_running_the_same_prompt_tokens(tiny_model, tiny_tokenizer, uncached):
+    """Two calls with a long shared prompt prefix that begin together: the later one skips the passes in which the
+    earlier one runs the shared positions and copies them after; the shared tokens run once."""
+    engine = make_engine(tiny_model, tiny_tokenizer, prefill_chunk=8)
+    rng = random.Random(12)
+    system = tokens(rng, 40)
+    prompts = [system + tokens(rng, 5), system + tokens(rng, 9)]
+    calls = [engine._start_call([p], dict(max_new_tokens=6, speculate="none")) for p in prompts]
+    for call in calls:
+        call.start = 0.0
+        engine._live.append(call)
+        engine._begin(call)
+    passes = []
+    step_many = engine.target.step_many
+
+    def recording(inputs, **kwargs):
+        passes.append([len(i.prompt) for i in inputs])
+        return step_many(inputs, **kwargs)
+
+    engine.target.step_many = recording
+    while any(c.live for c in calls):
+        engine._decode_step([c for c in calls if c.live])
+    for call in calls:
+        engine._live.remove(call)
+        engine._end(call)
+    for call, prompt in zip(calls, prompts):
+        assert call.results(engine._decode)[0].token_ids == uncached.generate(
+            prompt, max_new_tokens=6, speculate="none").token_ids
+    assert passes[0] == [8]  # the later call waited while the earlier one ran the first shared chunk
+    ran = sum(n for pass_ in passes for n in pass_)
+    assert ran == sum(len(p) - 1 for p in prompts) - len(system)  # the shared positions ran once
+    assert calls[1].stats.cached_tokens == len(system)
+
+
 def test_calls_take_turns_step_by_step(tiny_model, tiny_tokenizer):
     """Two long calls started together finish close together: the lock is granted in arrival order, step by step,
     not to one call until its end."""

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from bench_verify_cost import measure_prefill, measure_verify_cost
+from bench_verify_cost import measure_prefill
+from hybridspec.calibration import measure_verify_cost
 from hybridspec.kv_cache import tree_depths_and_mask
 from hybridspec.speculators import default_aux_layer_ids
 from hybridspec.target import StepInput, TargetModel
@@ -202,6 +203,39 @@ def test_measure_verify_cost_reports_every_size(target):
     assert cost["relative"][0] == 1.0 and all(t > 0 for t in cost["ms"])
 
 
+def test_machine_verify_cost_is_measured_once_per_machine_and_model(target, tmp_path, monkeypatch):
+    """Engine(verify_cost="auto"): the table is measured on first use (contexts that fit the model only), kept in the
+    user cache, read back by later engines on the same model, and what the gate plans with."""
+    from hybridspec import calibration
+    from hybridspec.router import CostGate
+
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    measured = []
+
+    def quick(target, *, context, repeats, prefill):
+        measured.append(context)
+        assert not prefill  # the cache is filled, not prefilled
+        return measure_verify_cost(target, (0, 1, 4), context=context, repeats=1, prefill=False)
+
+    monkeypatch.setattr(calibration, "measure_verify_cost", quick)
+    tables = calibration.machine_verify_cost(target, contexts=(64, 128, 4096), progress=False)
+    assert measured == [64, 128]  # 4096 is past the tiny model's 512 positions
+    assert [t["context"] for t in tables["by_context"]] == [64, 128]
+    assert calibration.machine_verify_cost(target, contexts=(64, 128), progress=False) == tables
+    assert measured == [64, 128]  # read back, not measured again
+    gate = CostGate(tables)
+    first = tables["by_context"][0]
+    ratios = [t / first["ms"][0] for t in first["ms"]]  # k = 0, 1, 4
+    assert gate.cost(4, 64) == pytest.approx(max(1.0, ratios[1], ratios[2]), rel=1e-6)  # made non-decreasing
+    calibration.machine_verify_cost(target, contexts=(64, 128), remeasure=True, progress=False)
+    assert measured == [64, 128, 64, 128]
+
+
+def test_measure_verify_cost_without_prefill_fills_the_cache(target):
+    cost = measure_verify_cost(target, (0, 3), context=100, repeats=1, prefill=False)
+    assert cost["context"] == 100 and len(cost["ms"]) == 2 and all(t > 0 for t in cost["ms"])
+
+
 def test_measure_prefill_times_the_new_tokens_after_the_cached_ones(target):
     result = measure_prefill(target, cached=20, new=12, repeats=1)
     assert (result["cached"], result["new"]) == (20, 12) and result["s"] > 0
@@ -230,11 +264,12 @@ def test_linear_products_in_a_compute_dtype(rows):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_runs_mkl_for_few_rows_and_onednn_for_more(bias, monkeypatch):
-    """A packed float32 Linear multiplies up to PLAIN_MAX_ROWS rows with F.linear on its plain weight and more rows
-    with oneDNN's packed product; both (and `plus`) give F.linear's result."""
+def test_linear_follows_its_routes(bias, monkeypatch):
+    """A packed float32 Linear multiplies n rows as routes[n] says: MKL's product (F.linear on its plain weight) or
+    oneDNN's packed one, on n rows or on n padded with zero rows; every route (and `plus`) gives F.linear's result.
+    Row counts past the routes run oneDNN's product as they are."""
     from hybridspec import linear
-    from hybridspec.linear import Linear
+    from hybridspec.linear import PLANNED_ROWS, Linear
 
     F = torch.nn.functional
     torch.manual_seed(0)
@@ -242,16 +277,76 @@ def test_linear_runs_mkl_for_few_rows_and_onednn_for_more(bias, monkeypatch):
     lin = Linear(w, b)
     if lin.packed is None:
         pytest.skip("oneDNN is not available in this torch build")
-    calls = []
-    monkeypatch.setattr(linear, "F", type("Spy", (), {"linear": lambda *a: calls.append("mkl") or F.linear(*a)}))
-    for rows in range(1, Linear.PLAIN_MAX_ROWS + 3):
+    calls, onednn = [], torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(linear, "F", type("Spy", (), {"linear": lambda *a: calls.append(("mkl", a[0].shape[0]))
+                                                      or F.linear(*a), "pad": F.pad}))
+    routes = [(True, 0)] + [(n % 2 == 1 and n <= 3, n + (n % 3)) for n in range(1, PLANNED_ROWS + 1)]
+    lin.routes = tuple(routes)
+    for rows in range(1, PLANNED_ROWS + 3):
         calls.clear()
         x, residual = torch.randn(1, rows, 64), torch.randn(1, rows, 96)
         torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-        assert calls == (["mkl"] if rows <= Linear.PLAIN_MAX_ROWS else [])
         torch.testing.assert_close(lin.plus(x, residual), residual + F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        plain, padded = routes[rows] if rows <= PLANNED_ROWS else (False, rows)
+        assert calls == ([("mkl", padded)] if plain else [])
+        if not plain:  # the packed product saw the padded rows
+            seen = []
+            monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                                type("Spy", (), {"__call__": staticmethod(lambda x, *a: seen.append(x.shape[0])
+                                                                          or onednn(x, *a))})())
+            lin(x)
+            monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", onednn)
+            assert seen == [padded]
     bf16 = Linear(w, b, compute_dtype=torch.bfloat16)
     assert bf16.weight is None  # a bfloat16 weight is kept packed only
+    assert bf16._route(1) == (False, 1)  # no MKL route without the plain weight
+
+
+def test_plan_routes_takes_the_fastest_route_and_pads_only_for_a_clear_gain():
+    from hybridspec.linear import PAD_MARGIN, PLANNED_ROWS, plan_routes
+
+    times = {(False, m): 1.0 for m in range(1, PLANNED_ROWS + 1)}
+    times[False, 4] = 0.8                      # four rows run faster than one to three
+    times[True, 1] = 0.7                       # MKL's one-row product is the fastest of all
+    times[False, 6] = 1.0 / PAD_MARGIN + 1e-3  # faster than five rows, but within the margin
+    plan = plan_routes(times)
+    assert plan[1] == (True, 1)
+    assert plan[2] == plan[3] == (False, 4)
+    assert plan[4] == (False, 4)
+    assert plan[5] == (False, 5)  # padding to six would gain less than PAD_MARGIN
+    assert all(plan[n] == (False, n) for n in range(6, PLANNED_ROWS + 1))
+
+
+def test_tune_products_measures_once_per_machine_and_keeps_the_plan(tmp_path, monkeypatch):
+    """The first tuning measures and stores the routes in the user cache; a second (another model with the same
+    products, a later process) reads them back; remeasure=True measures again."""
+    from hybridspec import linear
+    from hybridspec.linear import Linear, tune_products
+
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    measured = []
+    real = linear._time_routes
+
+    def counting(linears, repeats):
+        measured.append(len(linears))
+        return real(linears, repeats=1)
+
+    monkeypatch.setattr(linear, "_time_routes", counting)
+    torch.manual_seed(0)
+    layers = [Linear(torch.randn(32, 16)) for _ in range(3)] + [Linear(torch.randn(16, 32))]
+    if layers[0].packed is None:
+        pytest.skip("oneDNN is not available in this torch build")
+    plans = tune_products(layers)
+    assert measured == [4] and set(plans) == {layers[0].family, layers[3].family}
+    assert all(lin.routes == tuple(map(tuple, plans[lin.family])) for lin in layers)
+    assert list(tmp_path.glob("product_plans_*.json"))
+    again = [Linear(torch.randn(32, 16))]
+    tune_products(again)
+    assert measured == [4] and again[0].routes == layers[0].routes
+    tune_products(again, remeasure=True)
+    assert measured == [4, 1]
+    x = torch.randn(2, 16)  # whatever the routes, the products are right
+    torch.testing.assert_close(again[0](x), x @ again[0].weight.T, atol=1e-4, rtol=1e-4)
 
 
 def test_greedy_head_finds_the_float32_argmax_in_near_ties():

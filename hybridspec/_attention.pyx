@@ -1,0 +1,28 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The CPU attention kernel of decode and verification steps (`attention_kernel.h`), on raw pointers of tensors the
+caller checked (`hybridspec.target`): a thin layer, the GIL released while it runs."""
+from libc.stdint cimport int64_t, uint8_t, uintptr_t
+
+
+cdef extern from "attention_kernel.h" nogil:
+    int hs_attention_supported()
+    int hs_decode_attention(const float *q, const float *keys, const float *values, float *out, float *scores,
+                             int batch, int kv_heads, int rows, int dim, int nq, const int64_t *prefix,
+                             const uint8_t *see, long batch_stride, long head_stride, long key_stride, float scale)
+
+
+def supported() -> bool:
+    """Whether this CPU runs the kernel (AVX-512F)."""
+    return bool(hs_attention_supported())
+
+
+def decode_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t out, uintptr_t scores, int batch,
+                     int kv_heads, int rows, int dim, int nq, uintptr_t prefix, uintptr_t see, long batch_stride,
+                     long head_stride, long key_stride, float scale) -> bool:
+    """False: head_dim is not one the kernel has (16, 32, 64, 128); nothing was computed."""
+    cdef int done
+    with nogil:
+        done = hs_decode_attention(<const float *>q, <const float *>keys, <const float *>values, <float *>out,
+                                   <float *>scores, batch, kv_heads, rows, dim, nq, <const int64_t *>prefix,
+                                   <const uint8_t *>see, batch_stride, head_stride, key_stride, scale)
+    return bool(done)

@@ -1,0 +1,132 @@
+"""What a verification pass costs on this machine: the table the router's cost gate plans with (`Engine(verify_cost=
+"auto")`, the default), measured once per machine and model and kept in the user cache.
+
+Why measured here rather than built in: which draft sizes are nearly free depends on the CPU. On the Intel Xeon of
+sessions 8-14 a pass over four draft tokens cost 1.39 plain steps; on an AMD EPYC (Zen 4), once its products run
+their fastest routes (`hybridspec.linear.tune_products`), about 1.1. A gate that plans with another machine's table
+drafts too little there, or too much.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
+
+from hybridspec.linear import _machine_key, _write_json_atomically
+from hybridspec.target import TargetModel
+
+DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
+AUTO_CONTEXTS = (512, 2048, 4096)  # as the built-in tables (router/cost.py)
+CALIBRATION_VERSION = 1  # bump when the measurement changes: cached tables of older versions are measured again
+
+
+def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAULT_COST_DRAFT_TOKENS,
+                        context: int = 512, batch_size: int = 1, repeats: int = 7, seed: int = 0,
+                        greedy: bool = True, prefill: bool = True) -> dict:
+    """Time one pass over [last token] + k draft tokens at a warm `context`-token cache, for each k; greedy: as the
+    engine runs a greedy step (only the logits' argmax needed), else with full logits (sampling). prefill=False
+    fills the cache with `context` zero keys and values instead of running a prefill (seconds less; attention costs
+    the same whatever the values).
+
+    Reports the median wall time of `repeats` passes per k (and the process CPU time, less disturbed by other
+    processes on a shared machine), interleaving the sizes round by round so that load from other processes spreads
+    over all of them alike; `relative[i]` = t(1 + k_i) / t(1).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    cache = target.new_cache(batch_size, capacity=context + max(draft_tokens) + 1)
+    if prefill:
+        target.prefill(cache, torch.randint(0, target.vocab_size, (batch_size, context), generator=gen).tolist())
+    else:
+        cache.reserve(context + max(draft_tokens) + 1)
+        cache.lengths[:] = [context] * batch_size
+    wall: dict[int, list[float]] = {k: [] for k in draft_tokens}
+    cpu: dict[int, list[float]] = {k: [] for k in draft_tokens}
+    for round_ in range(repeats + 1):
+        for k in draft_tokens:
+            drafts = [torch.randint(0, target.vocab_size, (k,), generator=gen).tolist() for _ in range(batch_size)]
+            start, start_cpu = time.perf_counter(), time.process_time()
+            target.step(cache, [1] * batch_size, drafts, argmax_only=greedy)
+            if round_ > 0:  # round 0 warms up every shape
+                wall[k].append(time.perf_counter() - start)
+                cpu[k].append(time.process_time() - start_cpu)
+    ms = [1000 * statistics.median(wall[k]) for k in draft_tokens]
+    cpu_ms = [1000 * statistics.median(cpu[k]) for k in draft_tokens]
+    base = ms[list(draft_tokens).index(0)] if 0 in draft_tokens else ms[0]
+    return {"draft_tokens": list(draft_tokens), "ms": [round(t, 3) for t in ms],
+            "relative": [round(t / base, 4) for t in ms], "cpu_ms": [round(t, 3) for t in cpu_ms],
+            "context": context, "batch_size": batch_size, "greedy": greedy,
+            "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "model": target.config.name_or_path, "repeats": repeats}
+
+
+def _model_key(target: TargetModel) -> str:
+    c = target.config
+    return (f"{c.model_type} {target.num_layers} layers {target.hidden_size} hidden {target.num_heads}/"
+            f"{target.num_kv_heads} heads {getattr(c, 'intermediate_size', '?')} mlp {target.vocab_size} vocab "
+            f"{str(target.dtype).removeprefix('torch.')} {target.device.type}")
+
+
+def _tables_path():
+    from hybridspec.models import cache_dir
+
+    return cache_dir() / f"verify_cost_v{CALIBRATION_VERSION}.json"
+
+
+def machine_verify_cost(target: TargetModel, *, contexts: Sequence[int] = AUTO_CONTEXTS, repeats: int = 3,
+                        remeasure: bool = False, progress: bool = True) -> dict[str, Any]:
+    """This machine's verify-cost tables for `target` ({"by_context": [...]}, what `CostGate` reads): from the user
+    cache, else measured (about 10 s for SmolLM2 on a 2-core CPU; `progress` shows a bar) and stored there.
+    Contexts past the model's length are left out. `hybridspec calibrate` measures again (remeasure=True)."""
+    fits = [c for c in contexts if c + max(DEFAULT_COST_DRAFT_TOKENS) + 1 <= target.max_seq_len]
+    contexts = fits or [max(1, target.max_seq_len - max(DEFAULT_COST_DRAFT_TOKENS) - 1)]
+    path, machine, model = _tables_path(), _machine_key(), _model_key(target)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    tables = stored.get(machine, {}).get(model)
+    if remeasure or tables is None or [t["context"] for t in tables] != list(contexts):
+        from tqdm.auto import tqdm
+
+        bar = tqdm(contexts, desc="measuring this machine's verification cost (once)", unit="context",
+                   disable=None if progress else True, leave=False)
+        tables = [measure_verify_cost(target, context=c, repeats=repeats, prefill=False) for c in bar]
+        stored.setdefault(machine, {})[model] = tables
+        _write_json_atomically(path, stored)
+    return {"by_context": tables}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "calibrate", help="measure this machine's fastest products and verification costs again",
+        description="Measure again what the engine measures on first use and keeps in the user cache: each product's "
+                    "fastest kernel and row count (hybridspec.linear.tune_products) and the verification cost table "
+                    "the router plans with. Run it on a quiet machine, after a hardware or torch change, or when "
+                    "the first measurement ran beside other work.")
+    parser.add_argument("model", nargs="?", default="smollm2", help="'smollm2' or a local Hugging Face directory")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads the engine will run with")
+    parser.set_defaults(func=_calibrate)
+
+
+def _calibrate(args) -> int:
+    from hybridspec.linear import tune_products
+
+    if args.threads < 1:
+        raise SystemExit("--threads must be positive")
+    torch.set_num_threads(args.threads)
+    target = TargetModel.from_pretrained(args.model, tune=False)
+    plans = tune_products(target.linears(), remeasure=True)
+    print("products (rows -> kernel, rows run):")
+    for family, routes in plans.items():
+        print(f"  {family}: " + ", ".join(f"{n}->{'mkl' if plain else 'onednn'}@{m}"
+                                           for n, (plain, m) in enumerate(routes) if n))
+    tables = machine_verify_cost(target, remeasure=True)["by_context"]
+    print("verification cost, t(k) / t(0) for k draft tokens:")
+    for t in tables:
+        print(f"  {t['context']:>5} tokens of context: t(0) = {t['ms'][0]:.1f} ms; " + ", ".join(
+            f"{k}: {r:.2f}" for k, r in zip(t["draft_tokens"], t["relative"]) if k))
+    print(f"kept in {_tables_path().parent}")
+    return 0

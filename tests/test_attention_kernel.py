@@ -1,0 +1,124 @@
+"""The CPU attention kernel of decode and verification steps (`hybridspec/attention_kernel.h`): PyTorch's attention's
+result under any tree mask, rows of any length and every head size it takes; each row's output bitwise the same
+whatever else the step holds; and the target's steps equal with the kernel and without it."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybridspec.target import StepInput, TargetModel
+
+attention = pytest.importorskip("hybridspec._attention")
+if not attention.supported():
+    pytest.skip("this CPU has no AVX-512F: the target uses PyTorch's attention", allow_module_level=True)
+
+
+def run_kernel(q, keys, values, prefix, see):
+    """q [B, H, R, D]; keys/values [B, H, capacity, D]; prefix [B]; see [B, nq, nq] bool."""
+    b, h, r, d = q.shape
+    nq = see.shape[1]
+    q, out = q.contiguous(), torch.empty_like(q)
+    prefix = torch.as_tensor(prefix, dtype=torch.int64)
+    see = see.to(torch.uint8).contiguous()
+    scores = torch.empty(r * (int(prefix.max()) + nq + 16))
+    assert attention.decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
+                                      scores.data_ptr(), b, h, r, d, nq, prefix.data_ptr(), see.data_ptr(),
+                                      keys.stride(0), keys.stride(1), keys.stride(2), d ** -0.5)
+    return out
+
+
+def reference(q, keys, values, prefix, see):
+    b, h, r, d = q.shape
+    nq = see.shape[1]
+    outs = []
+    for row in range(b):
+        n = int(prefix[row]) + nq
+        mask = torch.ones(r, n, dtype=torch.bool)
+        for i in range(r):
+            mask[i, prefix[row]:] = see[row, i % nq]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[row], keys[row, :, :n], values[row, :, :n], attn_mask=mask))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("nq", [1, 3, 8])
+def test_the_kernel_is_attention_under_a_tree_mask(dim, nq):
+    """Rows of different lengths (a batch), a random tree over the step's own keys (each query sees itself), several
+    query heads folded onto each KV head, and lengths around the kernel's blocks of 16 keys."""
+    gen = torch.Generator().manual_seed(dim * 10 + nq)
+    batch, heads, group, capacity = 3, 2, 3, 90
+    q = torch.randn(batch, heads, group * nq, dim, generator=gen)
+    keys = torch.randn(batch, heads, capacity, dim, generator=gen)
+    values = torch.randn(batch, heads, capacity, dim, generator=gen)
+    prefix = [15, 32, 70][:batch]
+    see = (torch.rand(batch, nq, nq, generator=gen) < 0.5).tril() | torch.eye(nq, dtype=torch.bool)
+    torch.testing.assert_close(run_kernel(q, keys, values, prefix, see), reference(q, keys, values, prefix, see),
+                               atol=2e-6, rtol=2e-5)
+
+
+def test_the_kernel_rejects_a_head_size_it_does_not_have():
+    q = torch.randn(1, 1, 1, 48)
+    keys = torch.randn(1, 1, 8, 48)
+    assert not attention.decode_attention(q.data_ptr(), keys.data_ptr(), keys.data_ptr(), q.data_ptr(),
+                                          torch.empty(64).data_ptr(), 1, 1, 1, 48, 1,
+                                          torch.tensor([4]).data_ptr(), torch.ones(1, 1, 1, dtype=torch.uint8)
+                                          .data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), 1.0)
+
+
+def test_a_rows_output_does_not_depend_on_the_rest_of_the_step():
+    """A query's output is bitwise the same alone (a plain step) and in a verification pass of any size, where it
+    sees the same keys: the sums run in an order fixed by the key's index, and keys it does not see add exact zeros.
+    So speculation cannot change a token through attention's rounding."""
+    gen = torch.Generator().manual_seed(0)
+    dim, heads, group, prefix = 64, 3, 3, 203
+    keys = torch.randn(1, heads, 300, dim, generator=gen)
+    values = torch.randn(1, heads, 300, dim, generator=gen)
+    alone_q = torch.randn(1, heads, group, dim, generator=gen)
+    alone = run_kernel(alone_q, keys, values, [prefix], torch.ones(1, 1, 1, dtype=torch.bool))
+    for nq in (2, 5, 17):
+        # query 0 of the pass is the plain step's query; the others are draft tokens after it
+        q = torch.randn(1, heads, group * nq, dim, generator=gen)
+        q[:, :, ::nq] = alone_q
+        see = torch.ones(nq, nq, dtype=torch.bool).tril()[None]
+        out = run_kernel(q, keys, values, [prefix], see)
+        assert torch.equal(out[:, :, ::nq], alone)
+
+
+def test_target_steps_are_the_same_with_the_kernel_and_without(tiny_model):
+    """The target's verification passes (chains, trees, rows of different lengths, a prompt chunk before a tree)
+    give PyTorch attention's logits with the kernel."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (20, 33, 9)]
+    with_kernel, without = TargetModel(tiny_model), TargetModel(tiny_model)
+    assert with_kernel._step_kernel
+    without._step_kernel = False
+    outputs = []
+    for model in (with_kernel, without):
+        batch, one = model.new_cache(2, 128), model.new_cache(1, 128)
+        model.prefill(batch, prompts[:2])
+        model.prefill(one, prompts[2:])
+        tree = model.step(batch, [5, 6], [[7, 8, 9], [10]], [[-1, 0, 0], None]).logits
+        chunk_then_tree = model.step_many([StepInput(one, [4], [[11, 12, 13]], [[-1, 0, 1]],
+                                                     prompt=list(range(20, 40)))])[0].logits
+        outputs.append((tree, chunk_then_tree))
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+def test_bench_attention_writes_its_table(tmp_path, capsys):
+    import json
+
+    import bench_attention
+
+    path = tmp_path / "attention.json"
+    assert bench_attention.main(["--contexts", "40,70", "--queries", "1,3", "--layers", "2", "--repeats", "1",
+                                 "--bandwidth", "10", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["context"], r["queries"]) for r in rows] == [(40, 1), (40, 3), (70, 1), (70, 3)]
+    for r in rows:
+        assert r["speedup"] == pytest.approx(r["flash_ms"] / r["kernel_ms"], rel=0.1)
+        assert r["bound_ms"] == pytest.approx(2 * 2 * 3 * (r["context"] + r["queries"]) * 64 * 4 / 10e6, abs=1e-3)
+    assert "kernel ms" in capsys.readouterr().out
