@@ -1,5 +1,6 @@
 """What a verification pass costs on this machine: the table the router's cost gate plans with (`Engine(verify_cost=
-"auto")`, the default), measured once per machine and model and kept in the user cache.
+"auto")`, the default), measured once per machine and model and kept in the user cache; and what a drafter's draft
+costs here, which a hybrid weighs against it (`machine_draft_cost`).
 
 Why measured here rather than built in: which draft sizes are nearly free depends on the CPU. On the Intel Xeon of
 sessions 8-14 a pass over four draft tokens cost 1.39 plain steps; on an AMD EPYC (Zen 4), once its products run
@@ -97,6 +98,61 @@ def machine_verify_cost(target: TargetModel, *, contexts: Sequence[int] = AUTO_C
         stored.setdefault(machine, {})[model] = tables
         _write_json_atomically(path, stored)
     return {"by_context": tables}
+
+
+DRAFT_COST_POSITIONS = (1, 16, 64)  # positions a lazy drafter catches up before it drafts (64: the default window)
+
+
+def measure_draft_cost(drafter: Any, feature_width: int, hidden_size: int, vocab_size: int,
+                       positions: Sequence[int] = DRAFT_COST_POSITIONS, context: int = 64, repeats: int = 5
+                       ) -> dict[int, float]:
+    """ms of one draft of the drafter's K after catching up n positions it had not run, for each n in `positions`
+    (median of `repeats`, the sizes taking turns), from a state that had run `context` positions before; random
+    features of the target's shape (the cost does not depend on their values)."""
+    from hybridspec.speculators import TargetFeatures
+
+    gen = torch.Generator().manual_seed(0)
+    k = drafter.num_speculative_tokens
+
+    def features(n: int) -> TargetFeatures:
+        return TargetFeatures(torch.randn(n, feature_width, generator=gen), torch.randn(n, hidden_size, generator=gen))
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, vocab_size, (n,), generator=gen)
+
+    times: dict[int, list[float]] = {n: [] for n in positions}
+    with torch.inference_mode():
+        for round_ in range(repeats + 1):
+            for n in positions:
+                state = drafter.begin(features(context), tokens(context))
+                drafter.propose(state, k)
+                drafter.accept(state, features(n), tokens(n))
+                start = time.perf_counter()
+                drafter.propose(state, k)
+                if round_:  # round 0 warms every shape up
+                    times[n].append(1000 * (time.perf_counter() - start))
+    return {n: round(statistics.median(t), 3) for n, t in times.items()}
+
+
+def machine_draft_cost(drafter: Any, target: TargetModel, *, remeasure: bool = False) -> dict[int, float]:
+    """This machine's draft-cost table ({positions caught up: ms}, what `DraftCost` reads) for a drafter loaded for
+    `target` as the engine runs it: from the user cache, else measured (well under a second) and stored there."""
+    path, machine = _tables_path(), _machine_key()
+    params = next(drafter.parameters(), None)
+    key = (f"drafter {drafter.name} K={drafter.num_speculative_tokens} "
+           f"{sum(p.numel() for p in drafter.parameters())} parameters "
+           f"{str(params.dtype if params is not None else '').removeprefix('torch.')} on {_model_key(target)}")
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    table = stored.get(machine, {}).get(key)
+    if remeasure or table is None:
+        width = len(target.aux_layer_ids) * target.hidden_size
+        table = measure_draft_cost(drafter, width, target.hidden_size, target.vocab_size)
+        stored.setdefault(machine, {})[key] = {str(n): ms for n, ms in table.items()}
+        _write_json_atomically(path, stored)
+    return {int(n): float(ms) for n, ms in table.items()}
 
 
 def register(subparsers) -> None:

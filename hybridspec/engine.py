@@ -29,7 +29,7 @@ from hybridspec.call import Call, SequenceState, Stream
 from hybridspec.commit import StopRules, commit_tokens, draft_budget, stop_cut
 from hybridspec.options import DEFAULTS, GenerateOptions, resolve_options
 from hybridspec.prefix_cache import PREFIX_CACHE_BYTES, PrefixCache, cache_for_prompts, common_prefix
-from hybridspec.proposal import FeatureProposer, Proposal, Proposer
+from hybridspec.proposal import FeatureProposer, Proposal, Proposer, speculate_each
 from hybridspec.proposers import SPECULATE_CHOICES, Proposers
 from hybridspec.router import CostGate, Router, as_router
 from hybridspec.scheduler import StepScheduler, failing
@@ -86,12 +86,13 @@ class Engine:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target, self.tokenizer = target, tokenizer
         self.prefill_chunk = prefill_chunk
+        measured = router is None and verify_cost == "auto"  # this machine's costs: verification's and drafters'
         if router is None:
-            router = CostGate(machine_verify_cost(target) if verify_cost == "auto" else verify_cost)
+            router = CostGate(machine_verify_cost(target) if measured else verify_cost)
         self.router: Router = as_router(router)
         self.num_speculative_tokens = num_speculative_tokens
         self.proposers = Proposers(target, self.router, num_speculative_tokens, suffix_cache, drafters, drafter_bf16,
-                                   drafter_context)
+                                   drafter_context, measure_draft_cost=measured)
         self.drafter_context = drafter_context
         self.eos_token_ids = self._eos_ids()
         self.stats = GenerationStats()  # cumulative over every call
@@ -282,15 +283,12 @@ class Engine:
                         waiting.append(call)
         calls = [c for c in calls if c.error is None and not any(c is w for w in waiting)]
         chunks = {id(c): self._prompt_chunk(c) for c in calls}
-        proposed: dict[int, list[Proposal]] = {}
+        proposed = self._propose([c for c in calls if not chunks[id(c)].prefill_only])
         routed: dict[int, list[Proposal]] = {}
         for call in calls:
-            if chunks[id(call)].prefill_only:
-                continue
-            with call.stats.timed("propose_s"), failing(call):
-                call.set_sampling()  # the proposer may serve other calls' sequences with other settings
-                proposed[id(call)] = self._propose(call)
-                routed[id(call)] = self._route(call, proposed[id(call)])
+            if id(call) in proposed:
+                with call.stats.timed("propose_s"), failing(call):
+                    routed[id(call)] = self._route(call, proposed[id(call)])
         calls = [c for c in calls if c.error is None]
         if not calls:
             return
@@ -360,21 +358,40 @@ class Engine:
         call.features_wanted, call.prompt_features = None, []
         call.proposer.prompt_features(call.seqs[0].request_id, TargetFeatures(aux, final))
 
-    def _propose(self, call: Call) -> list[Proposal]:
-        """Each live sequence's draft: no longer than the budget, the context left, or the tokens still wanted."""
-        proposals = []
-        for i in call.live:
-            seq = call.seqs[i]
-            budget = draft_budget(call.params.num_speculative_tokens, len(seq.tokens), len(seq.generated), call.rules)
-            if call.proposer is None or budget <= 0:
-                proposals.append(Proposal.empty())
+    def _propose(self, calls: list[Call]) -> dict[int, list[Proposal]]:
+        """Each live sequence's draft (by id(call)): no longer than the budget, the context left, or the tokens still
+        wanted. A proposer drafts the sequences of every greedy call it serves in this step together
+        (`speculate_each`: a drafter's one pass for all of them); a sampling call's alone, with its own generator.
+        A call whose proposer fails gets the error."""
+        groups: dict[Any, list[Call]] = {}
+        for call in calls:
+            key = (id(call.proposer), call.params.tree) if call.params.temperature == 0 else id(call)
+            groups.setdefault(key, []).append(call)
+        proposed: dict[int, list[Proposal]] = {}
+        for group in groups.values():
+            start = time.perf_counter()
+            rows = [(call, i) for call in group for i in call.live]
+            budgets = [draft_budget(call.params.num_speculative_tokens, len(call.seqs[i].tokens),
+                                    len(call.seqs[i].generated), call.rules) for call, i in rows]
+            asked = [r for r, budget in enumerate(budgets) if group[0].proposer is not None and budget > 0]
+            drafts = [Proposal.empty() for _ in rows]
+            try:
+                group[0].set_sampling()  # the proposer may serve other calls' sequences with other settings
+                made = speculate_each(group[0].proposer, [rows[r][0].seqs[rows[r][1]].request_id for r in asked],
+                                      [budgets[r] for r in asked], tree=group[0].params.tree) if asked else []
+                for r, proposal in zip(asked, made):
+                    if len(proposal) > budgets[r]:
+                        raise ValueError(f"{type(group[0].proposer).__name__} proposed {len(proposal)} tokens; at "
+                                         f"most {budgets[r]} were asked for")
+                    drafts[r] = proposal
+            except Exception as e:
+                for call in group:
+                    call.error, call.live = e, []
                 continue
-            proposal = call.proposer.speculate(seq.request_id, budget, tree=call.params.tree)
-            if len(proposal) > budget:
-                raise ValueError(f"{type(call.proposer).__name__} proposed {len(proposal)} tokens; at most {budget} "
-                                 f"were asked for")
-            proposals.append(proposal)
-        return proposals
+            for call in group:
+                proposed[id(call)] = [d for (owner, _), d in zip(rows, drafts) if owner is call]
+                call.stats.propose_s += time.perf_counter() - start
+        return proposed
 
     def _route(self, call: Call, proposals: list[Proposal]) -> list[Proposal]:
         """The part of each draft worth a verification pass (the router's cost gate)."""

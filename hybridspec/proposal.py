@@ -128,6 +128,10 @@ class FeatureProposer(_ProposerBase, Protocol):
     # speculate drafts from what needs no features, or nothing.
     late_prompt_features: bool
 
+    # Optional: speculate_many(request_ids, budgets, *, tree=False) -> list[Proposal], what speculate gives for each
+    # request, drafted together (a model drafter: one pass for all of them). The engine asks for the drafts of every
+    # sequence it steps at once where a proposer has it (`speculate_each`).
+
     def set_sampling(self, probs_fn: Callable[[Any], Any] | None, generator: Any = None) -> None:
         """probs_fn: logits -> the verifier's probabilities (temperature, top-k, top-p), None for greedy drafts;
         generator: the torch.Generator that sampled drafts draw from."""
@@ -159,3 +163,13 @@ def check_proposer(proposer: object) -> Proposer | FeatureProposer:
         raise TypeError(f"{type(proposer).__name__} is not a {contract}: it lacks {', '.join(missing)} (the contract "
                         f"is hybridspec.proposal.{contract})")
     return proposer  # type: ignore[return-value]
+
+
+def speculate_each(proposer: Proposer | FeatureProposer, request_ids: Sequence[Hashable],
+                   budgets: Sequence[int | None], *, tree: bool = False) -> list[Proposal]:
+    """Each request's draft: in one batch where the proposer drafts several at once (`speculate_many`), else one by
+    one."""
+    many = getattr(proposer, "speculate_many", None)
+    if many is not None:
+        return many(request_ids, budgets, tree=tree)
+    return [proposer.speculate(rid, budget, tree=tree) for rid, budget in zip(request_ids, budgets)]

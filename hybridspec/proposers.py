@@ -9,9 +9,10 @@ from typing import Any, Mapping
 
 import torch
 
+from hybridspec.calibration import machine_draft_cost
 from hybridspec.linear import fast_bf16, pack_linears
 from hybridspec.proposal import FeatureProposer, Proposer, check_proposer
-from hybridspec.router import HybridProposer, Router
+from hybridspec.router import DraftCost, HybridProposer, Router
 from hybridspec.speculators import Drafter, DrafterProposer, load_drafter
 from hybridspec.speculators.proposer import DEFAULT_WINDOW
 from hybridspec.speculators.registry import DRAFTER_KINDS
@@ -29,12 +30,13 @@ class Proposers:
     SmolLM2-135M-Instruct. drafter_bf16: run drafters' matrix products in bfloat16 on the CPU (default: where the CPU
     does bfloat16 natively). drafter_context: the positions a drafter reads at most (`DrafterProposer`'s window). A
     hybrid runs its drafter where the router's rates say it pays, and picks between the two drafts by the router's
-    calibrated `expected_tokens`.
+    calibrated `expected_tokens`; what a draft costs is this machine's (`calibration.machine_draft_cost`) with
+    measure_draft_cost, else the built-in table of its kind (`router.cost.DEFAULT_DRAFT_MS`).
     """
 
     def __init__(self, target: TargetModel, router: Router, num_speculative_tokens: int, suffix_cache: Any = None,
                  drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_bf16: bool | None = None,
-                 drafter_context: int = DEFAULT_WINDOW):
+                 drafter_context: int = DEFAULT_WINDOW, measure_draft_cost: bool = False):
         unknown = set(drafters or ()) - set(DRAFTER_KINDS)
         if unknown:
             raise ValueError(f"drafters: unknown kind(s) {sorted(unknown)}; the kinds are {DRAFTER_KINDS}")
@@ -43,6 +45,7 @@ class Proposers:
         self.drafters: dict[str, Any] = dict(drafters or {})
         self.drafter_bf16 = fast_bf16() if drafter_bf16 is None else drafter_bf16
         self.drafter_context = drafter_context
+        self.measure_draft_cost = measure_draft_cost
         self._suffix_cache = suffix_cache
         self._made: dict[str, Proposer | FeatureProposer] = {}
 
@@ -78,8 +81,10 @@ class Proposers:
             return NgramProposer(num_speculative_tokens=self.num_speculative_tokens)
         if speculate in HYBRID_KINDS:
             kind = speculate.split("+")[1]
-            return HybridProposer(self.suffix_cache, self.get(kind), self.router,
-                                  num_speculative_tokens=self.num_speculative_tokens, draft_cost=kind)
+            drafter = self.get(kind)
+            cost = DraftCost(machine_draft_cost(drafter.drafter, self.target)) if self.measure_draft_cost else kind
+            return HybridProposer(self.suffix_cache, drafter, self.router,
+                                  num_speculative_tokens=self.num_speculative_tokens, draft_cost=cost)
         return DrafterProposer(self.load_drafter(speculate), window=self.drafter_context)
 
     def load_drafter(self, kind: str) -> Drafter:

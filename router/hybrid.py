@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
-from hybridspec.proposal import FeatureProposer, Proposal, Proposer, check_proposer
+from hybridspec.proposal import FeatureProposer, Proposal, Proposer, check_proposer, speculate_each
 from hybridspec.router.base import Router
 from hybridspec.router.cost import DraftCost
 
@@ -129,27 +129,44 @@ class HybridProposer:
     def speculate(self, request_id: Hashable, num_speculative_tokens: int | None = None, *,
                   tree: bool = False) -> Proposal:
         """tree=True: both draft trees of at most num_speculative_tokens nodes (the drafter's no deeper than its K)."""
-        budget = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        suffix = self.suffix.speculate(request_id, budget, tree=tree)
-        context = self.drafter.context_length(request_id)
-        draft_steps = self.draft_cost(self.drafter.pending(request_id)) / self.router.step_ms(context)
-        suffix_rate = self.router.rate(suffix, context)  # 1.0 for no draft: a plain step
-        drafted, seq = None, self.sequences[request_id]
-        pays = drafter_pays(suffix_rate, seq.estimate.rate, draft_steps)
-        probe = seq.idle >= seq.probe_after
-        if budget > 0 and (pays or probe):
-            drafted = self.drafter.speculate(
-                request_id, budget if tree else min(budget, self.drafter.num_speculative_tokens), tree=tree)
-            self.drafter_runs += drafted.drafter_ran
-            seq.idle, seq.probe_after = 0, PROBE_AFTER if pays else 2 * seq.probe_after
-            if len(drafted):
-                seq.estimate.observe(self.router.rate(drafted, context))
-        else:
-            seq.idle += 1
-        best = choose_draft(suffix, drafted, self.router.expected_tokens, sampling=self.sampling)
-        best.drafter_ran = drafted is not None and drafted.drafter_ran
-        self.chosen[best.source if len(best) else ""] += 1
-        return best
+        return self.speculate_many([request_id], [num_speculative_tokens], tree=tree)[0]
+
+    def speculate_many(self, request_ids: Sequence[Hashable], num_speculative_tokens: Sequence[int | None], *,
+                       tree: bool = False) -> list[Proposal]:
+        """`speculate` for several sequences: each decides alone whether its drafter runs, and those that run it
+        run it together (the drafter's one pass for all of them)."""
+        budgets = [self.num_speculative_tokens if k is None else k for k in num_speculative_tokens]
+        suffix = [self.suffix.speculate(rid, k, tree=tree) for rid, k in zip(request_ids, budgets)]
+        contexts, runs = [], []
+        for i, (rid, k, draft) in enumerate(zip(request_ids, budgets, suffix)):
+            context = self.drafter.context_length(rid)
+            draft_steps = self.draft_cost(self.drafter.pending(rid)) / self.router.step_ms(context)
+            seq = self.sequences[rid]
+            pays = drafter_pays(self.router.rate(draft, context), seq.estimate.rate, draft_steps)
+            probe = seq.idle >= seq.probe_after
+            contexts.append(context)
+            if k > 0 and (pays or probe):
+                runs.append(i)
+                seq.idle, seq.probe_after = 0, PROBE_AFTER if pays else 2 * seq.probe_after
+            else:
+                seq.idle += 1
+        drafted: list[Proposal | None] = [None] * len(request_ids)
+        if runs:
+            made = speculate_each(self.drafter, [request_ids[i] for i in runs],
+                                  [budgets[i] if tree else min(budgets[i], self.drafter.num_speculative_tokens)
+                                   for i in runs], tree=tree)
+            for i, proposal in zip(runs, made):
+                drafted[i] = proposal
+                self.drafter_runs += proposal.drafter_ran
+                if len(proposal):
+                    self.sequences[request_ids[i]].estimate.observe(self.router.rate(proposal, contexts[i]))
+        chosen = []
+        for draft, other in zip(suffix, drafted):
+            best = choose_draft(draft, other, self.router.expected_tokens, sampling=self.sampling)
+            best.drafter_ran = other is not None and other.drafter_ran
+            self.chosen[best.source if len(best) else ""] += 1
+            chosen.append(best)
+        return chosen
 
     def finish_request(self, request_id: Hashable) -> None:
         self.suffix.finish_request(request_id)

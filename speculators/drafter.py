@@ -76,7 +76,8 @@ class Drafter(nn.Module):
     prefill produced x_T: `begin(features of positions 0..T-1, [x_1..x_T])`; after a verification step that accepted n
     draft tokens a_1..a_n and produced the next token y: `accept(state, features of the positions of
     [last committed token, a_1..a_n], [a_1..a_n, y])`. `propose(state, num_speculative_tokens)` drafts that many tokens
-    following the last token given; the attribute `num_speculative_tokens` is the drafter's default budget (its K).
+    following the last token given (`propose_many`: for several states at once); the attribute `num_speculative_tokens`
+    is the drafter's default budget (its K).
     """
 
     name: str = ""
@@ -97,6 +98,11 @@ class Drafter(nn.Module):
     def propose(self, state: Any, num_speculative_tokens: int, probs_fn: ProbsFn | None = None,
                 generator: torch.Generator | None = None) -> Proposal:
         raise NotImplementedError
+
+    def propose_many(self, states: Sequence[Any], num_speculative_tokens: Sequence[int],
+                     probs_fn: ProbsFn | None = None, generator: torch.Generator | None = None) -> list[Proposal]:
+        """`propose` for several sequences; a drafter that runs them in one pass overrides it."""
+        return [self.propose(s, k, probs_fn, generator) for s, k in zip(states, num_speculative_tokens)]
 
     def check_target(self, target: Any, aux_layer_ids: Sequence[int] | None = None) -> None:
         raise NotImplementedError

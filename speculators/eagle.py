@@ -37,6 +37,18 @@ class EagleConfig:
 
 
 @dataclass
+class SlotRun:
+    """One sequence's part of a drafter pass (`EagleBase.forward_slots_many`): n new slots (hidden [n, H] in drafter
+    space, tokens [n], positions [n]) attending over `kv`, whose first `keep` are appended to it."""
+
+    kv: DraftKVCache
+    hidden: Tensor
+    tokens: Tensor
+    positions: Tensor
+    keep: int
+
+
+@dataclass
 class EagleState:
     """One sequence's drafting state: KV of the real slots already run, the real slots waiting for the next pass, and
     the outputs of the last real slot (so `propose` can be called again without new tokens)."""
@@ -126,41 +138,72 @@ class EagleBase(Drafter):
         """Run the layers over n new slots (hidden [n, H] already in drafter space, tokens [n]), attending to the slots
         in `kv` and causally to each other; the first `keep` new slots' keys and values are appended to `kv`.
         Returns the pre-norm outputs [n, H] (of every layer, a list, with every_layer)."""
+        return self.forward_slots_many([SlotRun(kv, hidden, tokens, positions, keep)], every_layer)[0]
+
+    def forward_slots_many(self, runs: Sequence["SlotRun"], every_layer: bool = False) -> list:
+        """`forward_slots` for several sequences' slots in one pass: the linear layers over all of them at once (a
+        drafter's weights read once, not once per sequence), attention per sequence over its own cache."""
         param = self.lm_head.weight
-        fused, emb = hidden.to(param.dtype), self.embed_tokens(tokens.to(param.device)).to(param.dtype)
+        sizes = [r.tokens.numel() for r in runs]
+        fused = torch.cat([r.hidden for r in runs]).to(param.dtype)
+        emb = self.embed_tokens(torch.cat([r.tokens for r in runs]).to(param.device)).to(param.dtype)
+        cos, sin = self.rotary(torch.cat([r.positions for r in runs]).to(param.device))
+        masks = [causal_mask(n, len(r.kv), device=fused.device) for r, n in zip(runs, sizes)]
         h, outs = fused, []
-        cos, sin = self.rotary(positions.to(param.device))
-        mask = causal_mask(h.shape[0], len(kv), device=h.device)
         for i, layer in enumerate(self.layers):
             x, residual = layer.attn_input(fused if layer.first else h, emb if layer.first else None)
             q, k, v = layer.self_attn.qkv(x, cos, sin)
-            k, v = kv.extend(i, k, v)
-            h = layer.finish(layer.self_attn.out(attend(q, k, v, mask)), residual)
+            attn = []
+            for r, qs, ks, vs, mask in zip(runs, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), masks):
+                ks, vs = r.kv.extend(i, ks, vs)
+                attn.append(attend(qs, ks, vs, mask))
+            h = layer.finish(layer.self_attn.out(attn[0] if len(attn) == 1 else torch.cat(attn, dim=1)), residual)
             outs.append(h)
-        kv.commit(keep)
-        return outs if every_layer else h
+        for r in runs:
+            r.kv.commit(r.keep)
+        if every_layer:
+            return [list(per_run) for per_run in zip(*(o.split(sizes) for o in outs))]
+        return list(h.split(sizes))
 
     def run_pending(self, state: EagleState, extra_hidden: Tensor | None = None, extra_tokens: Tensor | None = None
                     ) -> Tensor | None:
         """Run the pending real slots (committing their KV) together with optional extra slots that follow them
         (not committed) in one forward pass; returns the pre-norm outputs of the extra slots."""
-        if not state.pending_tokens:
-            if state.last_logits is None:
-                raise RuntimeError("propose() before any features were given: call begin() first")
-            if extra_hidden is None:
-                return None
-            scratch = state.kv.fork()
-            return self.forward_slots(scratch, extra_hidden, extra_tokens,
-                                      torch.arange(extra_tokens.numel()) + state.num_slots, keep=0)
-        hidden, tokens, positions = self.take_pending(state)
-        n_real = tokens.numel()
-        if extra_hidden is not None:
-            hidden, tokens = torch.cat([hidden, extra_hidden]), torch.cat([tokens, extra_tokens])
-            positions = torch.arange(tokens.numel()) + positions[0]
-        out = self.forward_slots(state.kv, hidden, tokens, positions, keep=n_real)
-        state.last_hidden = out[n_real - 1]
-        state.last_logits = self.lm_head(self.norm(state.last_hidden))
-        return out[n_real:] if extra_hidden is not None else None
+        return self.run_pending_many([state], [(extra_hidden, extra_tokens)])[0]
+
+    def run_pending_many(self, states: Sequence[EagleState],
+                         extras: Sequence[tuple[Tensor | None, Tensor | None]]) -> list[Tensor | None]:
+        """`run_pending` for several states in one pass (`forward_slots_many`)."""
+        runs, real = [], []
+        for state, (extra_hidden, extra_tokens) in zip(states, extras):
+            if not state.pending_tokens:
+                if state.last_logits is None:
+                    raise RuntimeError("propose() before any features were given: call begin() first")
+                real.append(0)
+                runs.append(None if extra_hidden is None else SlotRun(
+                    state.kv.fork(), extra_hidden, extra_tokens, torch.arange(extra_tokens.numel()) + state.num_slots,
+                    keep=0))
+                continue
+            hidden, tokens, positions = self.take_pending(state)
+            real.append(tokens.numel())
+            if extra_hidden is not None:
+                hidden, tokens = torch.cat([hidden, extra_hidden]), torch.cat([tokens, extra_tokens])
+                positions = torch.arange(tokens.numel()) + positions[0]
+            runs.append(SlotRun(state.kv, hidden, tokens, positions, keep=real[-1]))
+        outs = iter(self.forward_slots_many([r for r in runs if r is not None])) if any(runs) else iter(())
+        results: list[Tensor | None] = []
+        caught_up = []
+        for state, run, n_real, (extra_hidden, _) in zip(states, runs, real, extras):
+            out = next(outs) if run is not None else None
+            if n_real:
+                state.last_hidden = out[n_real - 1]
+                caught_up.append(state)
+            results.append(out[n_real:] if extra_hidden is not None else None)
+        if caught_up:  # the last real slots' logits, one product for all
+            logits = self.lm_head(self.norm(torch.stack([s.last_hidden for s in caught_up])))
+            for state, row in zip(caught_up, logits):
+                state.last_logits = row
+        return results
 
     def take_pending(self, state: EagleState) -> tuple[Tensor, Tensor, Tensor]:
         """The pending real slots, none left pending: fc of their aux features, their tokens and their positions."""

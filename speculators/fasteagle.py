@@ -12,13 +12,15 @@ features and the embedding (independent parallel heads).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
 from hybridspec.proposal import Proposal
 from hybridspec.speculators.chains import ChainLayout
 from hybridspec.speculators.drafter import ProbsFn, chain_proposal
-from hybridspec.speculators.eagle import EagleBase, EagleState
+from hybridspec.speculators.eagle import EagleBase, EagleState, SlotRun
 
 
 class FastEagleDrafter(EagleBase):
@@ -35,24 +37,46 @@ class FastEagleDrafter(EagleBase):
         output at the last real slot."""
         if extra_hidden is not None:
             raise ValueError("FastEagle drafts from the real slots alone")
-        if not state.pending_tokens:
-            if state.last_hidden is None:
+        self.run_pending_many([state], [(None, None)])
+
+    def run_pending_many(self, states: Sequence[EagleState], extras: Sequence[tuple[Tensor | None, Tensor | None]]
+                         ) -> list[None]:
+        """`run_pending` for several states in one pass of the cascade."""
+        pending = []
+        for state in states:
+            if state.pending_tokens:
+                pending.append(state)
+            elif state.last_hidden is None:
                 raise RuntimeError("propose() before any features were given: call begin() first")
-            return
-        hidden, tokens, positions = self.take_pending(state)
-        outs = self.forward_slots(state.kv, hidden, tokens, positions, keep=tokens.numel(), every_layer=True)
-        state.last_hidden = torch.stack([out[-1] for out in outs])
+        runs = []
+        for state in pending:
+            hidden, tokens, positions = self.take_pending(state)
+            runs.append(SlotRun(state.kv, hidden, tokens, positions, keep=tokens.numel()))
+        if runs:
+            for state, outs in zip(pending, self.forward_slots_many(runs, every_layer=True)):
+                state.last_hidden = torch.stack([out[-1] for out in outs])
+        return [None] * len(states)
 
     @torch.inference_mode()
     def propose(self, state: EagleState, num_speculative_tokens: int, probs_fn: ProbsFn | None = None,
                 generator: torch.Generator | None = None) -> Proposal:
         """min(num_speculative_tokens, L) draft tokens from one pass: draft j is layer j's output."""
-        self.run_pending(state)
-        k = min(num_speculative_tokens, self.max_draft_tokens)
-        if k <= 0:
-            return Proposal.empty(self.name)
-        tokens, probs, full = self.draft(self.lm_head(self.norm(state.last_hidden[:k])), probs_fn, generator)
-        return chain_proposal(tokens, probs, full, self.name)
+        return self.propose_many([state], [num_speculative_tokens], probs_fn, generator)[0]
+
+    @torch.inference_mode()
+    def propose_many(self, states: Sequence[EagleState], num_speculative_tokens: Sequence[int],
+                     probs_fn: ProbsFn | None = None, generator: torch.Generator | None = None) -> list[Proposal]:
+        """Every state's draft from one pass of the cascade over all their pending real slots."""
+        self.run_pending_many(states, [(None, None)] * len(states))
+        proposals = []
+        for state, k in zip(states, num_speculative_tokens):
+            k = min(k, self.max_draft_tokens)
+            if k <= 0:
+                proposals.append(Proposal.empty(self.name))
+                continue
+            tokens, probs, full = self.draft(self.lm_head(self.norm(state.last_hidden[:k])), probs_fn, generator)
+            proposals.append(chain_proposal(tokens, probs, full, self.name))
+        return proposals
 
     def chain_hidden(self, aux: Tensor, next_tokens: Tensor, layout: ChainLayout) -> list[Tensor]:
         """Pre-norm outputs of every element of `layout`: depth d is layer d's output at the origins of depth d (all

@@ -6,6 +6,8 @@ is draft token j+1. Only the real slots' keys and values stay in the drafter's K
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -34,14 +36,22 @@ class PEagleDrafter(EagleBase):
     def propose(self, state: EagleState, num_speculative_tokens: int, probs_fn: ProbsFn | None = None,
                 generator: torch.Generator | None = None) -> Proposal:
         """K draft tokens from ONE forward pass over the pending real slots and K-1 mask slots."""
-        k = num_speculative_tokens
-        extra = self._mask_slots(k - 1) if k > 1 else (None, None)
-        out = self.run_pending(state, *extra)
-        logits = state.last_logits[None]
-        if k > 1:
-            logits = torch.cat([logits, self.lm_head(self.norm(out))])
-        tokens, probs, full = self.draft(logits, probs_fn, generator)
-        return chain_proposal(tokens, probs, full, self.name)
+        return self.propose_many([state], [num_speculative_tokens], probs_fn, generator)[0]
+
+    @torch.inference_mode()
+    def propose_many(self, states: Sequence[EagleState], num_speculative_tokens: Sequence[int],
+                     probs_fn: ProbsFn | None = None, generator: torch.Generator | None = None) -> list[Proposal]:
+        """Every state's K draft tokens from one forward pass over all their pending real slots and mask slots."""
+        outs = self.run_pending_many(states, [self._mask_slots(k - 1) if k > 1 else (None, None)
+                                              for k in num_speculative_tokens])
+        proposals = []
+        for state, k, out in zip(states, num_speculative_tokens, outs):
+            logits = state.last_logits[None]
+            if k > 1:
+                logits = torch.cat([logits, self.lm_head(self.norm(out))])
+            tokens, probs, full = self.draft(logits, probs_fn, generator)
+            proposals.append(chain_proposal(tokens, probs, full, self.name))
+        return proposals
 
     def chain_logits(self, aux: Tensor, next_tokens: Tensor, layout: ChainLayout) -> list[Tensor]:
         depths = range(len(layout.origins))

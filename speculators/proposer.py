@@ -157,20 +157,29 @@ class DrafterProposer:
         """A chain of num_speculative_tokens drafts; tree=True: a tree of at most that many nodes, the greedy chain
         with `tree_width - 1` siblings per depth (`widen_chain`), the chain no deeper than the drafter's K nor than
         num_speculative_tokens / tree_width (the depths a budget of that many nodes fills)."""
-        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        track = self._track(request_id)
-        if k > 0:
-            self._catch_up(track)
-        state = track.state
-        if k <= 0 or state is None:  # nothing to draft from yet: a one-token prompt before its first step
-            return Proposal.empty(self.drafter.name)
-        if tree:
-            chain = self.drafter.propose(state, min(-(-k // self.tree_width), self.num_speculative_tokens))
-            proposal = widen_chain(chain, self.tree_width, k)
-        else:
-            proposal = self.drafter.propose(state, k, self.probs_fn, self.generator)
-        proposal.drafter_ran = True
-        return proposal
+        return self.speculate_many([request_id], [num_speculative_tokens], tree=tree)[0]
+
+    @torch.inference_mode()
+    def speculate_many(self, request_ids: Sequence[Hashable], num_speculative_tokens: Sequence[int | None], *,
+                       tree: bool = False) -> list[Proposal]:
+        """`speculate` for several requests, their catch-ups and drafts in one pass of the drafter."""
+        budgets = [self.num_speculative_tokens if k is None else k for k in num_speculative_tokens]
+        drafting = []  # (index, state, chain length)
+        for i, (request_id, k) in enumerate(zip(request_ids, budgets)):
+            track = self._track(request_id)
+            if k > 0:
+                self._catch_up(track)
+            if k > 0 and track.state is not None:  # else nothing to draft from yet: a one-token prompt
+                drafting.append((i, track.state, min(-(-k // self.tree_width), self.num_speculative_tokens)
+                                 if tree else k))
+        proposals = [Proposal.empty(self.drafter.name) for _ in request_ids]
+        if drafting:
+            chains = self.drafter.propose_many([state for _, state, _ in drafting], [n for _, _, n in drafting],
+                                               None if tree else self.probs_fn, self.generator)
+            for (i, _, _), chain in zip(drafting, chains):
+                proposals[i] = widen_chain(chain, self.tree_width, budgets[i]) if tree else chain
+                proposals[i].drafter_ran = True
+        return proposals
 
     def finish_request(self, request_id: Hashable) -> None:
         track = self._track(request_id)

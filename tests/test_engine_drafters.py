@@ -193,18 +193,19 @@ class CheckedProposer(DrafterProposer):
         super().append(request_id, tokens, features=features)
         self.tokens[request_id] += list(tokens)
 
-    def speculate(self, request_id, num_speculative_tokens=None, *, tree=False):
-        proposal = super().speculate(request_id, num_speculative_tokens, tree=tree)
-        sequence = self.tokens[request_id]
-        if len(sequence) > 1 and len(proposal):
-            with torch.no_grad():
-                out = self.model(torch.tensor([sequence[:-1]]), output_hidden_states=True)
-            full = TargetFeatures.from_hidden_states(out.hidden_states, self.aux_layer_ids_)
-            expected = self.drafter.propose(self.drafter.begin(full, sequence[1:]), len(proposal))
-            assert proposal.token_ids == expected.token_ids
-            torch.testing.assert_close(proposal.draft_logits, expected.draft_logits, atol=2e-3, rtol=1e-3)
-            self.checked += 1
-        return proposal
+    def speculate_many(self, request_ids, num_speculative_tokens, *, tree=False):
+        proposals = super().speculate_many(request_ids, num_speculative_tokens, tree=tree)
+        for request_id, proposal in zip(request_ids, proposals):
+            sequence = self.tokens[request_id]
+            if len(sequence) > 1 and len(proposal):
+                with torch.no_grad():
+                    out = self.model(torch.tensor([sequence[:-1]]), output_hidden_states=True)
+                full = TargetFeatures.from_hidden_states(out.hidden_states, self.aux_layer_ids_)
+                expected = self.drafter.propose(self.drafter.begin(full, sequence[1:]), len(proposal))
+                assert proposal.token_ids == expected.token_ids
+                torch.testing.assert_close(proposal.draft_logits, expected.draft_logits, atol=2e-3, rtol=1e-3)
+                self.checked += 1
+        return proposals
 
 
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
@@ -461,3 +462,70 @@ def test_hybrid_runs_the_drafter_only_where_it_is_expected_to_pay():
     assert hybrid.speculate("s").drafter_ran and hybrid.estimate("s").rate != hybrid.estimate("r").rate
     hybrid.finish_request("r")
     assert suffix.log[-1][0] == drafter.log[-1][0] == "finish"
+
+
+def test_a_hybrid_weighs_this_machines_draft_cost(target_model, tmp_path, monkeypatch):
+    """With the engine's costs measured here (verify_cost="auto", the default), a hybrid weighs its drafter by this
+    machine's draft-cost table, measured once per machine and drafter and kept in the user cache; with the built-in
+    verification tables (verify_cost=None), by the built-in table of its kind."""
+    from hybridspec import calibration
+    from hybridspec.router.cost import DEFAULT_DRAFT_MS
+
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    measured = []
+    real = calibration.measure_draft_cost
+
+    def counting(*args, **kwargs):
+        measured.append(1)
+        return real(*args, **{**kwargs, "repeats": 1})
+
+    monkeypatch.setattr(calibration, "measure_draft_cost", counting)
+    drafter = make_drafter("peagle", target_model)
+
+    def hybrid(**kwargs):
+        engine = Engine(TargetModel(target_model), tiny_tokenizer(VOCAB), drafters={"peagle": drafter}, **kwargs)
+        return engine, engine.proposers.get("suffix+peagle")
+
+    engine, measured_here = hybrid()
+    table = dict(zip(measured_here.draft_cost.ns.astype(int).tolist(), measured_here.draft_cost.ms.tolist()))
+    assert sorted(table) == list(calibration.DRAFT_COST_POSITIONS) and all(ms > 0 for ms in table.values())
+    assert measured == [1]
+    _, again = hybrid()
+    assert measured == [1] and again.draft_cost.ms.tolist() == measured_here.draft_cost.ms.tolist()  # read back
+    _, built_in = hybrid(verify_cost=None)
+    assert dict(zip(built_in.draft_cost.ns.astype(int).tolist(), built_in.draft_cost.ms.tolist())) == \
+        DEFAULT_DRAFT_MS["peagle"]
+    prompt = random_prompts(1, seed=3)[0]
+    assert engine.generate(prompt, max_new_tokens=16, speculate="suffix+peagle").token_ids == \
+        engine.generate(prompt, max_new_tokens=16, speculate="none").token_ids
+
+
+@pytest.mark.parametrize("speculate", ["peagle", "suffix+peagle"])
+def test_sequences_stepped_together_draft_in_one_drafter_pass(target_model, speculate, monkeypatch):
+    """The rows of a batch, and the greedy calls that share a step, draft in one pass of the drafter (its weights
+    read once for all of them); outputs stay those of plain greedy decoding."""
+    from hybridspec.speculators import PEagleDrafter
+
+    passes = []
+    forward = PEagleDrafter.forward_slots_many
+    monkeypatch.setattr(PEagleDrafter, "forward_slots_many",
+                        lambda self, runs, *a, **kw: passes.append(len(runs)) or forward(self, runs, *a, **kw))
+    engine = Engine(TargetModel(target_model), tiny_tokenizer(VOCAB), drafters={"peagle": make_drafter(
+        "peagle", target_model)}, router=lambda proposals, contexts: list(proposals))
+    prompts = random_prompts(4, seed=21)
+    plain = [engine.generate(p, max_new_tokens=12, speculate="none").token_ids for p in prompts]
+    results = engine.generate(prompts[:2], max_new_tokens=12, speculate=speculate, tree=False)
+    assert [r.token_ids for r in results] == plain[:2]
+    assert max(passes) == 2  # both rows of the batch in one pass
+    passes.clear()
+    calls = [engine._start_call([p], dict(max_new_tokens=12, speculate=speculate, tree=False)) for p in prompts[2:]]
+    for call in calls:
+        engine._live.append(call)
+        engine._begin(call)
+    while any(c.live for c in calls):
+        engine._decode_step([c for c in calls if c.live])
+    for call in calls:
+        engine._live.remove(call)
+        engine._end(call)
+    assert [c.results(engine._decode)[0].token_ids for c in calls] == plain[2:]
+    assert max(passes) == 2  # the two calls' rows in one pass

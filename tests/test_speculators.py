@@ -585,3 +585,40 @@ def test_drafter_proposer_drafts_trees_around_its_greedy_chain(kind, target, seq
     assert len(roots) <= 3 and len(set(roots)) == len(roots)  # at most tree_width distinct first tokens
     with pytest.raises(ValueError, match="tree_width"):
         DrafterProposer(make_drafter(kind, target), tree_width=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_drafting_several_requests_in_one_pass_drafts_what_each_drafts_alone(kind, target, tree):
+    """speculate_many (the drafter's catch-ups and drafts for several requests in one pass) drafts what speculate
+    drafts for each request alone, requests with different pending positions, budgets and a finished one's restart
+    included."""
+    aux_ids = default_aux_layer_ids(target.config.num_hidden_layers)
+    gen = torch.Generator().manual_seed(8)
+
+    def started(proposer):
+        for r, n in enumerate((7, 12, 4)):
+            tokens = torch.randint(3, target.config.vocab_size, (n,), generator=torch.Generator().manual_seed(r))
+            with torch.no_grad():
+                hidden = target(tokens[None], output_hidden_states=True).hidden_states
+            proposer.start_request(r, tokens.tolist(), features=TargetFeatures.from_hidden_states(hidden, aux_ids)[:-1])
+        return proposer
+
+    drafter = make_drafter(kind, target)
+    together, alone = started(DrafterProposer(drafter)), started(DrafterProposer(drafter))
+    for step, budgets in enumerate(([4, 2, 3], [3, 0, 4], [1, 4, 2])):
+        many = together.speculate_many([0, 1, 2], budgets, tree=tree)
+        each = [alone.speculate(r, k, tree=tree) for r, k in enumerate(budgets)]
+        for a, b in zip(many, each):
+            assert a.token_ids == b.token_ids and a.parents == b.parents
+            assert a.drafter_ran == b.drafter_ran == bool(len(b))
+            if len(b):
+                torch.testing.assert_close(torch.tensor(a.probs), torch.tensor(b.probs), atol=1e-4, rtol=1e-3)
+        width = len(aux_ids) * target.config.hidden_size
+        for r in (0, 1, 2):  # every request commits 1 + step tokens: pending positions differ from row to row
+            n = 1 + (r + step) % 3
+            feats = TargetFeatures(torch.randn(n, width, generator=gen), torch.randn(n, target.config.hidden_size,
+                                                                                       generator=gen))
+            new = torch.randint(3, target.config.vocab_size, (n,), generator=gen).tolist()
+            together.append(r, new, features=feats)
+            alone.append(r, new, features=feats)
