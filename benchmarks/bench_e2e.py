@@ -225,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
                         help="draft token trees (--no-tree: chains); default: each proposer's own choice (drafters and "
                              "hybrids trees, the suffix cache chains)")
-    parser.add_argument("--verify-cost", type=Path,
-                        help="JSON from `python benchmarks/bench_verify_cost.py` for the cost gate")
+    parser.add_argument("--verify-cost", default="auto",
+                        help="the cost gate's table: 'auto' (this machine's, as the engine's default), 'builtin' "
+                             "(router/cost.py's), or the JSON of `python benchmarks/bench_verify_cost.py`")
     parser.add_argument("--drafter-context", type=int, default=None,
                         help="the positions a drafter reads at most (Engine(drafter_context=); default: the engine's)")
     args = parser.parse_args(argv)
@@ -251,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def engine_factory() -> Engine:
         extra = {"drafter_context": args.drafter_context} if args.drafter_context else {}
-        return Engine(target, tokenizer, verify_cost=args.verify_cost, **extra)
+        return Engine(target, tokenizer, verify_cost=None if args.verify_cost == "builtin" else args.verify_cost,
+                      **extra)
 
     sessions = agent_sessions(args.traces, args.agent_sessions_per_framework) if "agent" in workload_names else []
     questions = (chat_questions(args.mt_bench, args.chat_questions, args.chat_heldout) if "chat" in workload_names

@@ -62,7 +62,7 @@ from typing import Any
 
 from agent_calls import SMOLLM2_CONTEXT, AgentCall, load_replay
 from bench_agent_calls import VLLM_METHODS
-from common import REPO, TRACES_DIR, machine_info, write_json
+from common import REPO, TRACES_DIR, bar_plot, machine_info, write_json
 
 HYBRIDSPEC_CLI = REPO / ".venv" / "bin" / "hybridspec"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -586,7 +586,20 @@ def main(argv: list[str] | None = None) -> int:
                        "env": VLLM_SERVER_ENV},
               "machine": machine_info()}
     write_json(args.json, result)
+    if args.json:
+        png = plot(args.json, workloads)
+        if png:
+            print(f"wrote {png}")
     return 0
+
+
+def plot(path: Path, workloads: dict[str, dict[str, dict]]) -> Path | None:
+    """tokens/s by method, a bar per concurrency, beside the JSON."""
+    methods = list(dict.fromkeys(m for summaries in workloads.values() for m in summaries))
+    series = {level.replace("-", " "): {m: s["tok_s"] for m, s in summaries.items()}
+              for level, summaries in workloads.items()}
+    return bar_plot(path, methods, series, "tokens/s (all agents)", "Real agent calls over HTTP, SmolLM2 (CPU)",
+                    rotate=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ after P cached ones (a cold call: 0+N; an agent's next call: its earlier calls c
     python benchmarks/bench_verify_cost.py --batch --no-verify-cost --threads 1
     python benchmarks/bench_verify_cost.py --threads 1 --context 2048 --plain-max-rows 0   # oneDNN for every product
     python benchmarks/bench_verify_cost.py --prefill 0+455,0+1490,0+2853,2989+1274 --no-verify-cost --threads 1
+    python benchmarks/bench_verify_cost.py --products --no-verify-cost --threads 1   # products by row count
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 
 from common import machine_info, write_json
 from hybridspec.calibration import DEFAULT_COST_DRAFT_TOKENS, measure_verify_cost
-from hybridspec.linear import untuned_routes
+from hybridspec.linear import MKL_ROWS, PLANNED_ROWS, time_routes, untuned_routes
 from hybridspec.target import TargetModel
 
 def measure_prefill(target: TargetModel, cached: int, new: int, repeats: int = 3, seed: int = 0) -> dict:
@@ -59,10 +60,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="untuned products: MKL's product up to this many rows, oneDNN's for more, no padding "
                              "(0: always oneDNN's; default: the routes tuned for this machine)")
     parser.add_argument("--sampling", action="store_true", help="steps with full logits (default: greedy steps)")
+    parser.add_argument("--products", action="store_true",
+                        help="also time a step's products by row count, MKL's and oneDNN's (what tune_products "
+                             "measures: every layer's weights streamed from memory, as in a step)")
     parser.add_argument("--json", type=Path, help="write the measurement here")
     args = parser.parse_args(argv)
-    if args.no_verify_cost and not (args.batch or args.prefill):
-        parser.error("nothing to do: --no-verify-cost without --batch or --prefill")
+    if args.no_verify_cost and not (args.batch or args.prefill or args.products):
+        parser.error("nothing to do: --no-verify-cost without --batch, --prefill or --products")
     try:
         prefills = [tuple(int(n) for n in spec.split("+")) for spec in args.prefill.split(",")] if args.prefill else []
     except ValueError:
@@ -102,6 +106,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'batch':>6} {'ms/step':>9} {'ms/token':>9}")
         for r in rows:
             print(f"{r['batch_size']:>6} {r['ms']:>9.1f} {r['ms'] / r['batch_size']:>9.1f}")
+    if args.products:
+        # ms of all of a step's products (the model's layers; not the output layer) per route, best of the repeats
+        layers = [lin for lin in target.linears() if lin is not target.lm_head and
+                  (target.greedy_head is None or lin is not target.greedy_head.bf16)]
+        timed = time_routes(layers, repeats=args.repeats)
+        table = {kernel: {rows: round(1000 * sum(t[(kernel == "mkl", rows)] for t in timed.values()), 2)
+                          for rows in range(1, (MKL_ROWS if kernel == "mkl" else PLANNED_ROWS) + 1)}
+                 for kernel in ("mkl", "onednn")}
+        result["products_ms"] = table
+        print(f"{'rows':>6} {'MKL ms':>9} {'oneDNN ms':>10}  (a step's products, every layer's weights from memory)")
+        for rows in range(1, PLANNED_ROWS + 1):
+            mkl = table["mkl"].get(rows)
+            print(f"{rows:>6} {'-' if mkl is None else f'{mkl:.1f}':>9} {table['onednn'][rows]:>10.1f}")
     if prefills:
         result["prefill"] = [measure_prefill(target, cached, new) for cached, new in prefills]  # 3 runs each
         print(f"{'cached':>7} {'new':>6} {'s':>8} {'ms/token':>9}")

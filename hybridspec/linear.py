@@ -112,7 +112,7 @@ class Linear:
 # ------------------------------------------------------------------------------------------------ tuning
 
 
-def _time_routes(linears: Sequence[Linear], repeats: int) -> dict[str, dict[Route, float]]:
+def time_routes(linears: Sequence[Linear], repeats: int) -> dict[str, dict[Route, float]]:
     """Seconds of each family's products (summed over its members) by route, timed as a forward pass meets them:
     every Linear in order, so each weight comes from memory as in a decode step, not from a cache a repeat warmed."""
     routes = [(False, m) for m in range(1, PLANNED_ROWS + 1)] + [(True, m) for m in range(1, MKL_ROWS + 1)]
@@ -162,7 +162,7 @@ def _plans_path() -> Path:
 
 def tune_products(linears: Iterable[Linear], *, repeats: int = 2, remeasure: bool = False) -> dict[str, list[Route]]:
     """Give every packed Linear the fastest route per row count on this machine (`plan_routes`), measured over these
-    Linears in order (`_time_routes`: about 2 s for SmolLM2) and kept per machine in the user cache, so later loads on
+    Linears in order (`time_routes`: about 2 s for SmolLM2) and kept per machine in the user cache, so later loads on
     the same machine read it back (remeasure=True measures again). Returns {family: routes}.
 
     The measurement is as good as the machine is quiet while it runs: `hybridspec calibrate` measures again."""
@@ -177,7 +177,7 @@ def tune_products(linears: Iterable[Linear], *, repeats: int = 2, remeasure: boo
     known = stored.get(machine, {})
     families = {lin.family for lin in linears}
     if remeasure or not families <= known.keys():
-        measured = _time_routes(linears, repeats)
+        measured = time_routes(linears, repeats)
         known = {**known, **{family: [list(r) for r in plan_routes(times)] for family, times in measured.items()}}
         stored[machine] = known
         _write_json_atomically(path, stored)

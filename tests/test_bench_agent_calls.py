@@ -206,3 +206,21 @@ def test_the_vllm_worker_replays_each_trajectory_in_order_with_c_agents_at_once(
     # each trajectory's calls go in one after the other, in order
     for t in trajectories:
         assert [p for p in engine.added if p in t] == t
+
+
+@needs_traces
+@pytest.mark.slow
+def test_profile_hybrid_splits_the_hybrids_difference(tmp_path, acr_traces):
+    from profile_hybrid import main
+
+    out = tmp_path / "profile.json"
+    assert main(["--traces", str(acr_traces), "--trajectories", "1", "--calls-per-trajectory", "2",
+                 "--max-new-tokens", "16", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["calls"] == 2 and result["identical"] == {"suffix": 2, "suffix+peagle": 2}
+    suffix, hybrid = result["methods"]["suffix"], result["methods"]["suffix+peagle"]
+    assert suffix["drafter_runs_per_step"] == 0 and hybrid["drafter_runs_per_step"] > 0  # its first step at least
+    assert suffix["new_tokens"] == hybrid["new_tokens"] > 0
+    split = result["difference"]["suffix+peagle"]
+    assert set(split) == {"propose_ms_per_token", "verify_ms_per_token", "update_ms_per_token", "decode_ms_per_token"}
+    assert split["propose_ms_per_token"] > 0  # the drafter's passes cost something

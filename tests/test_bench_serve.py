@@ -197,3 +197,4 @@ def test_a_small_run_of_hybridspec_serve_against_the_engine(tmp_path, capsys):
     assert server.get("generation_tokens") == level["serve-suffix"]["completion_tokens"]
     assert "serve_suffix_vs_engine_suffix@1" in result["targets"]
     assert "serve-suffix" in capsys.readouterr().out
+    assert out.with_suffix(".png").stat().st_size > 0  # the bars by method

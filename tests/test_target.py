@@ -325,13 +325,13 @@ def test_tune_products_measures_once_per_machine_and_keeps_the_plan(tmp_path, mo
 
     monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
     measured = []
-    real = linear._time_routes
+    real = linear.time_routes
 
     def counting(linears, repeats):
         measured.append(len(linears))
         return real(linears, repeats=1)
 
-    monkeypatch.setattr(linear, "_time_routes", counting)
+    monkeypatch.setattr(linear, "time_routes", counting)
     torch.manual_seed(0)
     layers = [Linear(torch.randn(32, 16)) for _ in range(3)] + [Linear(torch.randn(16, 32))]
     if layers[0].packed is None:
@@ -504,3 +504,20 @@ def test_one_pass_of_parts_of_any_length_matches_separate_passes(target, cpu_fla
     for mine, theirs in ((alone, alone2), (fused, fused2)):
         n = mine.lengths[0]
         assert torch.allclose(mine.keys[:, :, :, :n], theirs.keys[:, :, :, :n], atol=ATOL)
+
+
+def test_time_routes_times_every_route_of_every_family():
+    """What tune_products measures (and `bench_verify_cost.py --products` prints): per family of same-shaped products,
+    the seconds of oneDNN's product at every planned row count and MKL's at the first few, summed over its members."""
+    from hybridspec.linear import MKL_ROWS, PLANNED_ROWS, Linear, time_routes
+
+    torch.manual_seed(0)
+    layers = [Linear(torch.randn(32, 16)), Linear(torch.randn(32, 16)), Linear(torch.randn(8, 32))]
+    if layers[0].packed is None:
+        pytest.skip("oneDNN is not available in this torch build")
+    timed = time_routes(layers, repeats=1)
+    assert set(timed) == {layers[0].family, layers[2].family}
+    for routes in timed.values():
+        assert set(routes) == {(False, m) for m in range(1, PLANNED_ROWS + 1)} | \
+            {(True, m) for m in range(1, MKL_ROWS + 1)}
+        assert all(seconds > 0 for seconds in routes.values())
