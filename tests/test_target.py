@@ -521,3 +521,31 @@ def test_time_routes_times_every_route_of_every_family():
         assert set(routes) == {(False, m) for m in range(1, PLANNED_ROWS + 1)} | \
             {(True, m) for m in range(1, MKL_ROWS + 1)}
         assert all(seconds > 0 for seconds in routes.values())
+
+
+def test_calibrate_cli_measures_products_and_verify_cost_again(tiny_model, tmp_path, monkeypatch, capsys):
+    """`hybridspec calibrate MODEL` measures both of the machine's tables again, even where they are cached."""
+    from hybridspec import calibration, linear
+    from hybridspec.cli import main
+
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path / "cache"))
+    tiny_model.save_pretrained(tmp_path / "model")
+    contexts, tuned = [], []
+
+    def quick(target, *, context, repeats, prefill):
+        contexts.append(context)
+        return measure_verify_cost(target, (0, 1, 4), context=min(context, 64), repeats=1, prefill=False)
+
+    real_tune = linear.tune_products
+    monkeypatch.setattr(calibration, "measure_verify_cost", quick)
+    monkeypatch.setattr(linear, "tune_products", lambda linears, **kw: tuned.append(kw) or real_tune(linears, **kw))
+    for _ in range(2):
+        assert main(["calibrate", str(tmp_path / "model")]) == 0
+    # measured again the second time; the tiny model's 512 positions hold one context only (less the largest draft)
+    assert len(contexts) == 2 and contexts[0] == contexts[1] < 512
+    assert tuned == [{"remeasure": True}] * 2
+    out = capsys.readouterr().out
+    assert "products (rows -> kernel, rows run):" in out and "64 tokens of context: t(0) =" in out
+    assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").iterdir())
+    with pytest.raises(SystemExit, match="--threads must be positive"):
+        main(["calibrate", str(tmp_path / "model"), "--threads", "0"])
