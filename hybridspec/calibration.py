@@ -9,19 +9,19 @@ drafts too little there, or too much.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from typing import Any, Sequence
 
 import torch
 
-from hybridspec.linear import _machine_key, _write_json_atomically
+from hybridspec.machine import keep_measured, measured_here
 from hybridspec.target import TargetModel
 
 DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 AUTO_CONTEXTS = (512, 2048, 4096)  # as the built-in tables (router/cost.py)
 CALIBRATION_VERSION = 1  # bump when the measurement changes: cached tables of older versions are measured again
+TABLES_FILE = f"verify_cost_v{CALIBRATION_VERSION}.json"  # in the user cache, per machine
 
 
 def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAULT_COST_DRAFT_TOKENS,
@@ -70,12 +70,6 @@ def _model_key(target: TargetModel) -> str:
             f"{str(target.dtype).removeprefix('torch.')} {target.device.type}")
 
 
-def _tables_path():
-    from hybridspec.models import cache_dir
-
-    return cache_dir() / f"verify_cost_v{CALIBRATION_VERSION}.json"
-
-
 def machine_verify_cost(target: TargetModel, *, contexts: Sequence[int] = AUTO_CONTEXTS, repeats: int = 3,
                         remeasure: bool = False, progress: bool = True) -> dict[str, Any]:
     """This machine's verify-cost tables for `target` ({"by_context": [...]}, what `CostGate` reads): from the user
@@ -83,20 +77,15 @@ def machine_verify_cost(target: TargetModel, *, contexts: Sequence[int] = AUTO_C
     Contexts past the model's length are left out. `hybridspec calibrate` measures again (remeasure=True)."""
     fits = [c for c in contexts if c + max(DEFAULT_COST_DRAFT_TOKENS) + 1 <= target.max_seq_len]
     contexts = fits or [max(1, target.max_seq_len - max(DEFAULT_COST_DRAFT_TOKENS) - 1)]
-    path, machine, model = _tables_path(), _machine_key(), _model_key(target)
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        stored = {}
-    tables = stored.get(machine, {}).get(model)
+    model, stored = _model_key(target), measured_here(TABLES_FILE)
+    tables = stored.get(model)
     if remeasure or tables is None or [t["context"] for t in tables] != list(contexts):
         from tqdm.auto import tqdm
 
         bar = tqdm(contexts, desc="measuring this machine's verification cost (once)", unit="context",
                    disable=None if progress else True, leave=False)
         tables = [measure_verify_cost(target, context=c, repeats=repeats, prefill=False) for c in bar]
-        stored.setdefault(machine, {})[model] = tables
-        _write_json_atomically(path, stored)
+        keep_measured(TABLES_FILE, {**stored, model: tables})
     return {"by_context": tables}
 
 
@@ -137,21 +126,16 @@ def measure_draft_cost(drafter: Any, feature_width: int, hidden_size: int, vocab
 def machine_draft_cost(drafter: Any, target: TargetModel, *, remeasure: bool = False) -> dict[int, float]:
     """This machine's draft-cost table ({positions caught up: ms}, what `DraftCost` reads) for a drafter loaded for
     `target` as the engine runs it: from the user cache, else measured (well under a second) and stored there."""
-    path, machine = _tables_path(), _machine_key()
     params = next(drafter.parameters(), None)
     key = (f"drafter {drafter.name} K={drafter.num_speculative_tokens} "
            f"{sum(p.numel() for p in drafter.parameters())} parameters "
            f"{str(params.dtype if params is not None else '').removeprefix('torch.')} on {_model_key(target)}")
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        stored = {}
-    table = stored.get(machine, {}).get(key)
+    stored = measured_here(TABLES_FILE)
+    table = stored.get(key)
     if remeasure or table is None:
         width = len(target.aux_layer_ids) * target.hidden_size
         table = measure_draft_cost(drafter, width, target.hidden_size, target.vocab_size)
-        stored.setdefault(machine, {})[key] = {str(n): ms for n, ms in table.items()}
-        _write_json_atomically(path, stored)
+        keep_measured(TABLES_FILE, {**stored, key: {str(n): ms for n, ms in table.items()}})
     return {int(n): float(ms) for n, ms in table.items()}
 
 
@@ -184,5 +168,7 @@ def _calibrate(args) -> int:
     for t in tables:
         print(f"  {t['context']:>5} tokens of context: t(0) = {t['ms'][0]:.1f} ms; " + ", ".join(
             f"{k}: {r:.2f}" for k, r in zip(t["draft_tokens"], t["relative"]) if k))
-    print(f"kept in {_tables_path().parent}")
+    from hybridspec.models import cache_dir
+
+    print(f"kept in {cache_dir()}")
     return 0

@@ -4,12 +4,8 @@ on a weight packed once, the input padded with zero rows where a few more rows r
 swaps them into any module (the drafters)."""
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
@@ -19,6 +15,7 @@ PLANNED_ROWS = 8   # row counts a plan covers; more rows run oneDNN's product as
 MKL_ROWS = 4       # row counts MKL's product is timed at (it repacks the weight on every call above a few rows)
 PAD_MARGIN = 1.03  # padding must beat the unpadded product by this much: a gain within the timing noise is not one
 PLAN_VERSION = 1   # bump when what a plan means changes: cached plans of older versions are measured again
+PLANS_FILE = f"product_plans_v{PLAN_VERSION}.json"  # in the user cache, per machine
 
 Route = tuple[bool, int]  # (MKL's product on the plain weight, rows after padding)
 
@@ -148,53 +145,26 @@ def plan_routes(times: dict[Route, float]) -> tuple[Route, ...]:
     return tuple(plan)
 
 
-def _machine_key() -> str:
-    from hybridspec.machine import cpu_model
-
-    return f"{cpu_model()} | {os.cpu_count()} cpus | torch {torch.__version__} | {torch.get_num_threads()} threads"
-
-
-def _plans_path() -> Path:
-    from hybridspec.models import cache_dir
-
-    return cache_dir() / f"product_plans_v{PLAN_VERSION}.json"
-
-
 def tune_products(linears: Iterable[Linear], *, repeats: int = 2, remeasure: bool = False) -> dict[str, list[Route]]:
     """Give every packed Linear the fastest route per row count on this machine (`plan_routes`), measured over these
     Linears in order (`time_routes`: about 2 s for SmolLM2) and kept per machine in the user cache, so later loads on
     the same machine read it back (remeasure=True measures again). Returns {family: routes}.
 
     The measurement is as good as the machine is quiet while it runs: `hybridspec calibrate` measures again."""
+    from hybridspec.machine import keep_measured, measured_here
+
     linears = [lin for lin in linears if lin.packed is not None]
     if not linears:
         return {}
-    path, machine = _plans_path(), _machine_key()
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        stored = {}
-    known = stored.get(machine, {})
+    known = measured_here(PLANS_FILE)
     families = {lin.family for lin in linears}
     if remeasure or not families <= known.keys():
         measured = time_routes(linears, repeats)
         known = {**known, **{family: [list(r) for r in plan_routes(times)] for family, times in measured.items()}}
-        stored[machine] = known
-        _write_json_atomically(path, stored)
+        keep_measured(PLANS_FILE, known)
     for lin in linears:
         lin.routes = tuple((bool(plain), int(m)) for plain, m in known[lin.family])
     return {family: known[family] for family in families}
-
-
-def _write_json_atomically(path: Path, data: object) -> None:
-    """Write to a temporary file beside `path` and rename it into place: a reader never sees half a file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump(data, f, indent=1)
-        os.replace(f.name, path)
-    except OSError:  # a read-only cache: the plan holds for this process only
-        pass
 
 
 class PackedLinear(torch.nn.Module):

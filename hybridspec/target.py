@@ -307,11 +307,6 @@ class TargetModel:
             raise ValueError(f"sequence length {kv_len} exceeds the model's context of {self.max_seq_len} tokens")
         cache.reserve(kv_len)
         slots = lengths[:, None] + torch.arange(q, device=self.device)  # [B, q]
-        # mask[b, 0, i, j]: committed prefix of row b, then the row's own tree block at its slots.
-        mask = torch.arange(kv_len, device=self.device)[None, None, :] < lengths[:, None, None]
-        mask = mask.expand(bsz, q, kv_len).clone()
-        row_ids = torch.arange(bsz, device=self.device)[:, None, None]
-        mask[row_ids, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = tree_mask
         same_length = all(n == cache.lengths[0] for n in cache.lengths)
         causal_chunk = causal and same_length and self._cpu_flash
         if not causal_chunk and self._step_kernel and q - causal_rows <= STEP_KERNEL_MAX_QUERIES:
@@ -320,6 +315,11 @@ class TargetModel:
             scores = torch.empty(self.num_heads // self.num_kv_heads * steps * (kv_len + 16), dtype=torch.float32)
             return _Attention(cache, kv_len, None, slots, cache.lengths[0] if same_length else None, False,
                               causal_rows, (lengths + causal_rows, see, scores))
+        # mask[b, 0, i, j]: committed prefix of row b, then the row's own tree block at its slots.
+        mask = torch.arange(kv_len, device=self.device)[None, None, :] < lengths[:, None, None]
+        mask = mask.expand(bsz, q, kv_len).clone()
+        row_ids = torch.arange(bsz, device=self.device)[:, None, None]
+        mask[row_ids, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = tree_mask
         folded_mask = None
         mask = mask[:, causal_rows:]  # rows of a causal chunk need none
         if not causal_chunk and not bool(mask.all()):

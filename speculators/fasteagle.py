@@ -35,13 +35,13 @@ class FastEagleDrafter(EagleBase):
                     ) -> None:
         """Run the pending real slots through the cascade; state.last_hidden becomes [L, H], each layer's pre-norm
         output at the last real slot."""
-        if extra_hidden is not None:
-            raise ValueError("FastEagle drafts from the real slots alone")
-        self.run_pending_many([state], [(None, None)])
+        self.run_pending_many([state], [(extra_hidden, extra_tokens)])
 
     def run_pending_many(self, states: Sequence[EagleState], extras: Sequence[tuple[Tensor | None, Tensor | None]]
                          ) -> list[None]:
         """`run_pending` for several states in one pass of the cascade."""
+        if any(extra_hidden is not None for extra_hidden, _ in extras):
+            raise ValueError("FastEagle drafts from the real slots alone")
         pending = []
         for state in states:
             if state.pending_tokens:
