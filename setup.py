@@ -23,12 +23,12 @@ ext = Extension(
     extra_compile_args=["-O3"],
 )
 # the attention of decode steps on a CPU; its AVX-512 code is compiled for that target only and runs where the CPU
-# has it (hybridspec.target falls back to PyTorch's attention elsewhere)
+# has it (hybridspec.model.target falls back to PyTorch's attention elsewhere)
 attention = Extension(
-    "hybridspec._attention",
-    sources=["hybridspec/_attention.pyx"],
-    depends=["hybridspec/attention_kernel.h"],
-    include_dirs=["hybridspec"],
+    "hybridspec.model._attention",
+    sources=["hybridspec/model/_attention.pyx"],
+    depends=["hybridspec/model/attention_kernel.h"],
+    include_dirs=["hybridspec/model"],
     extra_compile_args=["-O3"],
 )
 

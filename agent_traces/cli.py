@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--suffix-max-spec-factor", type=float, default=1.0)
     g.add_argument("--suffix-max-spec-offset", type=float, default=0.0)
     g.add_argument("--suffix-min-token-prob", type=float, default=0.1)
-    g = p.add_argument_group("arctic-suffix proposer settings (hybridspec.peers.ArcticSuffixProposer)")
+    g = p.add_argument_group("arctic-suffix proposer settings (hybridspec.tools.peers.ArcticSuffixProposer)")
     g.add_argument("--arctic-max-depth", type=int, default=64, help="64: ArcticInference's default; vLLM uses 24")
     p.set_defaults(func=run)
 

@@ -97,7 +97,8 @@ PROPOSER_NAMES = ("suffix", "ngram", "arctic-suffix")
 def proposer_spec(name: str, num_speculative_tokens: int, label: str | None = None, tree: bool = False,
                   **options) -> ProposerSpec:
     """`suffix` (hybridspec.suffix.SuffixCache), `ngram` (NgramProposer) or `arctic-suffix` (ArcticInference's suffix
-    decoding through hybridspec.peers.ArcticSuffixProposer; needs arctic-inference). `options` go to the constructor.
+    decoding through hybridspec.tools.peers.ArcticSuffixProposer; needs arctic-inference). `options` go to the
+    constructor.
     tree=True drafts token trees of at most num_speculative_tokens nodes where the proposer drafts trees (n-gram
     drafts chains)."""
     if name == "suffix":
@@ -105,7 +106,7 @@ def proposer_spec(name: str, num_speculative_tokens: int, label: str | None = No
     elif name == "ngram":
         from hybridspec.suffix import NgramProposer as cls
     elif name == "arctic-suffix":
-        from hybridspec.peers import ArcticSuffixProposer as cls
+        from hybridspec.tools.peers import ArcticSuffixProposer as cls
     else:
         raise ValueError(f"unknown proposer {name!r}; known: {', '.join(PROPOSER_NAMES)}")
     # fail now, not mid-replay, on a bad option or a missing peer

@@ -58,7 +58,7 @@ class TokenizedTrajectory:
 
 def tokenizer_dir(name_or_path: str | os.PathLike = "smollm2") -> Path:
     """A local directory holding the tokenizer: an existing directory as given, else a model name for
-    `hybridspec.models.resolve_model` (default: the embedded SmolLM2)."""
+    `hybridspec.model.loading.resolve_model` (default: the embedded SmolLM2)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not any((path / f).is_file() for f in _TOKENIZER_FILES):
@@ -68,12 +68,12 @@ def tokenizer_dir(name_or_path: str | os.PathLike = "smollm2") -> Path:
 
 
 def _models(why: str):
-    """hybridspec.models, which needs torch (absent from e.g. the peers' benchmark environment)."""
+    """hybridspec.model.loading, which needs torch (absent from e.g. the peers' benchmark environment)."""
     try:
-        import hybridspec.models as models
+        import hybridspec.model.loading as models
     except ImportError as e:
-        raise ImportError(f"{why} needs hybridspec.models, which cannot be imported here ({e}); pass a tokenizer "
-                          "directory and a cache directory instead") from e
+        raise ImportError(f"{why} needs hybridspec.model.loading, which cannot be imported here ({e}); "
+                          "pass a tokenizer directory and a cache directory instead") from e
     return models
 
 
@@ -208,7 +208,7 @@ def _gather(tokens: np.ndarray, offsets: np.ndarray, piece_ids: np.ndarray) -> n
 class TraceTokenizer:
     """Turns loaded trace sources into token ids with a target's tokenizer and chat template (see the module doc).
 
-    `tokenizer`: a local Hugging Face tokenizer (or model) directory, or a model name for `hybridspec.models`
+    `tokenizer`: a local Hugging Face tokenizer (or model) directory, or a model name for `hybridspec.model.loading`
     (default "smollm2", the embedded SmolLM2-135M-Instruct). The tokenizer itself is loaded only on a cache miss.
     """
 

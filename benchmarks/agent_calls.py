@@ -111,7 +111,7 @@ def load_replay(model: str, trajectories: int, calls_per_trajectory: int, max_ne
                 what: str) -> tuple[Path, Any, list[list[AgentCall]]]:
     """The model's directory and tokenizer and the agent calls a replay sends (prompts up to SmolLM2's context less
     the new tokens), after one line on stderr saying what runs (`what`)."""
-    from hybridspec.models import load_tokenizer, resolve_model
+    from hybridspec.model.loading import load_tokenizer, resolve_model
 
     model_dir = resolve_model(model)
     tokenizer = load_tokenizer(model_dir)

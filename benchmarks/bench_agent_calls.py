@@ -272,7 +272,7 @@ class Setup:
 
     def target(self):
         if self._target is None:
-            from hybridspec.target import TargetModel
+            from hybridspec.model.target import TargetModel
 
             self._target = TargetModel.from_pretrained(self.model_dir)
         return self._target

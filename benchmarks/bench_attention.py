@@ -36,7 +36,7 @@ def streaming_gb_s() -> float:
 
 def measure(contexts: list[int], queries: list[int], layers: int, kv_heads: int, group: int, dim: int,
             repeats: int, bandwidth: float) -> list[dict]:
-    from hybridspec import _attention
+    from hybridspec.model import _attention
 
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", type=float, help="GB/s for bound_ms (default: measured)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    from hybridspec import _attention
+    from hybridspec.model import _attention
 
     if not _attention.supported():
         print("this CPU has no AVX-512F: the target runs PyTorch's attention, nothing to compare", file=sys.stderr)

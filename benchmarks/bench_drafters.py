@@ -11,7 +11,7 @@ the weights) or, with --shape llama3-8b, for Llama-3.1-8B (hidden 4096, vocabula
 P-EAGLE with 4 layers as published, EAGLE-3 with 1, the LSTM with 4096 inner dim), random weights; a drafter state
 holding `--context` real slots, then per step: accept 2 new rows (one accepted draft and the bonus token, as after a
 typical verification) and propose K. Median milliseconds per step. On CPU the linears run on oneDNN-packed weights, as
-the engine runs them (hybridspec.linear.pack_linears), multiplying in bfloat16 where the CPU does so natively
+the engine runs them (hybridspec.model.linear.pack_linears), multiplying in bfloat16 where the CPU does so natively
 (--cpu-matmul float32 to compare).
 Acceptance: each checkpoint in speculators/checkpoints/ on the held-out split of its recipe's feature cache (never
 trained on), greedy, offline (see hybridspec.speculators.train.trainer.evaluate_acceptance), for chains and for the
@@ -35,7 +35,7 @@ from hybridspec.speculators.registry import drafter_kind
 from hybridspec.speculators.train import FeatureStore, load_recipe
 from hybridspec.speculators.train.data import load_target_head
 from hybridspec.speculators.train.trainer import evaluate_acceptance
-from hybridspec.linear import fast_bf16, pack_linears
+from hybridspec.model.linear import fast_bf16, pack_linears
 
 RECIPES = {"fasteagle": "fasteagle-smollm2", "peagle": "peagle-smollm2", "eagle3": "eagle3-smollm2",
            "lstm": "lstm-smollm2"}

@@ -113,7 +113,7 @@ def code_prompts(path: Path, count: int, heldout_recipe: Path | None = None) -> 
 
 def run_agent(engine_factory, sessions: list[AgentSession], methods: list[str], args, progress) -> dict:
     """Every session once per method and once plain, side by side: turn t of each, then turn t + 1."""
-    from hybridspec.engine import GenerationStats
+    from hybridspec.runtime.engine import GenerationStats
 
     modes = ["none", *methods]
     totals = {mode: GenerationStats() for mode in modes}
@@ -145,7 +145,7 @@ def run_agent(engine_factory, sessions: list[AgentSession], methods: list[str], 
 
 
 def run_chat(engine_factory, questions: list[str], methods: list[str], args, progress) -> dict:
-    from hybridspec.engine import GenerationStats
+    from hybridspec.runtime.engine import GenerationStats
 
     modes = ["none", *methods]
     totals = {mode: GenerationStats() for mode in modes}
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(workload_names) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
-    from hybridspec.engine import SPECULATE_CHOICES, Engine
+    from hybridspec.runtime.engine import SPECULATE_CHOICES, Engine
 
     methods = [m for m in args.speculate.split(",") if m]
     bad = [m for m in methods if m not in SPECULATE_CHOICES or m == "none"]
@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         known = [c for c in SPECULATE_CHOICES if c != "none"]
         parser.error(f"--speculate: unknown method(s) {bad}; choose from {known}")
 
-    from hybridspec.models import load_tokenizer
-    from hybridspec.target import TargetModel
+    from hybridspec.model.loading import load_tokenizer
+    from hybridspec.model.target import TargetModel
 
     torch.set_num_threads(args.threads)
     target = TargetModel.from_pretrained(args.model, dtype=getattr(torch, args.dtype))

@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     from hybridspec import Engine
-    from hybridspec.engine import SPECULATE_CHOICES
-    from hybridspec.target import TargetModel
+    from hybridspec.runtime.engine import SPECULATE_CHOICES
+    from hybridspec.model.target import TargetModel
 
     methods = ["none"] + [m for m in dict.fromkeys(args.methods.split(",")) if m and m != "none"]
     bad = [m for m in methods if m not in SPECULATE_CHOICES]

@@ -13,7 +13,7 @@ Methods (a fresh server, or a fresh Engine, per method and concurrency: caches s
   vllm.entrypoints.openai.api_server`, fp32, eager, prefix caching on, one OpenMP thread, 2 GiB of KV cache) with
   the speculative configs of bench_agent_calls.py; vllm-suffix is vLLM's own (ArcticInference; HYBRIDSPEC_VLLM unset);
 - vllm-plugin-suffix: the same server and config as vllm-suffix with HYBRIDSPEC_VLLM=suffix: hybridspec's SuffixCache
-  through the plugin (hybridspec/vllm_plugin.py);
+  through the plugin (hybridspec/vllm_plugin/);
 - engine-none, engine-suffix, engine-suffix+peagle: `Engine.generate` in this process (no HTTP), the same prompts
   (the chat template's token ids) and options: what the server adds to the engine. engine-none is the reference of
   the outputs and always runs at concurrency 1;
@@ -381,8 +381,8 @@ class InProcess:
         import torch
 
         from hybridspec import Engine
-        from hybridspec.engine import PREFILL_CHUNK
-        from hybridspec.target import TargetModel
+        from hybridspec.runtime.engine import PREFILL_CHUNK
+        from hybridspec.model.target import TargetModel
 
         torch.set_num_threads(self.threads)
         if self._target is None:

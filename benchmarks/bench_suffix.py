@@ -170,7 +170,7 @@ def make_proposer(name: str, args: argparse.Namespace):
                            max_spec_factor=args.max_spec_factor, max_spec_offset=args.max_spec_offset,
                            min_token_prob=args.min_token_prob)
     if name == "arctic-suffix":
-        from hybridspec.peers import ArcticSuffixProposer
+        from hybridspec.tools.peers import ArcticSuffixProposer
 
         return ArcticSuffixProposer(max_depth=args.max_depth, num_speculative_tokens=args.num_speculative_tokens,
                                     max_spec_factor=args.max_spec_factor, max_spec_offset=args.max_spec_offset,

@@ -1,7 +1,8 @@
 """The target's verification cost on this machine: t(1 + k tokens) / t(1 token), per warm context length.
 
 The router's cost gate plans with such a table: the engine measures its own once per machine and model
-(`hybridspec.calibration`, `Engine(verify_cost="auto")`, what `hybridspec calibrate` re-measures); `router/cost.py`
+(`hybridspec.model.calibration`, `Engine(verify_cost="auto")`, what `hybridspec calibrate` re-measures);
+`router/cost.py`
 holds the built-in ones (`verify_cost=None`), measured with this script on SmolLM2; `Engine(verify_cost=PATH)` takes
 the JSON this script writes. --batch also times a plain step at batch
 1, 2, 4 and 8 (one padded cache, the weights read once per step); --prefill P+N,... times a prefill of N new tokens
@@ -24,9 +25,9 @@ from pathlib import Path
 import torch
 
 from common import machine_info, write_json
-from hybridspec.calibration import DEFAULT_COST_DRAFT_TOKENS, measure_verify_cost
-from hybridspec.linear import MKL_ROWS, PLANNED_ROWS, time_routes, untuned_routes
-from hybridspec.target import TargetModel
+from hybridspec.model.calibration import DEFAULT_COST_DRAFT_TOKENS, measure_verify_cost
+from hybridspec.model.linear import MKL_ROWS, PLANNED_ROWS, time_routes, untuned_routes
+from hybridspec.model.target import TargetModel
 
 def measure_prefill(target: TargetModel, cached: int, new: int, repeats: int = 3, seed: int = 0) -> dict:
     """Median wall time of prefilling `new` tokens into a cache already holding `cached` (random token ids)."""

@@ -272,7 +272,7 @@ def vllm_acceptance(result: dict, k: int) -> tuple[list[Acceptance], Acceptance]
 def run_ours(engine, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict:
     """Plain greedy and P-EAGLE with every draft verified in full (`engine.router` is a `RecordingRouter`), prompt by
     prompt."""
-    from hybridspec.engine import Engine, GenerationStats
+    from hybridspec.runtime.engine import Engine, GenerationStats
 
     plain_engine = Engine(engine.target, engine.tokenizer)  # its steps must not enter the router's record
     plain, spec, stats = [], [], GenerationStats()
@@ -385,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.questions <= 0 or args.max_new_tokens <= 0 or (k_arg is not None and k_arg <= 0):
         parser.error("--questions, --max-new-tokens and --num-speculative-tokens must be positive")
 
-    from hybridspec.engine import Engine
-    from hybridspec.models import resolve_model
+    from hybridspec.runtime.engine import Engine
+    from hybridspec.model.loading import resolve_model
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

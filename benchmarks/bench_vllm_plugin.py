@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from hybridspec.models import resolve_model
+    from hybridspec.model.loading import resolve_model
 
     started = time.perf_counter()
     model = resolve_model("smollm2")

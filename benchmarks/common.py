@@ -9,7 +9,7 @@ from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from hybridspec.machine import machine_info  # noqa: F401 (the benchmarks import it from here)
+from hybridspec.model.machine import machine_info  # noqa: F401 (the benchmarks import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--methods: a baseline and at least one method to compare with it")
     torch.set_num_threads(args.threads)
     from hybridspec import Engine
-    from hybridspec.target import TargetModel
+    from hybridspec.model.target import TargetModel
 
     model_dir, tokenizer, trajectories = load_replay(args.model, args.trajectories, args.calls_per_trajectory,
                                                      args.max_new_tokens, args.traces, f"methods: {', '.join(methods)}")

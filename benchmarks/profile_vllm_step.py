@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from
 STEP = "step"
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"  # CPUModelRunner inherits all of these
 EAGLE = "vllm.v1.spec_decode.eagle:EagleProposer"
-HYBRID = "hybridspec.vllm_proposers:HybridspecHybridProposer"
-SUFFIX = "hybridspec.vllm_proposers:HybridspecSuffixProposer"
-REQUESTS = "hybridspec.vllm_plugin:SuffixRequests"
+HYBRID = "hybridspec.vllm_plugin.proposers:HybridspecHybridProposer"
+SUFFIX = "hybridspec.vllm_plugin.proposers:HybridspecSuffixProposer"
+REQUESTS = "hybridspec.vllm_plugin.requests:SuffixRequests"
 # (class, method, part). Several methods may share a part; a method defined on a base class is wrapped on the class
 # named here, so that a subclass's super() call (the hybrid's super().propose) meets the timer too.
 TARGETS: tuple[tuple[str, str, str], ...] = (
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     from agent_calls import load_agent_calls
     from bench_vllm_plugin import GATED, METHODS, VLLM_ENV, method_config, vllm_peagle
     from common import machine_info, write_json
-    from hybridspec.models import resolve_model
+    from hybridspec.model.loading import resolve_model
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or any(m not in METHODS + GATED for m in methods):

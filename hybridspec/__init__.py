@@ -12,7 +12,7 @@ __all__ = ["Proposal", "Proposer", "Engine", "__version__"]
 
 def __getattr__(name: str):
     if name == "Engine":
-        from hybridspec.engine import Engine
+        from hybridspec.runtime.engine import Engine
 
         return Engine
     raise AttributeError(f"module 'hybridspec' has no attribute {name!r}")

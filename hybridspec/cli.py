@@ -7,11 +7,11 @@ import sys
 
 # sub-command -> module exposing `register(subparsers)`, which adds a parser whose `func(args) -> int` runs it.
 COMMANDS = {
-    "calibrate": "hybridspec.calibration",
-    "demo": "hybridspec.demo",
+    "calibrate": "hybridspec.model.calibration",
+    "demo": "hybridspec.tools.demo",
     "replay": "hybridspec.agent_traces.cli",
     "serve": "hybridspec.serve",
-    "train": "hybridspec.train",
+    "train": "hybridspec.tools.train",
 }
 
 

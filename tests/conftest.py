@@ -11,13 +11,13 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_model():
     """A random 6-layer Llama over the 128-id character vocabulary of `tiny_tokenizer`."""
-    from hybridspec.testing import tiny_llama
+    from hybridspec.tools.testing import tiny_llama
 
     return tiny_llama(vocab_size=128, num_layers=6, seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from hybridspec.testing import tiny_tokenizer
+    from hybridspec.tools.testing import tiny_tokenizer
 
     return tiny_tokenizer(128)

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from hybridspec.target import StepInput, TargetModel
+from hybridspec.model.target import StepInput, TargetModel
 
-attention = pytest.importorskip("hybridspec._attention")
+attention = pytest.importorskip("hybridspec.model._attention")
 if not attention.supported():
     pytest.skip("this CPU has no AVX-512F: the target uses PyTorch's attention", allow_module_level=True)
 

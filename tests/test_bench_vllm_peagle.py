@@ -7,9 +7,9 @@ import random
 import pytest
 
 from bench_vllm_peagle import Acceptance, RecordingRouter, run_ours, vllm_within_budget
-from hybridspec.engine import Engine
-from hybridspec.target import TargetModel
-from hybridspec.testing import tiny_llama, tiny_tokenizer
+from hybridspec.runtime.engine import Engine
+from hybridspec.model.target import TargetModel
+from hybridspec.tools.testing import tiny_llama, tiny_tokenizer
 from test_engine_drafters import VOCAB, make_drafter
 
 K = 4

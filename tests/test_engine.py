@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 import torch
 
-from hybridspec.engine import Engine
+from hybridspec.runtime.engine import Engine
 from hybridspec.proposal import Proposal
-from hybridspec.target import TargetModel
-from hybridspec.testing import chi_square_p_value, tiny_llama, tiny_tokenizer
+from hybridspec.model.target import TargetModel
+from hybridspec.tools.testing import chi_square_p_value, tiny_llama, tiny_tokenizer
 
 VOCAB = 128
 
@@ -455,7 +455,7 @@ def test_chi_square_detects_a_wrong_distribution(small_vocab_engine):
 
 
 def test_model_resolution(tmp_path, monkeypatch):
-    from hybridspec.models import cache_dir, resolve_model
+    from hybridspec.model.loading import cache_dir, resolve_model
 
     monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path / "cache"))
     assert cache_dir() == tmp_path / "cache"

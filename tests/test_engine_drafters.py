@@ -10,14 +10,14 @@ from collections import Counter
 import pytest
 import torch
 
-from hybridspec.engine import Engine
+from hybridspec.runtime.engine import Engine
 from hybridspec.router import DraftCost, FunctionRouter, HybridProposer
 from hybridspec.speculators import (DrafterProposer, Eagle3Drafter, EagleConfig, FastEagleDrafter, LayerConfig,
                                     LSTMConfig, LSTMDrafter, PEagleDrafter, TargetFeatures)
 from hybridspec.speculators.registry import DRAFTER_KINDS
-from hybridspec.target import TargetModel
-from hybridspec.stats import GenerationStats
-from hybridspec.testing import chi_square_p_value, tiny_llama, tiny_tokenizer
+from hybridspec.model.target import TargetModel
+from hybridspec.runtime.stats import GenerationStats
+from hybridspec.tools.testing import chi_square_p_value, tiny_llama, tiny_tokenizer
 
 from test_engine import exact_two_token_distribution
 
@@ -322,7 +322,7 @@ def test_drafter_errors(engine, target_model):
 
 def test_engine_packs_its_own_copy_of_a_drafter(engine):
     """On CPU the engine runs drafters on oneDNN-packed weights: a copy, the caller's module stays trainable."""
-    from hybridspec.linear import PackedLinear
+    from hybridspec.model.linear import PackedLinear
 
     ours = engine.proposers.get("peagle").drafter
     theirs = engine.proposers.drafters["peagle"]
@@ -468,7 +468,7 @@ def test_a_hybrid_weighs_this_machines_draft_cost(target_model, tmp_path, monkey
     """With the engine's costs measured here (verify_cost="auto", the default), a hybrid weighs its drafter by this
     machine's draft-cost table, measured once per machine and drafter and kept in the user cache; with the built-in
     verification tables (verify_cost=None), by the built-in table of its kind."""
-    from hybridspec import calibration
+    from hybridspec.model import calibration
     from hybridspec.router.cost import DEFAULT_DRAFT_MS
 
     monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))

@@ -29,7 +29,7 @@ MAX_NEW = 96
 
 @pytest.fixture(scope="module")
 def engine():
-    from hybridspec.engine import Engine
+    from hybridspec.runtime.engine import Engine
 
     return Engine.from_pretrained("smollm2")
 
@@ -45,7 +45,7 @@ def agent_prompt(engine):
 @pytest.fixture(scope="module")
 def uncached(engine):
     """Plain greedy decoding of whole prompts: no speculation, no prefix cache."""
-    from hybridspec.engine import Engine
+    from hybridspec.runtime.engine import Engine
 
     return Engine(engine.target, engine.tokenizer, prefix_cache_bytes=0)
 

@@ -1,4 +1,4 @@
-"""The ArcticInference adapter (hybridspec.peers.ArcticSuffixProposer).
+"""The ArcticInference adapter (hybridspec.tools.peers.ArcticSuffixProposer).
 
 arctic-inference lives in its own environment (.venv-peers, made by scripts/setup_peers.sh), so the adapter's checks run
 in a subprocess of that environment's Python; they are skipped, with the reason, where that environment was not set up.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridspec.peers import ArcticSuffixProposer
+from hybridspec.tools.peers import ArcticSuffixProposer
 
 from common import PEERS_PYTHON
 
@@ -33,7 +33,7 @@ def peer_checks() -> None:
     import numpy as np
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-    from hybridspec.peers import ArcticSuffixProposer
+    from hybridspec.tools.peers import ArcticSuffixProposer
 
     def expect(exc, fn, *args, **kwargs):
         try:

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from hybridspec.engine import KV_HEADROOM_TOKENS, Engine
-from hybridspec.kv_cache import KVCache
-from hybridspec.prefix_cache import KV_SLACK, PrefixCache
+from hybridspec.runtime.engine import KV_HEADROOM_TOKENS, Engine
+from hybridspec.model.kv_cache import KVCache
+from hybridspec.runtime.prefix_cache import KV_SLACK, PrefixCache
 from hybridspec.proposal import Proposal
-from hybridspec.target import TargetModel
+from hybridspec.model.target import TargetModel
 
 VOCAB = 128
 KV_BYTES_PER_TOKEN = 6 * 2 * 2 * 16 * 4  # tiny_llama: 6 layers, keys + values, 2 KV heads of 16 dims, float32
@@ -450,7 +450,7 @@ def test_calls_take_turns_step_by_step(tiny_model, tiny_tokenizer):
 
 
 def test_common_prefix_helper():
-    from hybridspec.prefix_cache import common_prefix
+    from hybridspec.runtime.prefix_cache import common_prefix
 
     assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
     assert common_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2

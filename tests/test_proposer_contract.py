@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridspec.conformance import exercise_proposer
-from hybridspec.engine import DRAFTER_KINDS, Engine
+from hybridspec.tools.conformance import exercise_proposer
+from hybridspec.runtime.engine import DRAFTER_KINDS, Engine
 from hybridspec.proposal import Proposal, check_proposer
 from hybridspec.router import CostGate, HybridProposer
 from hybridspec.speculators import DrafterProposer, TargetFeatures
 from hybridspec.suffix import NgramProposer, SuffixCache
-from hybridspec.target import TargetModel
-from hybridspec.testing import tiny_llama, tiny_tokenizer
+from hybridspec.model.target import TargetModel
+from hybridspec.tools.testing import tiny_llama, tiny_tokenizer
 
 from common import PEERS_PYTHON
 from test_engine_drafters import VOCAB, make_drafter
@@ -64,8 +64,8 @@ def test_the_arctic_adapter_keeps_the_contract():
     """In .venv-peers (no torch there): the ArcticInference adapter through the same driver."""
     if not PEERS_PYTHON.exists():
         pytest.fail(f"{PEERS_PYTHON} not found: run scripts/setup_peers.sh (scripts/setup.sh does)")
-    code = (f"from hybridspec.conformance import exercise_proposer\n"
-            f"from hybridspec.peers import ArcticSuffixProposer\n"
+    code = (f"from hybridspec.tools.conformance import exercise_proposer\n"
+            f"from hybridspec.tools.peers import ArcticSuffixProposer\n"
             f"for prefers in (False, True):\n"
             f"    n = exercise_proposer(ArcticSuffixProposer(max_depth=16, num_speculative_tokens=8, "
             f"prefers_trees=prefers), {PROMPT}, {CONTINUATION}, vocab_size={VOCAB})\n"

@@ -19,9 +19,9 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridspec.cli import main as cli_main
-from hybridspec.engine import Engine
+from hybridspec.runtime.engine import Engine
 from hybridspec.serve import create_app
-from hybridspec.target import TargetModel
+from hybridspec.model.target import TargetModel
 
 MODEL = "tiny"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "ls -la; cat setup.py"}]

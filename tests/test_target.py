@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from bench_verify_cost import measure_prefill
-from hybridspec.calibration import measure_verify_cost
-from hybridspec.kv_cache import tree_depths_and_mask
+from hybridspec.model.calibration import measure_verify_cost
+from hybridspec.model.kv_cache import tree_depths_and_mask
 from hybridspec.speculators import default_aux_layer_ids
-from hybridspec.target import StepInput, TargetModel
+from hybridspec.model.target import StepInput, TargetModel
 
 ATOL = 2e-4
 
@@ -206,7 +206,7 @@ def test_measure_verify_cost_reports_every_size(target):
 def test_machine_verify_cost_is_measured_once_per_machine_and_model(target, tmp_path, monkeypatch):
     """Engine(verify_cost="auto"): the table is measured on first use (contexts that fit the model only), kept in the
     user cache, read back by later engines on the same model, and what the gate plans with."""
-    from hybridspec import calibration
+    from hybridspec.model import calibration
     from hybridspec.router import CostGate
 
     monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
@@ -246,7 +246,7 @@ def test_measure_prefill_times_the_new_tokens_after_the_cached_ones(target):
 def test_linear_products_in_a_compute_dtype(rows):
     """Linear(compute_dtype=bfloat16) multiplies in bfloat16 and returns the input's dtype; the packed float32 product
     equals F.linear's."""
-    from hybridspec.linear import Linear
+    from hybridspec.model.linear import Linear
 
     torch.manual_seed(rows)
     for out_features in (48, 8192):
@@ -268,8 +268,8 @@ def test_linear_follows_its_routes(bias, monkeypatch):
     """A packed float32 Linear multiplies n rows as routes[n] says: MKL's product (F.linear on its plain weight) or
     oneDNN's packed one, on n rows or on n padded with zero rows; every route (and `plus`) gives F.linear's result.
     Row counts past the routes run oneDNN's product as they are."""
-    from hybridspec import linear
-    from hybridspec.linear import PLANNED_ROWS, Linear
+    from hybridspec.model import linear
+    from hybridspec.model.linear import PLANNED_ROWS, Linear
 
     F = torch.nn.functional
     torch.manual_seed(0)
@@ -303,7 +303,7 @@ def test_linear_follows_its_routes(bias, monkeypatch):
 
 
 def test_plan_routes_takes_the_fastest_route_and_pads_only_for_a_clear_gain():
-    from hybridspec.linear import PAD_MARGIN, PLANNED_ROWS, plan_routes
+    from hybridspec.model.linear import PAD_MARGIN, PLANNED_ROWS, plan_routes
 
     times = {(False, m): 1.0 for m in range(1, PLANNED_ROWS + 1)}
     times[False, 4] = 0.8                      # four rows run faster than one to three
@@ -320,8 +320,8 @@ def test_plan_routes_takes_the_fastest_route_and_pads_only_for_a_clear_gain():
 def test_tune_products_measures_once_per_machine_and_keeps_the_plan(tmp_path, monkeypatch):
     """The first tuning measures and stores the routes in the user cache; a second (another model with the same
     products, a later process) reads them back; remeasure=True measures again."""
-    from hybridspec import linear
-    from hybridspec.linear import Linear, tune_products
+    from hybridspec.model import linear
+    from hybridspec.model.linear import Linear, tune_products
 
     monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
     measured = []
@@ -352,7 +352,7 @@ def test_tune_products_measures_once_per_machine_and_keeps_the_plan(tmp_path, mo
 def test_greedy_head_finds_the_float32_argmax_in_near_ties():
     """_GreedyHead's argmax is the exact one wherever the top two logits differ by more than float32 noise, also where
     they differ by far less than bfloat16's error (where the bfloat16 product alone picks the wrong token)."""
-    from hybridspec.target import _GreedyHead
+    from hybridspec.model.target import _GreedyHead
 
     gen = torch.Generator().manual_seed(0)
     vocab, hidden = 4096, 576
@@ -378,8 +378,8 @@ def test_greedy_head_finds_the_float32_argmax_in_near_ties():
 def test_argmax_only_steps_pick_the_tokens_of_full_steps(target):
     """Greedy steps with argmax_only (the bfloat16 head where the CPU multiplies bfloat16 natively) choose the same
     tokens as steps with full logits, for a batch of rows with drafts up to the head's row limit."""
-    from hybridspec.linear import fast_bf16
-    from hybridspec.target import _GreedyHead
+    from hybridspec.model.linear import fast_bf16
+    from hybridspec.model.target import _GreedyHead
 
     assert (target.greedy_head is not None) == fast_bf16()
     rng = random.Random(3)
@@ -509,7 +509,7 @@ def test_one_pass_of_parts_of_any_length_matches_separate_passes(target, cpu_fla
 def test_time_routes_times_every_route_of_every_family():
     """What tune_products measures (and `bench_verify_cost.py --products` prints): per family of same-shaped products,
     the seconds of oneDNN's product at every planned row count and MKL's at the first few, summed over its members."""
-    from hybridspec.linear import MKL_ROWS, PLANNED_ROWS, Linear, time_routes
+    from hybridspec.model.linear import MKL_ROWS, PLANNED_ROWS, Linear, time_routes
 
     torch.manual_seed(0)
     layers = [Linear(torch.randn(32, 16)), Linear(torch.randn(32, 16)), Linear(torch.randn(8, 32))]
@@ -525,7 +525,7 @@ def test_time_routes_times_every_route_of_every_family():
 
 def test_calibrate_cli_measures_products_and_verify_cost_again(tiny_model, tmp_path, monkeypatch, capsys):
     """`hybridspec calibrate MODEL` measures both of the machine's tables again, even where they are cached."""
-    from hybridspec import calibration, linear
+    from hybridspec.model import calibration, linear
     from hybridspec.cli import main
 
     monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path / "cache"))

@@ -12,7 +12,7 @@ import yaml
 
 from hybridspec.speculators import (DrafterProposer, TargetFeatures, TargetInfo, default_aux_layer_ids,
                                     load_drafter)
-from hybridspec.testing import tiny_llama
+from hybridspec.tools.testing import tiny_llama
 from hybridspec.speculators.train import (FeatureStore, Trainer, build_features, features_complete, load_items,
                                           load_recipe, recipe_from_dict)
 from hybridspec.speculators.train import data as data_module
@@ -60,8 +60,8 @@ def target():
 @pytest.fixture(scope="module")
 def engine(target, tiny_tokenizer):
     """The runtime's engine over the target: what writes the target's responses (the training library takes it)."""
-    from hybridspec.engine import Engine
-    from hybridspec.target import TargetModel
+    from hybridspec.runtime.engine import Engine
+    from hybridspec.model.target import TargetModel
 
     return Engine(TargetModel(target), tiny_tokenizer)
 
@@ -211,8 +211,8 @@ def test_self_instruct_requests_are_the_targets_own_and_resumable(tmp_path, targ
                                                                     monkeypatch):
     """The target writes its own requests from the user-turn header; the source's items are those requests, written
     once (a rerun generates nothing) and the same for the same seed; the other sources' split does not wait on them."""
-    from hybridspec.engine import Engine
-    from hybridspec.target import TargetModel
+    from hybridspec.runtime.engine import Engine
+    from hybridspec.model.target import TargetModel
 
     raw = tiny_recipe("peagle", tmp_path, chat_file)
     raw["data"]["sources"].append({"kind": "self_instruct", "max_items": 6, "seed": 3})

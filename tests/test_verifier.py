@@ -11,7 +11,7 @@ import torch
 
 from hybridspec.proposal import Proposal
 from hybridspec.verifier import VerifyResult, process_logits, verify, verify_batch
-from hybridspec.testing import chi_square_p_value
+from hybridspec.tools.testing import chi_square_p_value
 from hybridspec.verifier import reference
 
 V = 6

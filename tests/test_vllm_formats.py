@@ -26,7 +26,7 @@ import torch
 
 from hybridspec.speculators import (Eagle3Drafter, EagleConfig, LayerConfig, PEagleDrafter, build_draft_vocab,
                                     default_aux_layer_ids, save_drafter)
-from hybridspec.testing import tiny_llama, tiny_tokenizer
+from hybridspec.tools.testing import tiny_llama, tiny_tokenizer
 
 from common import VLLM_ENV, VLLM_PYTHON
 

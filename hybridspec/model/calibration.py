@@ -4,7 +4,8 @@ costs here, which a hybrid weighs against it (`machine_draft_cost`).
 
 Why measured here rather than built in: which draft sizes are nearly free depends on the CPU. On the Intel Xeon of
 sessions 8-14 a pass over four draft tokens cost 1.39 plain steps; on an AMD EPYC (Zen 4), once its products run
-their fastest routes (`hybridspec.linear.tune_products`), about 1.1. A gate that plans with another machine's table
+their fastest routes (`hybridspec.model.linear.tune_products`), about 1.1. A gate that plans with another machine's
+table
 drafts too little there, or too much.
 """
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from hybridspec.machine import keep_measured, measured_here
-from hybridspec.target import TargetModel
+from hybridspec.model.machine import keep_measured, measured_here
+from hybridspec.model.target import TargetModel
 
 DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 AUTO_CONTEXTS = (512, 2048, 4096)  # as the built-in tables (router/cost.py)
@@ -143,16 +144,16 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "calibrate", help="measure this machine's fastest products and verification costs again",
         description="Measure again what the engine measures on first use and keeps in the user cache: each product's "
-                    "fastest kernel and row count (hybridspec.linear.tune_products) and the verification cost table "
-                    "the router plans with. Run it on a quiet machine, after a hardware or torch change, or when "
-                    "the first measurement ran beside other work.")
+                    "fastest kernel and row count (hybridspec.model.linear.tune_products) and the verification "
+                    "cost table the router plans with. Run it on a quiet machine, after a hardware or torch change, "
+                    "or when the first measurement ran beside other work.")
     parser.add_argument("model", nargs="?", default="smollm2", help="'smollm2' or a local Hugging Face directory")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads the engine will run with")
     parser.set_defaults(func=_calibrate)
 
 
 def _calibrate(args) -> int:
-    from hybridspec.linear import tune_products
+    from hybridspec.model.linear import tune_products
 
     if args.threads < 1:
         raise SystemExit("--threads must be positive")
@@ -168,7 +169,7 @@ def _calibrate(args) -> int:
     for t in tables:
         print(f"  {t['context']:>5} tokens of context: t(0) = {t['ms'][0]:.1f} ms; " + ", ".join(
             f"{k}: {r:.2f}" for k, r in zip(t["draft_tokens"], t["relative"]) if k))
-    from hybridspec.models import cache_dir
+    from hybridspec.model.loading import cache_dir
 
     print(f"kept in {cache_dir()}")
     return 0

@@ -69,7 +69,7 @@ def run_demo(model: str = "smollm2", turns: int = 4, max_new_tokens: int = 96, t
              show: bool = False, out=sys.stdout) -> dict:
     import torch
 
-    from hybridspec.engine import Engine
+    from hybridspec.runtime.engine import Engine
 
     if threads:
         torch.set_num_threads(threads)

@@ -24,21 +24,22 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from hybridspec.calibration import machine_verify_cost
-from hybridspec.call import Call, SequenceState, Stream
-from hybridspec.commit import StopRules, commit_tokens, draft_budget, stop_cut
-from hybridspec.options import DEFAULTS, GenerateOptions, resolve_options
-from hybridspec.prefix_cache import PREFIX_CACHE_BYTES, PrefixCache, cache_for_prompts, common_prefix
+from hybridspec.model.calibration import machine_verify_cost
+from hybridspec.runtime.call import Call, SequenceState, Stream
+from hybridspec.runtime.commit import StopRules, commit_tokens, draft_budget, stop_cut
+from hybridspec.runtime.options import DEFAULTS, GenerateOptions, resolve_options
+from hybridspec.runtime.prefix_cache import PREFIX_CACHE_BYTES, PrefixCache, cache_for_prompts, common_prefix
 from hybridspec.proposal import FeatureProposer, Proposal, Proposer, speculate_each
-from hybridspec.proposers import SPECULATE_CHOICES, Proposers
+from hybridspec.runtime.proposers import SPECULATE_CHOICES, Proposers
 from hybridspec.router import CostGate, Router, as_router
-from hybridspec.scheduler import StepScheduler, failing
-from hybridspec.session import PromptLike, Session, encode_prompt, is_batch
+from hybridspec.runtime.scheduler import StepScheduler, failing
+from hybridspec.runtime.prompts import PromptLike, encode_prompt, is_batch
+from hybridspec.runtime.session import Session
 from hybridspec.speculators import TargetFeatures
 from hybridspec.speculators.proposer import DEFAULT_WINDOW
 from hybridspec.speculators.registry import DRAFTER_KINDS
-from hybridspec.stats import GenerationResult, GenerationStats
-from hybridspec.target import StepInput, StepOutput, TargetModel
+from hybridspec.runtime.stats import GenerationResult, GenerationStats
+from hybridspec.model.target import StepInput, StepOutput, TargetModel
 from hybridspec.verifier import VerifyResult, verify_batch
 
 __all__ = ["Engine", "GenerateOptions", "GenerationResult", "GenerationStats", "Session", "Stream", "DRAFTER_KINDS",
@@ -56,16 +57,16 @@ class Engine:
     the LSTM speculator, EAGLE-3) or any `Proposer` / `FeatureProposer` (the contract in `hybridspec.proposal`).
 
     verify_cost: what a verification pass costs, which the default router plans with: "auto" (this machine's
-    table for this model, measured on first use and kept in the user cache: `hybridspec.calibration`), None (the
+    table for this model, measured on first use and kept in the user cache: `hybridspec.model.calibration`), None (the
     built-in tables of `hybridspec.router.cost`), or a table / the JSON path of one (`CostGate`).
-    drafters, drafter_bf16: see `hybridspec.proposers.Proposers`. A drafter reads the target's hidden states at the
+    drafters, drafter_bf16: see `hybridspec.runtime.proposers.Proposers`. A drafter reads the target's hidden states at the
     last `drafter_context` positions of a prompt, then at every committed token, lazily (when it drafts) and never
     more than that many positions (`DrafterProposer`'s window). router: a `Router` (default: the
     `CostGate` over `verify_cost`), or a plain function (proposals, contexts) -> proposals. prefix_cache_bytes: the
-    budget of automatic prefix caching (`hybridspec.prefix_cache`): the KV of recent requests, reused by any later
+    budget of automatic prefix caching (`hybridspec.runtime.prefix_cache`): the KV of recent requests, reused by any later
     call whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off).
 
-    One Engine may serve several threads (`hybridspec.scheduler`): each call's decode steps join those of the calls
+    One Engine may serve several threads (`hybridspec.runtime.scheduler`): each call's decode steps join those of the calls
     decoding then, and one pass of the target verifies every sequence's draft. A single prompt's uncached tokens run
     in those passes too, `prefill_chunk` tokens per step (its last chunk with its first step), so the others go on
     decoding while it prefills (chunked prefill); the positions another running call has run of the same tokens are
@@ -106,7 +107,7 @@ class Engine:
     def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
                         max_seq_len: int | None = None, **kwargs: Any) -> "Engine":
         """An engine on "smollm2" (the embedded model, converted on first use) or a local Hugging Face directory."""
-        from hybridspec.models import load_tokenizer
+        from hybridspec.model.loading import load_tokenizer
 
         return cls(TargetModel.from_pretrained(name_or_path, dtype=dtype, max_seq_len=max_seq_len),
                    load_tokenizer(name_or_path), **kwargs)
@@ -468,7 +469,7 @@ class Engine:
         self._retire(call, finished)
 
     def _commit(self, seq: SequenceState, tokens: list[int], call: Call) -> list[int]:
-        """Append verified tokens up to the stop rules (`hybridspec.commit`) and a stop string; returns those kept."""
+        """Append verified tokens up to the stop rules (`hybridspec.runtime.commit`) and a stop string; returns those kept."""
         kept, reason = commit_tokens(tokens, len(seq.generated), len(seq.tokens), call.rules)
         cut = stop_cut(self._decode, seq.generated, kept, call.params.stop)
         if cut is not None:

@@ -38,7 +38,7 @@ def machine_key() -> str:
 
 def measured_here(filename: str) -> dict[str, Any]:
     """This machine's entries in `filename` of the user cache ({machine_key(): {key: measurement}}); {} if none."""
-    from hybridspec.models import cache_dir
+    from hybridspec.model.loading import cache_dir
 
     try:
         return json.loads((cache_dir() / filename).read_text()).get(machine_key(), {})
@@ -49,7 +49,7 @@ def measured_here(filename: str) -> dict[str, Any]:
 def keep_measured(filename: str, entries: dict[str, Any]) -> None:
     """Make `entries` this machine's in `filename` of the user cache, other machines' left as they are. Written to a
     temporary file and renamed into place, so a reader never sees half a file; a read-only cache keeps nothing."""
-    from hybridspec.models import cache_dir
+    from hybridspec.model.loading import cache_dir
 
     path = cache_dir() / filename
     try:

@@ -10,7 +10,8 @@ from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
 from hybridspec.proposal import Proposal
 from hybridspec.router import CostGate, choose_draft
-from hybridspec.vllm_plugin import ENV_SWITCH, HYBRID_METHODS, PluginError, announce, new_requests
+from hybridspec.vllm_plugin.config import ENV_SWITCH, HYBRID_METHODS, PluginError, announce
+from hybridspec.vllm_plugin.requests import new_requests
 
 
 class HybridspecSuffixProposer(SuffixDecodingProposer):

@@ -25,7 +25,7 @@ separate caches run one after another: a decode step is bound by reading the wei
 little more than one row, while separate caches read the weights B times (`python benchmarks/bench_verify_cost.py
 --batch` measures it).
 
-The KV cache is `hybridspec.kv_cache`, the linear layers `hybridspec.linear`.
+The KV cache is `hybridspec.model.kv_cache`, the linear layers `hybridspec.model.linear`.
 """
 from __future__ import annotations
 
@@ -37,15 +37,15 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from hybridspec.kv_cache import KVCache, tree_depths_and_mask
-from hybridspec.linear import Linear, fast_bf16, tune_products
+from hybridspec.model.kv_cache import KVCache, tree_depths_and_mask
+from hybridspec.model.linear import Linear, fast_bf16, tune_products
 from hybridspec.speculators.features import default_aux_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # PyTorch's CPU flash attention, which also returns the log-sum-exp of each query's scores (GQA without repeats).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 try:  # the attention kernel of decode and verification steps on a CPU (built with the package; AVX-512 CPUs)
-    from hybridspec import _attention as _step_attention
+    from hybridspec.model import _attention as _step_attention
 except ImportError:  # pragma: no cover - a build without it: PyTorch's attention throughout
     _step_attention = None
 # The most step inputs per cache that attend by the kernel: it reads every key once for all of them, where PyTorch's
@@ -183,7 +183,8 @@ class _Attention:
     start: int | None  # every row has this length: the inputs go to one slice of slots
     causal_chunk: bool  # rows of equal length whose q inputs are consecutive: attend in two mask-free parts
     causal_rows: int = 0  # one row: its first inputs attend as a causal chunk, the others by `mask` (theirs only)
-    # The step kernel's inputs (`hybridspec._attention`) where it runs instead of `mask`: per row the keys every input
+    # The step kernel's inputs (`hybridspec.model._attention`) where it runs instead of `mask`: per row the keys every
+    # input
     # sees ([b] int64), which of the step's own keys each input sees ([b, q, q] uint8), a scratch for the scores
     kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -266,7 +267,7 @@ class TargetModel:
     def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
                         max_seq_len: int | None = None, pack_weights: bool = True,
                         tune: bool = True) -> "TargetModel":
-        from hybridspec.models import load_model
+        from hybridspec.model.loading import load_model
 
         return cls(load_model(name_or_path, dtype=dtype), max_seq_len=max_seq_len, pack_weights=pack_weights,
                    tune=tune)

@@ -8,13 +8,13 @@ from typing import Callable, Hashable, Iterator
 
 import torch
 
-from hybridspec.commit import StopRules, cut_at_stop
-from hybridspec.kv_cache import KVCache
-from hybridspec.options import CallParams
+from hybridspec.runtime.commit import StopRules, cut_at_stop
+from hybridspec.model.kv_cache import KVCache
+from hybridspec.runtime.options import CallParams
 from hybridspec.proposal import FeatureProposer, Proposer
 from hybridspec.speculators import TargetFeatures
-from hybridspec.stats import GenerationResult, GenerationStats
-from hybridspec.target import StepOutput
+from hybridspec.runtime.stats import GenerationResult, GenerationStats
+from hybridspec.model.target import StepOutput
 from hybridspec.verifier import process_logits
 
 

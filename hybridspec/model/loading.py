@@ -140,6 +140,7 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype =
 
 
 if __name__ == "__main__":
-    # `python -m hybridspec.models [NAME]`: the local directory of a model ("smollm2" by default, converted on first
-    # use), printed alone on stdout, e.g. for `vllm serve "$(.venv/bin/python -m hybridspec.models)"`
+    # `python -m hybridspec.model.loading [NAME]`: the local directory of a model ("smollm2" by default, converted on
+    # first
+    # use), printed alone on stdout, e.g. for `vllm serve "$(.venv/bin/python -m hybridspec.model.loading)"`
     print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else "smollm2"))

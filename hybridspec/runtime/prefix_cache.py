@@ -18,7 +18,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from hybridspec.kv_cache import KVCache
+from hybridspec.model.kv_cache import KVCache
 
 # With prefix caching a call's cache is this much larger than the call needs: an agent's next call re-sends the
 # conversation plus a few hundred tokens and continues this cache without growing it (growing copies all its KV into

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
+from importlib import resources
 from typing import Any, Mapping
 
 import torch
 
-from hybridspec.calibration import machine_draft_cost
-from hybridspec.linear import fast_bf16, pack_linears
+from hybridspec.model.calibration import machine_draft_cost
+from hybridspec.model.linear import fast_bf16, pack_linears
 from hybridspec.proposal import FeatureProposer, Proposer, check_proposer
 from hybridspec.router import DraftCost, HybridProposer, Router
 from hybridspec.speculators import Drafter, DrafterProposer, load_drafter
 from hybridspec.speculators.proposer import DEFAULT_WINDOW
 from hybridspec.speculators.registry import DRAFTER_KINDS
-from hybridspec.target import TargetModel
+from hybridspec.model.target import TargetModel
 
 HYBRID_KINDS = tuple(f"suffix+{kind}" for kind in DRAFTER_KINDS)
 SPECULATE_CHOICES = ("suffix", "ngram", *DRAFTER_KINDS, *HYBRID_KINDS, "none")
-SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[1] / "speculators" / "checkpoints"
+
+
+def shipped_checkpoint(kind: str) -> os.PathLike:
+    """The head of `kind` shipped for SmolLM2-135M-Instruct, as package data of `hybridspec.speculators`: found the same
+    in a checkout, an editable install and an installed wheel."""
+    return resources.files("hybridspec.speculators") / "checkpoints" / f"{kind}-smollm2"
 
 
 class Proposers:
@@ -89,7 +94,7 @@ class Proposers:
 
     def load_drafter(self, kind: str) -> Drafter:
         """The drafter of `kind` on the target's device, checked against the target (packed for the CPU)."""
-        source = self.drafters.get(kind, SHIPPED_CHECKPOINTS / f"{kind}-smollm2")
+        source = self.drafters.get(kind) or shipped_checkpoint(kind)
         target = self.target
         if isinstance(source, Drafter):
             source.check_target(target.config, target.aux_layer_ids)

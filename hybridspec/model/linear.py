@@ -151,7 +151,7 @@ def tune_products(linears: Iterable[Linear], *, repeats: int = 2, remeasure: boo
     the same machine read it back (remeasure=True measures again). Returns {family: routes}.
 
     The measurement is as good as the machine is quiet while it runs: `hybridspec calibrate` measures again."""
-    from hybridspec.machine import keep_measured, measured_here
+    from hybridspec.model.machine import keep_measured, measured_here
 
     linears = [lin for lin in linears if lin.packed is not None]
     if not linears:

@@ -44,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if not features_complete(recipe):
         # The face wires the runtime (model resolution, the engine that writes responses); the training library takes
         # them as objects.
-        from hybridspec.engine import Engine
-        from hybridspec.models import load_model, load_tokenizer
-        from hybridspec.target import TargetModel
+        from hybridspec.runtime.engine import Engine
+        from hybridspec.model.loading import load_model, load_tokenizer
+        from hybridspec.model.target import TargetModel
 
         model, tokenizer = load_model(recipe.target), load_tokenizer(recipe.target)
         # packed weights and a static KV cache: faster than transformers' generate
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     target_layers = None
     if recipe.architecture.layers_from_target:  # the target's last num_layers decoder layers, in order
-        from hybridspec.models import load_model
+        from hybridspec.model.loading import load_model
 
         layers = load_model(recipe.target).model.layers
         target_layers = [layer.state_dict() for layer in layers[max(0, len(layers) - recipe.architecture.num_layers):]]

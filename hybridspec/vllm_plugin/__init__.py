@@ -1,0 +1,163 @@
+"""hybridspec inside vLLM: our suffix cache as vLLM's `method: "suffix"`, and the suffix + P-EAGLE hybrid as its
+`method: "eagle3"` (or `"eagle"`), switched on by one environment variable.
+
+    HYBRIDSPEC_VLLM=suffix         vLLM's "suffix" method drafts from hybridspec's SuffixCache (no ArcticInference)
+    HYBRIDSPEC_VLLM=hybrid         vLLM's "eagle3"/"eagle" method: the EAGLE head drafts every row, and per row the
+                                   router (router/hybrid.py `choose_draft`, the engine's rule) keeps it or the
+                                   suffix draft
+    HYBRIDSPEC_VLLM=suffix,hybrid  both
+    unset, "" or "0"               the plugin does nothing: installing hybridspec changes no vLLM that did not ask
+
+vLLM loads `register()` (the `vllm.general_plugins` entry point) in every process: the front end, the engine core and
+each worker; the variable is inherited by spawned workers. vLLM 0.32 has no proposer registry and its `custom_class`
+method sees no request ids and no hidden states, so `register()` applies the patches of `PATCHES`: each target is
+checked to exist first, all are applied or none (a failure restores what was patched, logs one error and leaves vLLM
+as it was), and each is logged. None of their targets is public API: they are pinned to SUPPORTED_VLLM_VERSIONS, and
+any other version is refused with a message, vLLM untouched. The proposers themselves are in `proposers`, the
+request life cycle they share in `requests`, the switches in `config`.
+
+Per request the suffix cache is driven as hybridspec's Engine drives it: `start_request` with the prompt the first time
+the request has a sampled token, `append` of the tokens each step committed (cut by the engine's commit rules,
+`hybridspec.runtime.commit`), `speculate`, and `finish_request` when vLLM finishes it normally (a stop token,
+max_tokens, the
+model's length) or `abort_request` otherwise (an abort, a stop string the front end caught, a preemption: a request
+that leaves the batch is forgotten, and restarted with its prompt and output so far when it returns).
+
+HYBRIDSPEC_VLLM_VERIFY_COST ("default" or a verify-cost JSON) also trims every draft with the engine's CostGate, as
+the engine's router does; unset, vLLM verifies every draft in full. HYBRIDSPEC_VLLM_OBSERVER ("module:Class") hands
+every life-cycle event to an observer (the tests record them with it).
+
+Nothing heavy is imported here at module level: vLLM and torch only inside `register()` and `proposers`.
+"""
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from hybridspec.vllm_plugin.config import (ENV_SWITCH, SUPPORTED_VLLM_VERSIONS, PluginError, check_vllm_version,
+                                           logger, requested_modes)
+
+__all__ = ["register", "requested_modes", "check_vllm_version", "PluginError", "SUPPORTED_VLLM_VERSIONS", "Patch",
+           "PATCHES", "apply_patches", "restore_patches"]
+
+_lock = threading.Lock()
+_applied: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) of every patch in force
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace `attribute` of `target` ("module" or "module:Class") by `replacement(original)`, for `mode` (None:
+    whenever the plugin is on)."""
+
+    target: str
+    attribute: str
+    replacement: Callable[[Any], Any]
+    mode: str | None = None
+    why: str = ""
+
+    def owner(self) -> Any:
+        module, _, qualname = self.target.partition(":")
+        owner = importlib.import_module(module)
+        for name in filter(None, qualname.split(".")):
+            owner = getattr(owner, name)
+        return owner
+
+
+def _suffix_proposer(original: Any) -> Any:
+    from hybridspec.vllm_plugin.proposers import HybridspecSuffixProposer
+
+    return HybridspecSuffixProposer
+
+
+def _hybrid_proposer(original: Any) -> Any:
+    from hybridspec.vllm_plugin.proposers import HybridspecHybridProposer
+
+    return HybridspecHybridProposer
+
+
+def _wrap_update_states(original: Callable) -> Callable:
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        # `drafter` exists only with a speculative config, and may be vLLM's own proposer (another method)
+        requests = getattr(getattr(self, "drafter", None), "hybridspec_requests", None)
+        if requests is not None:  # before vLLM forgets the finished requests' states
+            requests.runner_requests = self.requests
+            requests.on_scheduler_output(scheduler_output, self.requests)
+        return original(self, scheduler_output)
+
+    _update_states.__wrapped__ = original
+    return _update_states
+
+
+RUNNER = "vllm.v1.worker.gpu_model_runner"
+PATCHES: tuple[Patch, ...] = (
+    Patch(f"{RUNNER}:GPUModelRunner", "_update_states", _wrap_update_states,
+          why="learn which requests finished before vLLM drops their state"),
+    Patch(RUNNER, "SuffixDecodingProposer", _suffix_proposer, "suffix",
+          why="method 'suffix' drafts from hybridspec's SuffixCache (the runner checks its drafter with isinstance: "
+              "the replacement subclasses it)"),
+    Patch("vllm.config.speculative", "has_arctic_inference", lambda original: lambda: True, "suffix",
+          why="config validation asks for ArcticInference when method == 'suffix'; ours needs none"),
+    Patch(RUNNER, "EagleProposer", _hybrid_proposer, "hybrid",
+          why="methods 'eagle'/'eagle3' become the suffix + EAGLE hybrid"),
+)
+
+
+def apply_patches(patches: Sequence[Patch], modes: frozenset[str]) -> bool:
+    """Apply every patch for `modes`, all or nothing: each target and attribute is checked first, and a failure
+    restores what was already patched and logs one error (vLLM then runs unchanged). Returns whether they apply."""
+    wanted = [p for p in patches if p.mode is None or p.mode in modes]
+    done: list[tuple[Any, str, Any]] = []
+    try:
+        owners = [p.owner() for p in wanted]
+        missing = [f"{p.target}.{p.attribute}" for p, o in zip(wanted, owners) if not hasattr(o, p.attribute)]
+        if missing:
+            raise AttributeError(f"not found: {', '.join(missing)}")
+        for patch, owner in zip(wanted, owners):
+            original = getattr(owner, patch.attribute)
+            replacement = patch.replacement(original)
+            setattr(owner, patch.attribute, replacement)
+            done.append((owner, patch.attribute, original))
+    except Exception as e:  # noqa: BLE001 - whatever failed, vLLM must be left as it was
+        for owner, attribute, original in reversed(done):
+            setattr(owner, attribute, original)
+        logger.error("hybridspec: could not patch vLLM (%s: %s); nothing was changed, vLLM runs without hybridspec",
+                     type(e).__name__, e)
+        return False
+    _applied.extend(done)
+    for patch in wanted:
+        why = f" ({patch.why})" if patch.why else ""
+        logger.info("hybridspec: patched %s.%s%s", patch.target, patch.attribute, why)
+    return True
+
+
+def restore_patches() -> None:
+    """Undo every patch in force (tests; a process that wants vLLM back as it was)."""
+    with _lock:
+        while _applied:
+            owner, attribute, original = _applied.pop()
+            setattr(owner, attribute, original)
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: idempotent, a no-op unless HYBRIDSPEC_VLLM asks for a mode."""
+    modes = requested_modes()
+    if not modes:
+        return
+    with _lock:
+        if _applied:
+            return
+        import vllm
+
+        check_vllm_version(vllm.__version__)
+        try:
+            import numpy  # noqa: F401
+
+            from hybridspec.router import CostGate, choose_draft  # noqa: F401
+            from hybridspec.suffix import SuffixCache  # noqa: F401  (the compiled suffix tree)
+        except ImportError as e:
+            raise PluginError(f"{ENV_SWITCH} is set but hybridspec cannot load ({e}); install it into vLLM's "
+                              f"environment with `pip install \"hybridspec[vllm]\"` (from a checkout: "
+                              f"scripts/setup_vllm.sh), or unset {ENV_SWITCH}") from None
+        apply_patches(PATCHES, modes)

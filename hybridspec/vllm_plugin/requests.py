@@ -1,0 +1,168 @@
+"""The request life cycle inside vLLM, shared by both proposers: a `SuffixCache` fed from vLLM's persistent batch the
+way hybridspec's Engine feeds it (start, append the committed tokens, speculate, finish or abort)."""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Sequence
+
+from hybridspec.runtime.commit import StopRules, commit_tokens, draft_budget
+from hybridspec.vllm_plugin.config import ENV_OBSERVER, ENV_VERIFY_COST, PluginError
+
+
+
+
+class SuffixRequests:
+    """Feeds a `SuffixCache` from vLLM's persistent batch the way hybridspec's Engine feeds it (module docstring).
+
+    `live` holds the requests started on the cache; every one of them ends in finish_request or abort_request once vLLM
+    drops it, so nothing leaks. `counters["drafts"]` / `["draft_tokens"]` count real drafts only (never padding).
+    """
+
+    def __init__(self, cache: Any, max_model_len: int, observer: Any = None) -> None:
+        self.cache = cache
+        self.max_model_len = max_model_len
+        self.live: set[str] = set()
+        self.observer = observer
+        self.runner_requests: dict | None = None  # the runner's request states (sampling params), set each step
+        self._histories: dict[str, list[int]] = {}  # for the observer only
+        self.contexts: list[int] = []  # per row of the last update: its tokens so far (the gate's context)
+        self.gate = None  # a CostGate that trims drafts (HYBRIDSPEC_VLLM_VERIFY_COST), or None
+        self._routed: dict[str, Any] = {}  # rid -> the Proposal vLLM verified last step (calibrates the gate)
+        self.counters = dict(started=0, finished=0, aborted=0, drafts=0, draft_tokens=0)
+
+    def event(self, kind: str, rid: str | None, **fields: Any) -> None:
+        if self.observer is not None:
+            self.observer.event(kind, rid, **fields)
+
+    def rules(self, params: Any) -> StopRules:
+        """The engine's stop rules for a request with vLLM's sampling params (None: only the model's length)."""
+        if params is None:
+            return StopRules(frozenset(), None, self.max_model_len)
+        return StopRules(params.all_stop_token_ids, params.max_tokens, self.max_model_len, params.min_tokens)
+
+    # -- called by the runner's _update_states, before it drops finished requests
+    def on_scheduler_output(self, scheduler_output: Any, requests: dict) -> None:
+        for rid in list(scheduler_output.finished_req_ids):
+            if rid in self.live:
+                self._end(rid, self._finished_normally(requests.get(rid)))
+        for rid in self.live & scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            self._end(rid, False)  # back from preemption: restarted on its next sampled token
+
+    def _finished_normally(self, state: Any) -> bool:
+        """The engine's rules ended it with its last token (a stop token, max_tokens, the model's length); anything
+        else (an abort, a stop string caught by the front end) is an abort for the cache."""
+        if state is None or not state.output_token_ids or state.sampling_params is None:
+            return False
+        output = state.output_token_ids
+        _, reason = commit_tokens(output[-1:], len(output) - 1, state.num_prompt_tokens + len(output) - 1,
+                                  self.rules(state.sampling_params))
+        return reason is not None
+
+    def _end(self, rid: str, normally: bool) -> None:
+        self.live.discard(rid)
+        (self.cache.finish_request if normally else self.cache.abort_request)(rid)
+        self.counters["finished" if normally else "aborted"] += 1
+        self.event("finish" if normally else "abort", rid)
+
+    # -- called by the proposers each step
+    def update(self, input_batch: Any, sampled_token_ids: Sequence[Sequence[int]], requests: dict | None,
+               num_speculative_tokens: int, booked: bool = True) -> list[int]:
+        """Start, append, and end what left the batch; returns each row's draft budget (0: no draft for that row).
+        booked: vLLM's bookkeeping already wrote this step's sampled tokens into the batch (False: a drafter that runs
+        before it, as EAGLE with the padded drafter batch does)."""
+        present = input_batch.req_id_to_index
+        for rid in [r for r in self.live if r not in present]:  # preempted or unscheduled: left the batch
+            self._end(rid, False)
+        for rid in [r for r in self._routed if r not in self.live]:
+            del self._routed[rid]
+        budgets, self.contexts = [], []
+        for i, sampled in enumerate(sampled_token_ids):
+            rid = input_batch.req_ids[i]
+            num_tokens = int(input_batch.num_tokens_no_spec[i]) + (0 if booked else len(sampled))
+            self.contexts.append(num_tokens)
+            if not sampled or rid is None:  # a partial prefill: nothing sampled yet
+                budgets.append(0)
+                continue
+            num_prompt = int(input_batch.num_prompt_tokens[i])
+            state = requests.get(rid) if requests is not None else None
+            rules = self.rules(state.sampling_params if state is not None else None)
+            before = num_tokens - len(sampled)
+            tokens, reason = commit_tokens(list(sampled), before - num_prompt, before, rules)
+            self.observe(rid, len(sampled))
+            if rid not in self.live:
+                history = input_batch.token_ids_cpu[i, :before]
+                self.cache.start_request(rid, history[:num_prompt])
+                if len(history) > num_prompt:  # a preempted request returning: its output so far
+                    self.cache.append(rid, history[num_prompt:])
+                self.live.add(rid)
+                self.counters["started"] += 1
+                self.event("start", rid, prompt=[int(t) for t in history[:num_prompt]],
+                           output=[int(t) for t in history[num_prompt:]])
+            self.cache.append(rid, tokens)
+            self.event("append", rid, tokens=tokens)
+            # vLLM's num_tokens counts the sampled token that is not in its KV yet: one slot more than the engine's
+            budgets.append(0 if reason is not None else
+                           draft_budget(num_speculative_tokens, num_tokens + 1, num_tokens - num_prompt, rules))
+            if self.observer is not None:  # the token history as vLLM holds it, for the replay in the tests
+                self._histories[rid] = [int(t) for t in input_batch.token_ids_cpu[i, :before]] + [int(t) for t in
+                                                                                                   sampled]
+        return budgets
+
+    def speculate(self, rid: str, budget: int) -> Any:
+        proposal = self.cache.speculate(rid, budget)
+        self.event("speculate", rid, budget=budget, draft=list(proposal.token_ids),
+                   history=self._histories.pop(rid, None))
+        return proposal
+
+    def observe(self, rid: str, num_sampled: int) -> None:
+        """What vLLM accepted of the request's previous draft (all sampled tokens but the target's own) teaches the
+        gate each source's acceptance, as the engine's router.observe does."""
+        previous = self._routed.pop(rid, None)
+        if self.gate is not None and previous is not None and num_sampled and len(previous):
+            self.gate.observe([previous], [list(range(min(num_sampled - 1, len(previous))))])
+
+    def route(self, rid: str, proposal: Any, context: int, trim: bool = True) -> list[int]:
+        """The draft vLLM verifies: the proposal, trimmed by the gate where there is one (and `trim`)."""
+        if self.gate is not None and trim:
+            proposal = self.gate.trim(proposal, context)
+            self.event("routed", rid, draft=list(proposal.token_ids))
+        if self.gate is not None and len(proposal):
+            self._routed[rid] = proposal
+        if len(proposal):
+            self.counters["drafts"] += 1
+            self.counters["draft_tokens"] += len(proposal)
+        return list(proposal.token_ids)
+
+
+def suffix_cache_options(speculative_config: Any, vocab_size: int | None) -> dict:
+    """The SuffixCache our proposers build from vLLM's suffix keys (the same for the replay in the tests). Finished
+    requests are not retained: vLLM never continues one (`extends=`), so retaining would only hold memory."""
+    return dict(max_depth=int(speculative_config.suffix_decoding_max_tree_depth),
+                num_speculative_tokens=int(speculative_config.num_speculative_tokens),
+                max_spec_factor=float(speculative_config.suffix_decoding_max_spec_factor),
+                min_token_prob=float(speculative_config.suffix_decoding_min_token_prob),
+                vocab_size=vocab_size, max_retained=0)
+
+
+def new_requests(vllm_config: Any, *, hybrid: bool) -> SuffixRequests:
+    """The SuffixRequests of one proposer: its suffix cache from vLLM's config, the optional gate and observer."""
+    from hybridspec.suffix import SuffixCache
+
+    options = suffix_cache_options(vllm_config.speculative_config, vllm_config.model_config.get_vocab_size())
+    observer = None
+    spec = os.environ.get(ENV_OBSERVER, "").strip()
+    if spec:
+        module, _, name = spec.partition(":")
+        observer = getattr(importlib.import_module(module), name)(dict(options, hybrid=hybrid))
+    requests = SuffixRequests(SuffixCache(**options), vllm_config.model_config.max_model_len, observer)
+    cost = os.environ.get(ENV_VERIFY_COST, "").strip()
+    if cost:
+        from hybridspec.router import CostGate
+
+        try:
+            requests.gate = CostGate(None if cost == "default" else cost)
+        except ValueError as e:
+            raise PluginError(f"{ENV_VERIFY_COST}={cost!r}: {e} (give \"default\" or the JSON written by "
+                              f"benchmarks/bench_verify_cost.py)") from None
+    return requests
