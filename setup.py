@@ -19,11 +19,11 @@ for folder in FOLDERS:
 ext = Extension(
     "hybridspec.suffix._tree",
     sources=["suffix/_tree.pyx"],
-    depends=["suffix/_tree_nodes.pxi", "suffix/_tree_insert.pxi", "suffix/_tree_draft.pxi"],  # included by _tree.pyx
+    depends=[f"suffix/_tree_{part}.pxi" for part in ("nodes", "insert", "draft", "speculate")],  # included by _tree.pyx
     extra_compile_args=["-O3"],
 )
 # the attention of decode steps on a CPU; its AVX-512 code is compiled for that target only and runs where the CPU
-# has it (hybridspec.model.target falls back to PyTorch's attention elsewhere)
+# has it (hybridspec.model.attention falls back to PyTorch's attention elsewhere)
 attention = Extension(
     "hybridspec.model._attention",
     sources=["hybridspec/model/_attention.pyx"],
@@ -35,8 +35,9 @@ attention = Extension(
 setup(
     package_dir=package_dir,
     packages=packages,
-    # the shipped recipes and drafter checkpoints; only these patterns: their folders are data, not packages
-    package_data={"hybridspec.speculators": ["checkpoints/*/*", "recipes/*.yaml"]},
+    # the shipped recipes (ablations too) and drafter checkpoints; only these patterns: their folders are data, not
+    # packages
+    package_data={"hybridspec.speculators": ["checkpoints/*/*", "recipes/*.yaml", "recipes/ablations/*.yaml"]},
     include_package_data=False,
     ext_modules=[ext, attention],
 )

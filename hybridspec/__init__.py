@@ -4,10 +4,11 @@ Importing the package is cheap (no torch): `Engine` and the model-backed parts a
 """
 from __future__ import annotations
 
+from hybridspec.errors import ContextLengthExceeded, InvalidParameter
 from hybridspec.proposal import Proposal, Proposer
 
 __version__ = "0.1.0"
-__all__ = ["Proposal", "Proposer", "Engine", "__version__"]
+__all__ = ["Proposal", "Proposer", "Engine", "InvalidParameter", "ContextLengthExceeded", "__version__"]
 
 
 def __getattr__(name: str):

@@ -41,6 +41,7 @@ DEF STALE = 0x8000         # Node.ends flag: eviction lowered a count among the 
 include "_tree_nodes.pxi"
 include "_tree_insert.pxi"
 include "_tree_draft.pxi"
+include "_tree_speculate.pxi"
 
 # ---------------------------------------------------------------- Python-facing objects
 

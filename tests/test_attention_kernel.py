@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from hybridspec.model.target import StepInput, TargetModel
+from hybridspec.model.inputs import StepInput
+from hybridspec.model.target import TargetModel
 
 attention = pytest.importorskip("hybridspec.model._attention")
 if not attention.supported():
@@ -93,8 +94,8 @@ def test_target_steps_are_the_same_with_the_kernel_and_without(tiny_model):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (20, 33, 9)]
     with_kernel, without = TargetModel(tiny_model), TargetModel(tiny_model)
-    assert with_kernel._step_kernel
-    without._step_kernel = False
+    assert with_kernel.attention.step_kernel
+    without.attention.step_kernel = False
     outputs = []
     for model in (with_kernel, without):
         batch, one = model.new_cache(2, 128), model.new_cache(1, 128)

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 from agent_calls import AgentCall, load_agent_calls
-from bench_vllm_peagle import VLLM_PYTHON
-from common import TRACES_DIR
+from common import TRACES_DIR, VLLM_PYTHON
 
 needs_traces = pytest.mark.skipif(not TRACES_DIR.is_dir(), reason=f"agent traces not at {TRACES_DIR}")
-SUMMARY_KEYS = {"tok_s", "ttft_s", "tokens_per_step", "identical_calls", "calls"}
+SUMMARY_KEYS = {"tok_s", "ttft_s", "tokens_per_step", "identical_calls", "compared_calls", "calls", "vs_transformers"}
 
 
 class CharTokenizer:
@@ -130,11 +129,18 @@ def test_bench_without_vllm(tmp_path, acr_traces):
     assert result["methods"]["none"]["identical_calls"] == 2
     assert result["methods"]["transformers"]["identical_calls"] == 2
     assert result["methods"]["transformers"]["tokens_per_step"] == 1.0
-    assert result["workloads"]["concurrency-1"]["AutoCodeRover"]["suffix"]["calls"] == 2
-    concurrent = result["workloads"]["concurrency-2"]["overall"]
+    assert result["methods"] == result["workloads"]["overall"]["concurrency-1"]
+    assert result["methods"]["none"]["engine"]["new_tokens"] == result["methods"]["none"]["new_tokens"]
+    assert result["workloads"]["AutoCodeRover"]["concurrency-1"]["suffix"]["calls"] == 2
+    assert set(result["workloads"]["AutoCodeRover"]) == {"concurrency-1"}  # per workload at concurrency 1 only
+    concurrent = result["workloads"]["overall"]["concurrency-2"]
     assert set(concurrent) == {"suffix"} and concurrent["suffix"]["calls"] == 2
     assert concurrent["suffix"]["identical_calls"] == result["methods"]["suffix"]["identical_calls"]
+    assert concurrent["suffix"]["vs_transformers"] is not None  # against transformers at concurrency 1
     assert set(result["targets"]) == {"suffix_vs_transformers"}
+    assert result["reference"] == "transformers" and result["outputs_compared"] == "tokens"
+    assert [(c["workload"], c["prompt_tokens"] > 0) for c in result["calls"]] == [("AutoCodeRover", True)] * 2
+    assert len(result["per_call"]) == 4 * 2 + 2 and all(r["identical"] is not None for r in result["per_call"])
     assert (tmp_path / "out" / "bench.png").is_file()
 
 
@@ -217,7 +223,7 @@ def test_profile_hybrid_splits_the_hybrids_difference(tmp_path, acr_traces):
     assert main(["--traces", str(acr_traces), "--trajectories", "1", "--calls-per-trajectory", "2",
                  "--max-new-tokens", "16", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["calls"] == 2 and result["identical"] == {"suffix": 2, "suffix+peagle": 2}
+    assert result["calls"] == 2 and result["identical_calls"] == {"suffix": 2, "suffix+peagle": 2}
     suffix, hybrid = result["methods"]["suffix"], result["methods"]["suffix+peagle"]
     assert suffix["drafter_runs_per_step"] == 0 and hybrid["drafter_runs_per_step"] > 0  # its first step at least
     assert suffix["new_tokens"] == hybrid["new_tokens"] > 0

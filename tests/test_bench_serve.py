@@ -1,12 +1,11 @@
-"""benchmarks/bench_serve.py: its own logic on cheap stand-ins (method selection, the closed-loop replay's order,
-streamed replies, Prometheus counters, the server's process group, the summaries), and one small real run of
-`hybridspec serve` against the in-process engine (slow)."""
+"""benchmarks/bench_serve.py: its own logic on cheap stand-ins (method selection, streamed replies, Prometheus
+counters, the server's process group, its ratios and targets), and one small real run of `hybridspec serve` against
+the in-process engine (slow)."""
 from __future__ import annotations
 
 import json
 import sys
 import textwrap
-import threading
 import time
 from types import SimpleNamespace
 
@@ -14,8 +13,9 @@ import pytest
 
 import bench_serve
 from agent_calls import AgentCall
-from bench_serve import (CallRecord, MethodFailed, Server, chat_call, counter_deltas, free_port, parse_counters,
-                         replay, select_methods, summarize, targets, with_ratios)
+from bench_serve import (Server, add_ratios, chat_call, counter_deltas, free_port, parse_counters, select_methods,
+                         targets)
+from harness import CallRecord, MethodFailed, summarize
 
 
 def calls(trajectories: int, per_trajectory: int) -> list[list[AgentCall]]:
@@ -30,32 +30,11 @@ def test_methods_by_full_name_or_by_speculation():
     assert select_methods("vllm-none", no_vllm=True) == []
     with pytest.raises(ValueError, match="unknown method 'eagle'"):
         select_methods("eagle")
-    # vLLM's configs are bench_agent_calls.py's
+    # vLLM's configs are the agent-call replays' (harness.py's, as bench_agent_calls.py's)
     assert bench_serve.VLLM_SPECULATIVE_CONFIGS["suffix"] == {"method": "suffix"}
     assert bench_serve.VLLM_SPECULATIVE_CONFIGS["none"] is None
     assert bench_serve.vllm_server_env(plugin=True)["HYBRIDSPEC_VLLM"] == "suffix"
     assert "HYBRIDSPEC_VLLM" not in bench_serve.vllm_server_env(plugin=False)
-
-
-def test_replay_keeps_each_trajectory_in_order_with_at_most_c_agents():
-    trajectories = calls(trajectories=5, per_trajectory=3)
-    lock, live, events = threading.Lock(), [0], []
-
-    def run_call(call: AgentCall) -> CallRecord:
-        with lock:
-            live[0] += 1
-            events.append(("start", call.trajectory, call.index, live[0]))
-        time.sleep(0.01)
-        with lock:
-            live[0] -= 1
-        return CallRecord("m", call.trajectory, call.framework, call.index, len(call.prompt_token_ids), None, 3, "x",
-                          "stop", 0.01, 0.005)
-
-    records, wall_s = replay(run_call, trajectories, concurrency=2)
-    assert [(r.trajectory, r.index) for r in records] == [(c.trajectory, c.index) for cs in trajectories for c in cs]
-    assert max(n for *_, n in events) == 2 and wall_s > 0
-    for t in range(5):  # each trajectory's calls start in order
-        assert [i for _, traj, i, _ in events if traj.endswith(f"t{t}")] == [0, 1, 2]
 
 
 def test_a_streamed_reply_gives_text_usage_and_the_first_text_chunk_time():
@@ -77,7 +56,7 @@ def test_a_streamed_reply_gives_text_usage_and_the_first_text_chunk_time():
     client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
     call = calls(1, 2)[0][1]
     r = chat_call(client, "serve-suffix", call, 128)
-    assert (r.text, r.completion_tokens, r.server_prompt_tokens, r.prompt_tokens) == ("Hello", 2, 11, 11)
+    assert (r.output, r.new_tokens, r.server_prompt_tokens, r.prompt_tokens) == ("Hello", 2, 11, 11)
     assert r.finish_reason == "stop" and 0.02 <= r.ttft_s <= r.total_s
     assert sent["temperature"] == 0 and sent["max_tokens"] == 128 and sent["stream"] is True
     assert sent["stream_options"] == {"include_usage": True} and sent["messages"] == call.messages
@@ -118,16 +97,18 @@ def test_counters_are_summed_over_labels_and_their_deltas_derived():
 
 def test_summaries_ratios_and_targets():
     def rec(method, t, i, text, tokens, total, ttft):
-        return CallRecord(method, f"t{t}", "SWE-agent", i, 100, 100, tokens, text, "length", total, ttft)
+        return CallRecord(method, "SWE-agent", f"t{t}", i, 100, tokens, text, total, ttft, finish_reason="length",
+                          server_prompt_tokens=100 if method != "serve-suffix" or i else 99)
 
     reference = {("t0", 0): "a", ("t0", 1): "b"}
     timings = {"engine-suffix": ("ab", (1.0, 1.0), (0.2, 0.4)), "serve-suffix": ("aB", (1.0, 1.5), (0.3, 0.3)),
                "vllm-none": ("ab", (2.0, 2.0), (0.1, 0.1)), "vllm-suffix": ("ab", (1.25, 1.25), (0.1, 0.1))}
     runs = {m: [rec(m, 0, i, texts[i], 10, totals[i], ttfts[i]) for i in range(2)]
             for m, (texts, totals, ttfts) in timings.items()}
-    summaries = with_ratios({m: summarize(rs, reference, wall_s=99.0, concurrency=1) for m, rs in runs.items()})
+    summaries = add_ratios({m: summarize(rs, reference, concurrency=1, wall_s=99.0) for m, rs in runs.items()})
     serve = summaries["serve-suffix"]
-    assert serve["tok_s"] == 8.0 and serve["identical_text"] == 1 and serve["compared_calls"] == 2  # summed call times
+    assert serve["tok_s"] == 8.0 and serve["identical_calls"] == 1 and serve["compared_calls"] == 2  # summed times
+    assert serve["prompt_token_mismatches"] == 1 and summaries["vllm-none"]["prompt_token_mismatches"] == 0
     assert serve["ttft_s"] == 0.3 and serve["vs_engine"] == 0.8 and serve["vs_best_vllm"] == 1.0  # best: vllm-suffix
     assert summaries["engine-suffix"]["vs_engine"] is None and summaries["vllm-none"]["vs_best_vllm"] == 0.625
     concurrent = summarize(runs["serve-suffix"], reference, wall_s=2.0, concurrency=4)
@@ -187,14 +168,17 @@ def test_a_small_run_of_hybridspec_serve_against_the_engine(tmp_path, capsys):
                              "--concurrency", "1", "--max-tokens", "32", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["not_run"] == {}
-    level = result["workloads"]["concurrency-1"]
+    assert set(result["workloads"]) == {"overall", "SWE-agent"}  # per framework too, at concurrency 1
+    level = result["workloads"]["overall"]["concurrency-1"]
     assert set(level) == {"serve-suffix", "engine-suffix", "engine-none"}
     for name, s in level.items():
         assert s["calls"] == 2 and s["tok_s"] > 0 and s["ttft_s"] is not None, name
-        assert s["identical_text"] == 2, name  # greedy: the same text over HTTP as in process
-        assert s["prompt_token_mismatches"] == 0, name
+        assert s["identical_calls"] == 2, name  # greedy: the same text over HTTP as in process
+        assert s.get("prompt_token_mismatches") == (0 if name == "serve-suffix" else None), name  # servers count
     server = level["serve-suffix"]["server"]
-    assert server.get("generation_tokens") == level["serve-suffix"]["completion_tokens"]
+    assert server.get("generation_tokens") == level["serve-suffix"]["new_tokens"]
+    assert level["engine-suffix"]["tokens_per_step"] >= 1 and "engine" in level["engine-suffix"]
+    assert result["outputs_compared"] == "text" and result["reference"] == "engine-none"
     assert "serve_suffix_vs_engine_suffix@1" in result["targets"]
     assert "serve-suffix" in capsys.readouterr().out
     assert out.with_suffix(".png").stat().st_size > 0  # the bars by method

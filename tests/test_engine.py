@@ -5,12 +5,14 @@ tests/test_prefix_cache.py."""
 from __future__ import annotations
 
 import math
+import pickle
 import random
 from collections import Counter
 
 import pytest
 import torch
 
+from hybridspec.errors import ContextLengthExceeded, InvalidParameter, InvalidParameterType
 from hybridspec.runtime.engine import Engine
 from hybridspec.proposal import Proposal
 from hybridspec.model.target import TargetModel
@@ -152,7 +154,7 @@ def test_a_prompt_run_with_its_first_step_changes_no_token(tiny_model, tiny_toke
     target.forward = lambda *args, **kwargs: passes.append(1) or forward(*args, **kwargs)
     engines = {fuse: Engine(target, tiny_tokenizer, router=lambda proposals, contexts: list(proposals),
                             prefix_cache_bytes=0) for fuse in (True, False)}
-    engines[False].fuse_prefill_with_first_step = False
+    engines[False].prefill.defer = False
     for prompt in random_prompts(6, seed=11):
         got = {}
         for fuse, engine in engines.items():
@@ -306,6 +308,43 @@ def test_bad_input_gives_clear_errors(engine):
         engine.generate([1.5])
     with pytest.raises(ValueError, match=r"messages\[0\]\.role: None is not one of system, user, assistant, tool"):
         engine.session().send({"content": "no role"})
+
+
+@pytest.mark.parametrize("prompt, options, param, kind", [
+    ("", {}, "prompt", InvalidParameter),
+    ([5, VOCAB], {}, "prompt", InvalidParameter),
+    ([5] * 512, {}, "prompt", ContextLengthExceeded),
+    ([1.5], {}, "prompt", InvalidParameterType),
+    ([{"role": "user", "content": "a"}, {"role": "user"}], {}, "messages[1].content", InvalidParameter),
+    ([{"role": "user", "content": "a"}, "text"], {}, "messages[1]", InvalidParameter),
+    ([{"role": "bot", "content": "a"}], {}, "messages[0].role", InvalidParameter),
+    ("abc", {"max_new_tokens": 0}, "max_new_tokens", InvalidParameter),
+    ("abc", {"temperature": -1}, "temperature", InvalidParameter),
+    ("abc", {"top_p": 0}, "top_p", InvalidParameter),
+    ("abc", {"top_k": -1}, "top_k", InvalidParameter),
+    ("abc", {"speculate": "eagle"}, "speculate", InvalidParameter),
+    ("abc", {"speculate": object()}, "speculate", InvalidParameterType),
+    ("abc", {"speculate": "peagle"}, "speculate", InvalidParameter),  # the shipped head does not fit this target
+    ("abc", {"num_speculative_tokens": -1}, "num_speculative_tokens", InvalidParameter),
+    ("abc", {"tree": True, "speculate": "ngram"}, "tree", InvalidParameter),
+    ("abc", {"stop": ["a", ""]}, "stop", InvalidParameter),
+    ("abc", {"seed": 1.5}, "seed", InvalidParameter),
+])
+def test_bad_input_errors_name_their_parameter(engine, prompt, options, param, kind):
+    """What a caller (the server's 400s) reads instead of the message; still ValueErrors (and TypeErrors for the
+    wrong kind of argument)."""
+    for call in (engine.generate, engine.stream):
+        with pytest.raises(InvalidParameter) as e:
+            call(prompt, **options)
+        assert type(e.value) is kind and e.value.param == param and isinstance(e.value, ValueError)
+        assert isinstance(e.value, TypeError) == (kind is InvalidParameterType)
+    assert pickle.loads(pickle.dumps(e.value)).param == param  # e.g. from a vLLM worker process
+
+
+def test_an_unknown_option_is_a_plain_type_error(engine):
+    with pytest.raises(TypeError, match="unexpected arguments: temprature") as e:
+        engine.stream("abc", temprature=0)
+    assert not isinstance(e.value, InvalidParameter)
 
 
 @pytest.mark.parametrize("messages, error", [

@@ -109,7 +109,7 @@ def test_a_drafters_prompt_runs_in_its_steps_passes(target_model, speculate, con
                       drafter_context=context, **kwargs), passes
 
     (apart, apart_passes), (fused, fused_passes), (chunked, chunked_passes) = make(), make(), make(prefill_chunk=5)
-    apart.fuse_prefill_with_first_step = False
+    apart.prefill.defer = False
     prompt = [t for p in random_prompts(8, seed=9) for t in p][:40]
     given = []  # the prompt features each drafter started from
     start_request = DrafterProposer.start_request
@@ -136,8 +136,9 @@ def test_a_drafters_prompt_runs_in_its_steps_passes(target_model, speculate, con
     assert len(given) == 3 and len(given[0]) == min(context, len(prompt) - 1)
     for features in given[1:]:
         assert len(features) == len(given[0])
-        assert torch.allclose(features.aux, given[0].aux, atol=1e-4)
-        assert torch.allclose(features.final, given[0].final, atol=1e-4)
+        # float32 sums in another order (chunks of other widths) over 30 layers: equal but for rounding
+        torch.testing.assert_close(features.aux, given[0].aux, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(features.final, given[0].final, atol=1e-4, rtol=1e-4)
     assert len(apart_passes) - len(fused_passes) == 1
     # the running call began with the same tokens: those positions whose features the drafter does not read are
     # copied from it (in-flight prefix sharing); the rest, 39 prompt tokens at most, run in chunks of 5, the last
@@ -520,12 +521,12 @@ def test_sequences_stepped_together_draft_in_one_drafter_pass(target_model, spec
     passes.clear()
     calls = [engine._start_call([p], dict(max_new_tokens=12, speculate=speculate, tree=False)) for p in prompts[2:]]
     for call in calls:
-        engine._live.append(call)
+        engine._running.append(call)
         engine._begin(call)
-    while any(c.live for c in calls):
-        engine._decode_step([c for c in calls if c.live])
+    while any(c.rows for c in calls):
+        engine.step([c for c in calls if c.rows])
     for call in calls:
-        engine._live.remove(call)
+        engine._running.remove(call)
         engine._end(call)
     assert [c.results(engine._decode)[0].token_ids for c in calls] == plain[2:]
     assert max(passes) == 2  # the two calls' rows in one pass

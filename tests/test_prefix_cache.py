@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridspec.runtime.engine import KV_HEADROOM_TOKENS, Engine
+from hybridspec.runtime.engine import Engine
+from hybridspec.runtime.prefill import KV_HEADROOM_TOKENS
 from hybridspec.model.kv_cache import KVCache
 from hybridspec.runtime.prefix_cache import KV_SLACK, PrefixCache
 from hybridspec.proposal import Proposal
@@ -404,7 +405,7 @@ def test_a_call_waits_for_an_earlier_call_running_the_same_prompt_tokens(tiny_mo
     calls = [engine._start_call([p], dict(max_new_tokens=6, speculate="none")) for p in prompts]
     for call in calls:
         call.start = 0.0
-        engine._live.append(call)
+        engine._running.append(call)
         engine._begin(call)
     passes = []
     step_many = engine.target.step_many
@@ -414,10 +415,10 @@ def test_a_call_waits_for_an_earlier_call_running_the_same_prompt_tokens(tiny_mo
         return step_many(inputs, **kwargs)
 
     engine.target.step_many = recording
-    while any(c.live for c in calls):
-        engine._decode_step([c for c in calls if c.live])
+    while any(c.rows for c in calls):
+        engine.step([c for c in calls if c.rows])
     for call in calls:
-        engine._live.remove(call)
+        engine._running.remove(call)
         engine._end(call)
     for call, prompt in zip(calls, prompts):
         assert call.results(engine._decode)[0].token_ids == uncached.generate(

@@ -19,8 +19,11 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridspec.cli import main as cli_main
+from hybridspec.errors import ContextLengthExceeded, InvalidParameter, InvalidParameterType
 from hybridspec.runtime.engine import Engine
 from hybridspec.serve import create_app
+from hybridspec.serve.app import REQUEST_FIELDS
+from hybridspec.serve.protocol import UNSUPPORTED
 from hybridspec.model.target import TargetModel
 
 MODEL = "tiny"
@@ -332,6 +335,70 @@ def test_bad_input_leaves_the_server_serving(server, client):
     assert after[("hybridspec:num_requests_running", ())] == 0
     out = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5)
     assert out.usage.completion_tokens <= 5
+
+
+REFUSED = {"n": 2, "best_of": 3, "frequency_penalty": 0.5, "presence_penalty": -1, "logprobs": True, "top_logprobs": 2,
+           "logit_bias": {"5": 1}, "response_format": {"type": "json_object"},
+           "tools": [{"type": "function", "function": {"name": "f"}}], "functions": [{"name": "f"}],
+           "tool_choice": "required", "echo": True, "suffix": "}"}  # a value UNSUPPORTED refuses, per field
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_each_unsupported_field_is_a_400_naming_it(server, endpoint):
+    assert set(REFUSED) == set(UNSUPPORTED)
+    base = {"messages": USER} if endpoint == CHAT else {"prompt": "hi"}
+    for field, value in REFUSED.items():
+        response = httpx.post(server.url + endpoint, json={**base, "max_tokens": 2, field: value})
+        assert response.status_code == 400, (field, response.text)
+        error = response.json()["error"]
+        assert error["param"] == field and "not supported" in error["message"], error
+    # the values that change nothing are accepted, each field at once
+    accepted = {field: allowed[-1] for field, (allowed, _) in UNSUPPORTED.items()}
+    response = httpx.post(server.url + endpoint, json={**base, "max_tokens": 2, **accepted})
+    assert response.status_code == 200, response.text
+
+
+class RefusingEngine:
+    """Raises `error` for every call, as the engine does for a bad parameter (before any step)."""
+
+    error: Exception = ValueError()
+
+    class target:
+        max_seq_len = 64
+
+    def stream(self, prompt, **options):
+        raise self.error
+
+
+def test_engine_errors_name_the_field_by_their_param_not_their_text():
+    """Messages that mention no field (or another one) still get the param the error carries."""
+    engine = RefusingEngine()
+    server = Server(create_app(engine, served_model_name=MODEL))
+    expected = [(InvalidParameter("no", "prompt"), CHAT, "messages", None),
+                (InvalidParameter("no", "prompt"), COMPLETIONS, "prompt", None),
+                (ContextLengthExceeded("too much", "prompt"), CHAT, "messages", "context_length_exceeded"),
+                (ContextLengthExceeded("too much", "prompt"), COMPLETIONS, "prompt", "context_length_exceeded"),
+                (InvalidParameter("temperature is fine", "messages[3].content"), CHAT, "messages[3].content", None),
+                (InvalidParameterType("bad kind", "speculate"), CHAT, "speculate", None),
+                (InvalidParameter("seed and stop", "tree"), CHAT, None, None),  # no request field sets it
+                *[(InvalidParameter("the context", name), endpoint, field, None)
+                  for name, field in REQUEST_FIELDS.items() for endpoint in (CHAT, COMPLETIONS)]]
+    try:
+        for error, endpoint, param, code in expected:
+            engine.error = error
+            body = {"messages": USER} if endpoint == CHAT else {"prompt": "hi"}
+            response = httpx.post(server.url + endpoint, json=body)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"] == {"message": str(error), "type": "invalid_request_error",
+                                                "param": param, "code": code}
+        engine.error = InvalidParameter("no", "max_new_tokens")
+        response = httpx.post(server.url + CHAT, json={"messages": USER, "max_completion_tokens": 3})
+        assert response.json()["error"]["param"] == "max_completion_tokens"  # the field the limit came from
+        engine.error = ValueError("temperature must be >= 0")  # untyped: the server's fault, whatever it says
+        response = httpx.post(server.url + CHAT, json={"messages": USER})
+        assert response.status_code == 500 and response.json()["error"]["param"] is None
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------------------------------------------- metrics

@@ -11,7 +11,8 @@ from bench_verify_cost import measure_prefill
 from hybridspec.model.calibration import measure_verify_cost
 from hybridspec.model.kv_cache import tree_depths_and_mask
 from hybridspec.speculators import default_aux_layer_ids
-from hybridspec.model.target import StepInput, TargetModel
+from hybridspec.model.inputs import StepInput
+from hybridspec.model.target import TargetModel
 
 ATOL = 2e-4
 
@@ -147,15 +148,15 @@ def test_hidden_states_are_layer_inputs_and_final_norm(target, tiny_model):
     assert target.step(cache, [1]).aux_hidden is None  # not computed unless asked for
 
 
-def test_prefill_returns_the_hidden_tail_of_each_row(target, tiny_model):
-    """hidden_tail=n: per row, the hidden states of its last n new tokens, across chunk boundaries and for rows of
+def test_prefill_returns_the_drafter_features_of_each_row(target, tiny_model):
+    """drafter_context=n: per row, the hidden states of its last n new tokens, across chunk boundaries and for rows of
     different lengths (one row getting no tokens at all), equal to transformers' at those positions."""
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (37, 9, 0)]
     cache = target.new_cache(3)
-    out = target.prefill(cache, prompts, chunk_size=8, hidden_tail=12)
+    out = target.prefill(cache, prompts, chunk_size=8, drafter_context=12)
     layers = default_aux_layer_ids(tiny_model.config.num_hidden_layers)
-    for (aux, final), tokens in zip(out.hidden_tail, prompts):
+    for (aux, final), tokens in zip(out.drafter_features, prompts):
         assert aux.shape[0] == final.shape[0] == min(12, len(tokens))
         if not tokens:
             continue
@@ -298,8 +299,12 @@ def test_linear_follows_its_routes(bias, monkeypatch):
             monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", onednn)
             assert seen == [padded]
     bf16 = Linear(w, b, compute_dtype=torch.bfloat16)
-    assert bf16.weight is None  # a bfloat16 weight is kept packed only
-    assert bf16._route(1) == (False, 1)  # no MKL route without the plain weight
+    if linear._onednn_packs_bf16():
+        assert bf16.weight is None  # a bfloat16 weight is kept packed only
+        assert bf16._route(1) == (False, 1)  # no MKL route without the plain weight
+    else:  # oneDNN packs bfloat16 only with AVX-512: F.linear multiplies it
+        assert bf16.packed is None and bf16._route(1) == (True, 1)
+    torch.testing.assert_close(bf16(x), F.linear(x, w, b), atol=0.5, rtol=0.05)
 
 
 def test_plan_routes_takes_the_fastest_route_and_pads_only_for_a_clear_gain():
@@ -350,14 +355,14 @@ def test_tune_products_measures_once_per_machine_and_keeps_the_plan(tmp_path, mo
 
 
 def test_greedy_head_finds_the_float32_argmax_in_near_ties():
-    """_GreedyHead's argmax is the exact one wherever the top two logits differ by more than float32 noise, also where
+    """GreedyHead's argmax is the exact one wherever the top two logits differ by more than float32 noise, also where
     they differ by far less than bfloat16's error (where the bfloat16 product alone picks the wrong token)."""
-    from hybridspec.model.target import _GreedyHead
+    from hybridspec.model.head import GreedyHead
 
     gen = torch.Generator().manual_seed(0)
     vocab, hidden = 4096, 576
     weight = torch.randn(vocab, hidden, generator=gen) * 0.1
-    head, bf16_wrong = _GreedyHead(weight), 0
+    head, bf16_wrong = GreedyHead(weight), 0
     for trial in range(64):
         h = torch.randn(1, 3, hidden, generator=gen)
         exact = (h.double() @ weight.double().T)[0]
@@ -367,7 +372,7 @@ def test_greedy_head_finds_the_float32_argmax_in_near_ties():
             direction = h[0, row].double() / h[0, row].double().norm() ** 2
             gap = exact[row, a] - exact[row, b] + (1e-4 if trial % 2 else -1e-4)
             weight[b] = (weight[b].double() + gap * direction).float()
-        head = _GreedyHead(weight)
+        head = GreedyHead(weight)
         exact = (h.double() @ weight.double().T)[0]
         want = exact.argmax(-1)
         assert torch.equal(head(h)[0].argmax(-1), want)
@@ -379,11 +384,11 @@ def test_argmax_only_steps_pick_the_tokens_of_full_steps(target):
     """Greedy steps with argmax_only (the bfloat16 head where the CPU multiplies bfloat16 natively) choose the same
     tokens as steps with full logits, for a batch of rows with drafts up to the head's row limit."""
     from hybridspec.model.linear import fast_bf16
-    from hybridspec.model.target import _GreedyHead
+    from hybridspec.model.head import GreedyHead
 
     assert (target.greedy_head is not None) == fast_bf16()
     rng = random.Random(3)
-    for draft_len in range(_GreedyHead.MAX_ROWS):
+    for draft_len in range(GreedyHead.MAX_ROWS):
         cache = target.new_cache(1, 64)
         target.prefill(cache, [[rng.randrange(128) for _ in range(40)]])
         draft = [[rng.randrange(128) for _ in range(draft_len)]]
@@ -464,7 +469,7 @@ def test_one_pass_of_parts_of_any_length_matches_separate_passes(target, cpu_fla
     and a tree, a prompt chunk alone, and a prompt chunk fused with its first step (a tree draft, and the hidden states
     at the prompt's last positions) give what separate passes give, and the chunks go into their caches; with the CPU's
     flash kernel the chunk before a tree attends apart (causal_rows), without it under one mask."""
-    monkeypatch.setattr(target, "_cpu_flash", cpu_flash and target._cpu_flash)
+    monkeypatch.setattr(target.attention, "cpu_flash", cpu_flash and target.attention.cpu_flash)
     rng = random.Random(3)
     seq = lambda n: [rng.randrange(3, 128) for _ in range(n)]  # noqa: E731
     prompts = [seq(9), seq(14), seq(5), seq(7)]
@@ -482,11 +487,11 @@ def test_one_pass_of_parts_of_any_length_matches_separate_passes(target, cpu_fla
     got = target.step_many([StepInput(step, [prompts[0][-1], prompts[1][-1]], drafts, parents),
                             StepInput(alone, [], prompt=chunk),
                             StepInput(fused, [fused_prompt[-1]], [fused_draft], [fused_parents],
-                                      prompt=fused_prompt[:-1], prompt_tail=4)], return_hidden=True)
+                                      prompt=fused_prompt[:-1], drafter_context=4)], return_hidden=True)
     step2, alone2, fused2 = caches()
     want_step = target.step(step2, [prompts[0][-1], prompts[1][-1]], drafts, parents, return_hidden=True)
     target.prefill(alone2, [chunk])
-    want_tail = target.prefill(fused2, [fused_prompt[:-1]], hidden_tail=4).hidden_tail[0]
+    want_tail = target.prefill(fused2, [fused_prompt[:-1]], drafter_context=4).drafter_features[0]
     want_fused = target.step(fused2, [fused_prompt[-1]], [fused_draft], [fused_parents], return_hidden=True)
     assert got[0].logits.shape == (2, 6, target.vocab_size) and got[1].logits.shape == (1, 0, target.vocab_size)
     assert got[2].logits.shape == (1, 5, target.vocab_size)
@@ -494,8 +499,8 @@ def test_one_pass_of_parts_of_any_length_matches_separate_passes(target, cpu_fla
         mine, theirs = getattr(got[0], name), getattr(want_step, name)
         assert torch.allclose(mine[0, :4], theirs[0, :4], atol=ATOL) and torch.allclose(mine[1], theirs[1], atol=ATOL)
         assert torch.allclose(getattr(got[2], name), getattr(want_fused, name), atol=ATOL), name
-    assert got[0].hidden_tail is None and len(got[2].hidden_tail) == 1  # the prompt's last 4 positions' states
-    for mine, theirs in zip(got[2].hidden_tail[0], want_tail):
+    assert got[0].drafter_features is None and len(got[2].drafter_features) == 1  # the prompt's last 4 positions
+    for mine, theirs in zip(got[2].drafter_features[0], want_tail):
         assert mine.shape == theirs.shape and mine.shape[0] == 4 and torch.allclose(mine, theirs, atol=ATOL)
     assert alone.lengths == alone2.lengths == [5 + 23] and fused.lengths == fused2.lengths == [7 + 10]
     alone_again = target.step_many([StepInput(alone, [], prompt=chunk[:6])], argmax_only=True)  # no outputs at all

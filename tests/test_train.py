@@ -16,7 +16,9 @@ from hybridspec.tools.testing import tiny_llama
 from hybridspec.speculators.train import (FeatureStore, Trainer, build_features, features_complete, load_items,
                                           load_recipe, recipe_from_dict)
 from hybridspec.speculators.train import data as data_module
-from hybridspec.speculators.train.trainer import make_batch, spread, walk_acceptance
+from hybridspec.speculators.train import text as text_module
+from hybridspec.speculators.train.batches import make_batch
+from hybridspec.speculators.train.evaluation import spread, walk_acceptance
 
 WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
 RECIPES = Path(__file__).resolve().parents[1] / "speculators" / "recipes"
@@ -218,7 +220,7 @@ def test_self_instruct_requests_are_the_targets_own_and_resumable(tmp_path, targ
     raw["data"]["sources"].append({"kind": "self_instruct", "max_items": 6, "seed": 3})
     recipe = recipe_from_dict(raw)
     source = recipe.data.sources[1]
-    with pytest.raises(data_module.NotGeneratedError, match="--data-only"):
+    with pytest.raises(text_module.NotGeneratedError, match="--data-only"):
         load_items(recipe)
     assert not features_complete(recipe)
     others = load_items(recipe, skip_ungenerated=True)
@@ -229,9 +231,9 @@ def test_self_instruct_requests_are_the_targets_own_and_resumable(tmp_path, targ
     batches = []
     real = engine.generate
     monkeypatch.setattr(engine, "generate", lambda p, **k: batches.append(len(p)) or real(p, **k))
-    fingerprint = data_module.target_fingerprint(target)
-    path = data_module.write_self_instruct(recipe, source, engine, fingerprint, progress=False)
-    header = data_module.request_header(tiny_tokenizer)
+    fingerprint = text_module.target_fingerprint(target)
+    path = text_module.write_self_instruct(recipe, source, engine, fingerprint, progress=False)
+    header = text_module.request_header(tiny_tokenizer)
     assert tiny_tokenizer.decode(header).endswith("<|im_start|>user\n")
     requests = [json.loads(line)["prompt"] for line in path.read_text().splitlines()[1:]]
     assert len(requests) == len(set(requests)) == 6 and all(len(r) >= 16 for r in requests)
@@ -241,7 +243,7 @@ def test_self_instruct_requests_are_the_targets_own_and_resumable(tmp_path, targ
         logits = target(torch.tensor([header + first])).logits[0, -1]
     assert torch.softmax(logits.float(), -1)[tiny_tokenizer.eos_token_id] > 1e-4
     n = len(batches)
-    assert data_module.write_self_instruct(recipe, source, engine, fingerprint, progress=False) == path
+    assert text_module.write_self_instruct(recipe, source, engine, fingerprint, progress=False) == path
     assert len(batches) == n  # written once
     items = load_items(recipe)
     mine = {i.prompt for split in items.values() for i in split if i.source.startswith("self_instruct")}
@@ -250,7 +252,7 @@ def test_self_instruct_requests_are_the_targets_own_and_resumable(tmp_path, targ
     raw["data"]["cache_dir"] = str(again / "features")
     raw["data"]["sources"].append({"kind": "self_instruct", "max_items": 6, "seed": 3})
     recipe2 = recipe_from_dict(raw)
-    path2 = data_module.write_self_instruct(recipe2, recipe2.data.sources[1], engine, fingerprint, progress=False)
+    path2 = text_module.write_self_instruct(recipe2, recipe2.data.sources[1], engine, fingerprint, progress=False)
     assert path2 != path and path2.read_text() == path.read_text()  # the seed fixes the requests
 
 

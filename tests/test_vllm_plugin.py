@@ -113,7 +113,7 @@ def scheduler_output(finished=(), resumed=()):
 
 def test_life_cycle_start_append_finish_abort_and_preemption():
     cache = FakeCache()
-    requests = SuffixRequests(cache, max_model_len=64)
+    requests = SuffixRequests(cache, max_seq_len=64)
     prompt = [5, 6, 7]
     # first step: the prompt, then the sampled token
     budgets = requests.update(FakeBatch({"a": (prompt + [9], 3)}), [[9]], None, 4)
@@ -128,12 +128,12 @@ def test_life_cycle_start_append_finish_abort_and_preemption():
     states = {"a": request_state(3, [9, 10, 11, 2]), "b": request_state(1, [2, 3, 4])}
     requests.on_scheduler_output(scheduler_output(finished={"a", "b"}), states)
     assert ("finish", "a") in cache.calls and ("abort", "b") in cache.calls
-    assert not cache.live and not requests.live
+    assert not cache.live and not requests.started
 
 
 def test_committed_tokens_stop_at_a_stop_token_and_max_tokens_and_the_budget_at_the_tokens_still_wanted():
     cache = FakeCache()
-    requests = SuffixRequests(cache, max_model_len=1000)
+    requests = SuffixRequests(cache, max_seq_len=1000)
     states = {"a": request_state(2, [], max_tokens=6), "b": request_state(2, [], max_tokens=100)}
     batch = FakeBatch({"a": ([1, 1, 3, 4, 5], 2), "b": ([1, 1, 3, 2, 9], 2)})
     budgets = requests.update(batch, [[3, 4, 5], [3, 2, 9]], states, 16)
@@ -146,7 +146,7 @@ def test_committed_tokens_stop_at_a_stop_token_and_max_tokens_and_the_budget_at_
 
 def test_a_partial_prefill_gets_no_draft_and_starts_nothing():
     cache = FakeCache()
-    requests = SuffixRequests(cache, max_model_len=64)
+    requests = SuffixRequests(cache, max_seq_len=64)
     assert requests.update(FakeBatch({"a": ([1, 2, 3], 3)}), [[]], None, 4) == [0]
     assert not cache.calls
 
@@ -176,10 +176,10 @@ def test_the_engine_and_the_plugin_commit_by_the_same_rules(tiny_model, tiny_tok
     seq = SequenceState("r", prompt + output, len(prompt))
     call = SimpleNamespace(rules=StopRules(engine.eos_token_ids, max_new, max_len), params=SimpleNamespace(stop=()))
     assert engine.eos_token_ids == {2}
-    assert engine._commit(seq, list(tokens), call) == kept and seq.finish_reason == reason
+    assert engine.step.commit(call, seq, list(tokens)) == kept and seq.finish_reason == reason
     # the plugin: vLLM's batch after the step, its sampling params (stop token 2, max_tokens), max_model_len
     cache = FakeCache()
-    requests = SuffixRequests(cache, max_model_len=max_len)
+    requests = SuffixRequests(cache, max_seq_len=max_len)
     budgets = requests.update(FakeBatch({"a": (prompt + output + tokens, len(prompt))}), [tokens],
                               {"a": request_state(len(prompt), output, max_tokens=max_new, stop=(2,))}, 4)
     assert cache.live["a"] == prompt + output + kept

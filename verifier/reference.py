@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hybridspec.errors import InvalidParameter
+
 # A residual max(0, p - q) with less mass than this is rounding noise of two (numerically) equal distributions: use p.
 RESIDUAL_EPS = 2.0 ** -20  # exactly representable, so float32 and float64 comparisons agree
 
@@ -71,11 +73,11 @@ def _top_p_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def check_sampling_params(temperature: float, top_k: int, top_p: float) -> None:
     if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        raise InvalidParameter(f"temperature must be >= 0 (0 = greedy), got {temperature}", "temperature")
     if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = disabled), got {top_k}")
+        raise InvalidParameter(f"top_k must be >= 0 (0 = disabled), got {top_k}", "top_k")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise InvalidParameter(f"top_p must be in (0, 1], got {top_p}", "top_p")
 
 
 def greedy_walk(target_argmax: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor,

@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The CPU attention kernel of decode and verification steps (`attention_kernel.h`), on raw pointers of tensors the
-caller checked (`hybridspec.model.target`): a thin layer, the GIL released while it runs."""
+caller checked (`hybridspec.model.attention`): a thin layer, the GIL released while it runs."""
 from libc.stdint cimport int64_t, uint8_t, uintptr_t
 
 

@@ -2,11 +2,10 @@
 "auto")`, the default), measured once per machine and model and kept in the user cache; and what a drafter's draft
 costs here, which a hybrid weighs against it (`machine_draft_cost`).
 
-Why measured here rather than built in: which draft sizes are nearly free depends on the CPU. On the Intel Xeon of
-sessions 8-14 a pass over four draft tokens cost 1.39 plain steps; on an AMD EPYC (Zen 4), once its products run
-their fastest routes (`hybridspec.model.linear.tune_products`), about 1.1. A gate that plans with another machine's
-table
-drafts too little there, or too much.
+Why measured here rather than built in: which draft sizes are nearly free depends on the CPU. On an Intel Xeon a
+pass over four draft tokens cost 1.39 plain steps; on an AMD EPYC (Zen 4), once its products run their fastest routes
+(`hybridspec.model.linear.tune_products`), about 1.1. A gate that plans with another machine's table drafts too little
+there, or too much.
 """
 from __future__ import annotations
 

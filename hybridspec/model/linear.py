@@ -4,6 +4,7 @@ on a weight packed once, the input padded with zero rows where a few more rows r
 swaps them into any module (the drafters)."""
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from typing import Iterable, Sequence
@@ -21,13 +22,25 @@ Route = tuple[bool, int]  # (MKL's product on the plain weight, rows after paddi
 
 
 def _onednn_available(weight: torch.Tensor) -> bool:
+    # oneDNN packs a bfloat16 weight only on CPUs with AVX-512 (BW at least); elsewhere F.linear multiplies it
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and (weight.dtype == torch.float32 or _onednn_packs_bf16()))
+
+
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def untuned_routes(plain_max_rows: int = 3) -> tuple[Route, ...]:
-    """The rule before any measurement (right on the Intel Xeons this project measured until session 14): MKL's
-    product for up to `plain_max_rows` rows, oneDNN's for more, no padding. Index n: the route of n rows."""
+    """The rule before any measurement (right on Intel Xeons, where MKL's product streams a weight fastest for up to
+    three rows): MKL's product for up to `plain_max_rows` rows, oneDNN's for more, no padding. Index n: the route of n
+    rows."""
     return ((True, 0),) + tuple((n <= plain_max_rows, n) for n in range(1, PLANNED_ROWS + 1))
 
 
@@ -38,9 +51,10 @@ class Linear:
     Why: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix, and a decode step is
     bound by reading those weights. Which kernel streams a weight fastest for a few rows depends on the CPU, and so does
     the blocking oneDNN picks per row count: on an Intel Xeon MKL won up to three rows; on an AMD EPYC (Zen 4) oneDNN
-    wins at every count and reads weights faster for four to six rows than for one or two (BENCHMARKS.md,
-    "Products by row count"). `tune_products` measures it; until then the routes are `untuned_routes()`. A float32
-    weight is kept in both layouts (the packed copy is as large as the weight); without oneDNN it is F.linear.
+    wins at every count and reads weights faster for four to six rows than for one or two (`python
+    benchmarks/bench_verify_cost.py --products` times both by row count). `tune_products` measures it; until then the
+    routes are `untuned_routes()`. A float32 weight is kept in both layouts (the packed copy is as large as the
+    weight); without oneDNN it is F.linear.
     """
 
     __slots__ = ("weight", "bias", "packed", "compute_dtype", "routes", "shape", "dtype")

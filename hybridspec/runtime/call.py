@@ -1,4 +1,4 @@
-"""One call's state as the decode loop works on it (`Call`, its sequences), and `Stream`, a call's text deltas."""
+"""One call's state as the decode step works on it (`CallState`, its sequences), and `Stream`, a call's text deltas."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +14,7 @@ from hybridspec.runtime.options import CallParams
 from hybridspec.proposal import FeatureProposer, Proposer
 from hybridspec.speculators import TargetFeatures
 from hybridspec.runtime.stats import GenerationResult, GenerationStats
-from hybridspec.model.target import StepOutput
+from hybridspec.model.inputs import StepOutput
 from hybridspec.verifier import process_logits
 
 
@@ -32,8 +32,8 @@ class SequenceState:
 
 
 @dataclass(eq=False)
-class Call:
-    """What one generate / stream / send call works on. Cache row r belongs to seqs[live[r]]."""
+class CallState:
+    """What one generate / stream / send call works on. Cache row r belongs to seqs[rows[r]]."""
 
     seqs: list[SequenceState]
     cache: KVCache | None  # taken when the call begins
@@ -41,17 +41,22 @@ class Call:
     params: CallParams
     rules: StopRules
     stats: GenerationStats
-    live: list[int]
+    rows: list[int]  # the sequences still generating, by cache row
     started: list[Hashable] = field(default_factory=list)  # request ids started on the proposer
-    deferred_prefill: list[int] | None = None  # a single prompt's uncached tokens not run yet (in its steps' passes)
-    features_wanted: int | None = None  # the deferred tokens' last ones whose features the proposer wants
-    prompt_features: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # gathered so far
+    pending_prompt: list[int] | None = None  # a single prompt's uncached tokens not run yet (in its steps' passes)
+    # the prompt's last positions whose target features the proposer reads, while the prompt runs in steps
+    drafter_context: int | None = None
+    drafter_features: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # gathered so far
     error: Exception | None = None  # what ended the call in a step another thread ran
     start: float = field(default_factory=time.perf_counter)
 
     @property
     def wants_target_features(self) -> bool:
         return self.proposer is not None and self.proposer.wants_target_features
+
+    def fail(self, error: Exception) -> None:
+        """End the call with `error` (its own thread raises it); its rows leave the step."""
+        self.error, self.rows = error, []
 
     def set_sampling(self) -> None:
         """A proposer that reads features drafts from the distribution the verifier will use."""
@@ -86,7 +91,7 @@ class Stream:
     """One call's text deltas, as its tokens are committed. `result` is its GenerationResult once the iteration has
     ended; `close()` cancels the call (it leaves the running batch at its next step, its requests are aborted)."""
 
-    def __init__(self, call: Call, steps: Iterator[None], decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, call: CallState, steps: Iterator[None], decode: Callable[[list[int]], str]) -> None:
         self._call, self._steps, self._decode, self._sent = call, steps, decode, ""
         self.result: GenerationResult | None = None
 

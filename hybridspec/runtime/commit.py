@@ -12,12 +12,12 @@ from typing import Callable, Collection, Sequence
 
 @dataclass(frozen=True)
 class StopRules:
-    """When a sequence ends: a stop token (once `min_tokens` are out), `max_new_tokens` generated, or `max_context`
+    """When a sequence ends: a stop token (once `min_tokens` are out), `max_new_tokens` generated, or `max_seq_len`
     tokens in all (the model's context). Stop strings are matched on text, by `stop_cut`."""
 
     stop_token_ids: Collection[int]
     max_new_tokens: int | None
-    max_context: int
+    max_seq_len: int
     min_tokens: int = 0
 
 
@@ -31,7 +31,7 @@ def commit_tokens(tokens: Sequence[int], generated: int, context: int,
         if token in rules.stop_token_ids and generated + len(kept) > rules.min_tokens:
             return kept, "eos"
         if (rules.max_new_tokens is not None and generated + len(kept) >= rules.max_new_tokens) \
-                or context + len(kept) >= rules.max_context:
+                or context + len(kept) >= rules.max_seq_len:
             return kept, "length"
     return kept, None
 
@@ -39,7 +39,7 @@ def commit_tokens(tokens: Sequence[int], generated: int, context: int,
 def draft_budget(num_speculative_tokens: int, context: int, generated: int, rules: StopRules) -> int:
     """How many draft tokens a step may verify: no more than asked, than fit in the context after the step's input
     token, or than are still wanted (the target's own token comes with every step)."""
-    budget = min(num_speculative_tokens, rules.max_context - context)
+    budget = min(num_speculative_tokens, rules.max_seq_len - context)
     if rules.max_new_tokens is not None:
         budget = min(budget, rules.max_new_tokens - generated - 1)
     return max(budget, 0)

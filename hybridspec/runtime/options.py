@@ -6,6 +6,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from hybridspec.errors import InvalidParameter
 from hybridspec.proposal import FeatureProposer, Proposer
 from hybridspec.verifier.reference import check_sampling_params
 
@@ -45,33 +46,34 @@ class CallParams:
 
 def resolve_options(options: Mapping[str, Any], proposer_for: Callable[[Any], Proposer | FeatureProposer | None],
                     default_k: int) -> tuple[CallParams, Proposer | FeatureProposer | None]:
-    """Validated parameters and the proposer (`proposer_for(speculate)`) from `generate`'s keyword arguments; a
-    TypeError or ValueError names the bad one."""
+    """Validated parameters and the proposer (`proposer_for(speculate)`) from `generate`'s keyword arguments: an
+    `InvalidParameter` names a bad one (`.param`), a TypeError unknown ones."""
     unknown = set(options) - {f.name for f in fields(GenerateOptions)}
     if unknown:
         raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")
     o = GenerateOptions(**options)
     if not isinstance(o.max_new_tokens, int) or o.max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {o.max_new_tokens!r}")
+        raise InvalidParameter(f"max_new_tokens must be a positive integer, got {o.max_new_tokens!r}",
+                               "max_new_tokens")
     check_sampling_params(o.temperature, o.top_k, o.top_p)
     proposer = proposer_for(o.speculate)
     k = o.num_speculative_tokens
     if k is None:  # the proposer's own budget (a drafter's: the K it was trained for), else the engine's
         k = proposer.num_speculative_tokens if proposer is not None else default_k
     if not isinstance(k, int) or k < 0:
-        raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+        raise InvalidParameter(f"num_speculative_tokens must be an integer >= 0, got {k!r}", "num_speculative_tokens")
     stops = (o.stop,) if isinstance(o.stop, str) else tuple(o.stop or ())
     if any(not isinstance(s, str) or not s for s in stops):
-        raise ValueError("stop strings must be non-empty strings")
+        raise InvalidParameter("stop strings must be non-empty strings", "stop")
     if o.seed is not None and not isinstance(o.seed, int):
-        raise ValueError(f"seed must be an integer, got {o.seed!r}")
+        raise InvalidParameter(f"seed must be an integer, got {o.seed!r}", "seed")
     generator = torch.Generator().manual_seed(o.seed) if o.seed is not None else None
     tree = o.tree
     if tree is None:
         tree = proposer is not None and proposer.prefers_trees and proposer.drafts_trees
     elif tree and proposer is not None and not proposer.drafts_trees:
-        raise ValueError(f"tree=True needs a proposer that drafts trees, not {type(proposer).__name__} "
-                         "(its drafts_trees is False)")
+        raise InvalidParameter(f"tree=True needs a proposer that drafts trees, not {type(proposer).__name__} "
+                               "(its drafts_trees is False)", "tree")
     params = CallParams(o.max_new_tokens, float(o.temperature), int(o.top_k), float(o.top_p), k, bool(tree), stops,
                         generator)
     return params, proposer

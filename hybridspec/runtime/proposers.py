@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 import torch
 
+from hybridspec.errors import InvalidParameter, InvalidParameterType
 from hybridspec.model.calibration import machine_draft_cost
 from hybridspec.model.linear import fast_bf16, pack_linears
 from hybridspec.proposal import FeatureProposer, Proposer, check_proposer
@@ -56,13 +57,17 @@ class Proposers:
 
     def get(self, speculate: str | Proposer | FeatureProposer | None) -> Proposer | FeatureProposer | None:
         """The proposer for a `speculate=` value: a name of SPECULATE_CHOICES, None / "none" (no speculation) or a
-        proposer of the caller's (checked against the contract)."""
+        proposer of the caller's (checked against the contract). An `InvalidParameter` ("speculate") says why not."""
         if speculate is None or speculate == "none":
             return None
         if not isinstance(speculate, str):
-            return check_proposer(speculate)
+            try:
+                return check_proposer(speculate)
+            except TypeError as e:
+                raise InvalidParameterType(str(e), "speculate") from None
         if speculate not in SPECULATE_CHOICES:
-            raise ValueError(f"speculate must be one of {SPECULATE_CHOICES} or a Proposer, got {speculate!r}")
+            raise InvalidParameter(f"speculate must be one of {SPECULATE_CHOICES} or a Proposer, got {speculate!r}",
+                                   "speculate")
         if speculate == "suffix":
             return self.suffix_cache
         if speculate not in self._made:
@@ -93,21 +98,22 @@ class Proposers:
         return DrafterProposer(self.load_drafter(speculate), window=self.drafter_context)
 
     def load_drafter(self, kind: str) -> Drafter:
-        """The drafter of `kind` on the target's device, checked against the target (packed for the CPU)."""
+        """The drafter of `kind` on the target's device, checked against the target (packed for the CPU); one that
+        does not fit the target is an `InvalidParameter` ("speculate": the call asked for it)."""
         source = self.drafters.get(kind) or shipped_checkpoint(kind)
         target = self.target
-        if isinstance(source, Drafter):
-            source.check_target(target.config, target.aux_layer_ids)
-            drafter = copy.deepcopy(source).to(target.device).eval()  # packing below must not touch theirs
-        else:
-            try:
+        try:
+            if isinstance(source, Drafter):
+                source.check_target(target.config, target.aux_layer_ids)
+                drafter = copy.deepcopy(source).to(target.device).eval()  # packing below must not touch theirs
+            else:
                 drafter = load_drafter(source, target=target.config, embed_tokens=target.embed,
                                        aux_layer_ids=target.aux_layer_ids, device=target.device)
-            except ValueError as e:
-                hint = "" if kind in self.drafters else (
-                    f" (the shipped {kind} head is for SmolLM2-135M-Instruct: train one for this target with "
-                    f"`hybridspec train` and pass Engine(..., drafters={{{kind!r}: PATH}}))")
-                raise ValueError(f"{e}{hint}") from e
+        except ValueError as e:
+            hint = "" if kind in self.drafters else (
+                f" (the shipped {kind} head is for SmolLM2-135M-Instruct: train one for this target with "
+                f"`hybridspec train` and pass Engine(..., drafters={{{kind!r}: PATH}}))")
+            raise InvalidParameter(f"{e}{hint}", "speculate") from e
         if target.device.type == "cpu":
             # A drafter's numbers only choose what to verify, never what is output: bfloat16 is lossless here.
             pack_linears(drafter, torch.bfloat16 if self.drafter_bf16 else None)

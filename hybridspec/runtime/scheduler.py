@@ -3,14 +3,13 @@ waiting for one in a single pass of the target (continuous batching).
 
 A call's thread asks for its next step with `StepScheduler.join_step`; whichever thread gets the lock first runs the
 step for every call queued then, and the others find their step done. An error in one call's part of a step is
-delivered to that call's thread (`failing`); the other calls go on.
+delivered to that call's thread (`CallState.fail`); the other calls go on.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import deque
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 Call = TypeVar("Call")
 
@@ -50,15 +49,15 @@ class StepScheduler(Generic[Call]):
     """Runs `run_step(calls)` for every call whose thread is waiting for its next decode step. Anything else that
     touches shared state (a call's prefill, its end) runs under `lock` too.
 
-    live(): how many calls are running (begun, not ended). A thread that gets to run a step while some of them have
+    running(): how many calls are running (begun, not ended). A thread that gets to run a step while some of them have
     not asked for it yet waits up to `gather_s` for them: a thread a moment late (handing its text delta to an HTTP
     response, say) would otherwise miss the step and run the next one alone, a pass of the target for fewer rows."""
 
-    def __init__(self, run_step: Callable[[list[Call]], None], live: Callable[[], int] | None = None,
+    def __init__(self, run_step: Callable[[list[Call]], None], running: Callable[[], int] | None = None,
                  gather_s: float = 0.002) -> None:
         self.lock = TurnLock()
         self._run_step = run_step
-        self._live, self._gather_s = live, gather_s
+        self._running, self._gather_s = running, gather_s
         self._waiting: list[Call] = []
         self._arrived = threading.Condition()  # guards _waiting
 
@@ -72,18 +71,8 @@ class StepScheduler(Generic[Call]):
             with self._arrived:
                 if not any(c is call for c in self._waiting):
                     return  # another thread ran this call's step
-                if self._live is not None:
-                    expected = self._live()
+                if self._running is not None:
+                    expected = self._running()
                     self._arrived.wait_for(lambda: len(self._waiting) >= expected, timeout=self._gather_s)
                 batch, self._waiting = self._waiting, []
             self._run_step(batch)
-
-
-@contextlib.contextmanager
-def failing(call: Any) -> Iterator[None]:
-    """An exception in the block ends `call` (its `error`, no live sequences) instead of reaching the step's other
-    calls; the call's own thread raises it."""
-    try:
-        yield
-    except Exception as e:
-        call.error, call.live = e, []

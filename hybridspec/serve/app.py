@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 import time
 import uuid
@@ -24,15 +23,21 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybridspec.errors import ContextLengthExceeded, InvalidParameter
 from hybridspec.serve.metrics import Metrics, finish_reason
-from hybridspec.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_response, param_path
+from hybridspec.serve.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                       ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionChoice,
+                                       CompletionChunk, CompletionRequest, Delta, ErrorInfo, ErrorResponse, ModelCard,
+                                       ModelList, PromptTokensDetails, Usage, error_response, param_path)
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics")
-# words of the engine's ValueError / TypeError messages -> the request field they are about
-_ENGINE_PARAMS = (("speculate", "speculate"), ("drafter", "speculate"), ("stop", "stop"), ("seed", "seed"),
-                  ("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                  ("top_k", "top_k"))
+# The engine's names of a request's parameters (`InvalidParameter.param`) -> the request's fields. The prompt is the
+# endpoint's field; a chat message's fields ("messages[1].content") are named alike in both; the others the server
+# never sets from a request (tree, num_speculative_tokens) name no field.
+REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                  "speculate": "speculate", "stop": "stop", "seed": "seed"}
+PROMPT_FIELDS = {CHAT: "messages", COMPLETIONS: "prompt"}
 
 
 def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suffix", max_tokens: int = 1024,
@@ -73,10 +78,9 @@ def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suf
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": server.created,
-                                            "owned_by": "hybridspec",
-                                            "max_model_len": engine.target.max_seq_len}]}
+    async def models() -> Response:
+        return _json(ModelList(data=[ModelCard(id=served_model_name, created=server.created,
+                                               max_model_len=engine.target.max_seq_len)]))
 
     @app.post(CHAT)
     async def chat_completions(request: Request):
@@ -177,9 +181,9 @@ class _Server:
         options = self.options(body, max_tokens)
         try:  # the call validates its options and prompt at once (tokenising it takes the engine's lock: a thread)
             stream = await run_in_threadpool(self.engine.stream, prompt, **options)
-        except (ValueError, TypeError) as e:
-            param, code = self._param(str(e), endpoint)
-            raise APIError(str(e), param, code=code) from None
+        except InvalidParameter as e:  # anything else the engine raises is the server's fault: a 500
+            code = "context_length_exceeded" if isinstance(e, ContextLengthExceeded) else None
+            raise APIError(str(e), self.field(e.param, endpoint, body), code=code) from None
         ids = Ids(endpoint, self.model)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -198,7 +202,7 @@ class _Server:
             raise
         result = stream.result
         self.metrics.ended(endpoint, result)
-        return ids.response(result)
+        return _json(ids.response(result))
 
     async def _events(self, endpoint: str, stream, ids: "Ids", include_usage: bool) -> AsyncIterator[str]:
         """The SSE body: a role chunk (chat), text deltas, the chunk with the finish reason, the usage chunk if
@@ -210,7 +214,7 @@ class _Server:
         pump = _Pump(stream)
         try:
             if ids.chat:
-                yield _event(ids.chunk({"role": "assistant", "content": ""}))
+                yield _event(ids.role_chunk())
             async for delta in pump:
                 yield _event(ids.chunk(delta))
             result, ended = stream.result, True
@@ -223,8 +227,7 @@ class _Server:
             if not ended:
                 ended = True
                 self.metrics.ended(endpoint, "error")
-            yield _event({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None,
-                                    "code": None}})
+            yield _event(ErrorResponse(error=ErrorInfo(message=f"{type(e).__name__}: {e}", type="server_error")))
             yield "data: [DONE]\n\n"
         finally:
             if not ended:  # the client went away (this task cancelled, or the generator closed)
@@ -232,16 +235,15 @@ class _Server:
                 pump.cancel()
 
     @staticmethod
-    def _param(message: str, endpoint: str) -> tuple[str, None | str]:
-        """The request field an engine error is about, and OpenAI's error code for a prompt over the context."""
-        named = re.match(r"(messages\[\d+\]\.\w+):", message)  # Engine.encode names a bad message's field
-        if named:
-            return named.group(1), None
-        for word, param in _ENGINE_PARAMS:
-            if word in message:
-                return param, None
-        code = "context_length_exceeded" if "context" in message else None
-        return ("messages" if endpoint == CHAT else "prompt"), code
+    def field(param: str, endpoint: str, body) -> str | None:
+        """The request field named by the engine's parameter `param` (REQUEST_FIELDS)."""
+        if param == "prompt":
+            return PROMPT_FIELDS[endpoint]
+        if param == "messages" or param.startswith("messages["):
+            return param
+        if param == "max_new_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+            return "max_completion_tokens"
+        return REQUEST_FIELDS.get(param)
 
 
 class _Pump:
@@ -284,48 +286,52 @@ class _Pump:
             yield item
 
 
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _event(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+def _json(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 class Ids:
-    """One request's response objects: ids, timestamps and the chat / text completion shapes."""
+    """One request's response bodies: its id and timestamp on the chat or text completion models."""
 
     def __init__(self, endpoint: str, model: str):
         self.chat = endpoint == CHAT
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model, self.created = model, int(time.time())
-        self.object = "chat.completion" if self.chat else "text_completion"
 
-    def _base(self, object_name: str) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "created": self.created, "model": self.model}
 
     @staticmethod
-    def usage(result) -> dict:
+    def usage(result) -> Usage:
         prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=result.stats.cached_tokens))
 
-    def response(self, result) -> dict:
+    def response(self, result) -> ChatCompletion | Completion:
         reason = finish_reason(result.finish_reason)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
-        return {**self._base(self.object), "choices": [choice], "usage": self.usage(result)}
+            return ChatCompletion(**self._head(), usage=self.usage(result), choices=[
+                ChatChoice(message=AssistantMessage(content=result.text), finish_reason=reason)])
+        return Completion(**self._head(), usage=self.usage(result),
+                          choices=[CompletionChoice(text=result.text, finish_reason=reason)])
 
-    def chunk(self, delta: str | dict | None, reason: str | None = None) -> dict:
-        """A streamed chunk: chat's `delta` ({"content": text}, or the role first, {} last), or a completion's text."""
+    def role_chunk(self) -> ChatCompletionChunk:
+        """A chat stream's first chunk: the role."""
+        return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(delta=Delta(role="assistant",
+                                                                                        content=""))])
+
+    def chunk(self, text: str | None, reason: str | None = None) -> ChatCompletionChunk | CompletionChunk:
+        """A streamed chunk: text, or none with the finish reason (chat's delta is then {})."""
         if self.chat:
-            obj = "chat.completion.chunk"
-            choice = {"index": 0, "delta": delta if isinstance(delta, dict) else
-                      ({"content": delta} if delta is not None else {}), "logprobs": None, "finish_reason": reason}
-        else:
-            obj = "text_completion"
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
-        return {**self._base(obj), "choices": [choice]}
+            return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(delta=Delta(content=text),
+                                                                                finish_reason=reason)])
+        return CompletionChunk(**self._head(), choices=[CompletionChoice(text=text or "", finish_reason=reason)])
 
-    def usage_chunk(self, result) -> dict:
-        return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": self.usage(result)}
+    def usage_chunk(self, result) -> ChatCompletionChunk | CompletionChunk:
+        """The last chunk with stream_options.include_usage: no choices, the usage."""
+        return (ChatCompletionChunk if self.chat else CompletionChunk)(**self._head(), choices=[],
+                                                                        usage=self.usage(result))

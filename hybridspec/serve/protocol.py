@@ -1,15 +1,18 @@
-"""The OpenAI request bodies the server accepts (pydantic), and OpenAI-style errors.
+"""The OpenAI request and response bodies of the server (pydantic), and OpenAI-style errors.
 
-Fields the OpenAI API defines that do not change the output here (`user`, `metadata`, `store`, ...) are accepted and
-ignored; fields that would change it and are not supported (`n` > 1, tools, log-probabilities, penalties, JSON
-output) are rejected with a 400 naming the field, rather than silently ignored.
+Request fields the OpenAI API defines that do not change the output here (`user`, `metadata`, `store`, ...) are
+accepted and ignored; those that would change it and are not supported (`UNSUPPORTED`: `n` > 1, tools,
+log-probabilities, penalties, JSON output, ...) are rejected with a 400 naming the field, rather than silently ignored.
+Responses are models whose JSON is what OpenAI's clients parse (as vLLM's server has them).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
+                      model_validator)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -28,8 +31,8 @@ class APIError(Exception):
 
 def error_response(message: str, param: str | None = None, status: int = 400, code: str | None = None,
                    type: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}},
-                        status_code=status)
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(mode="json"), status_code=status)
 
 
 def param_path(loc: tuple | list) -> str | None:
@@ -73,10 +76,33 @@ class ChatMessage(BaseModel):
         raise ValueError("content must be a string or a list of text content parts")
 
 
-def _reject(value: Any, allowed: tuple, name: str, what: str) -> Any:
-    if value not in allowed:
-        raise ValueError(f"{name} is not supported by this server ({what})")
-    return value
+# Request fields that would change the output and are not supported: field -> (the values accepted, those that change
+# nothing here, compared with ==; why others are not). Both endpoints check them all, so that echo on a chat request
+# (vLLM's extension) or tools on a text completion are refused there too rather than ignored.
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "n": ((None, 1), "one choice per request: n must be 1"),
+    "best_of": ((None, 1), "best_of must be 1"),
+    "frequency_penalty": ((None, 0), "only 0"),
+    "presence_penalty": ((None, 0), "only 0"),
+    "logprobs": ((None, False, 0), "no log-probabilities"),
+    "top_logprobs": ((None, 0), "no log-probabilities"),
+    "logit_bias": ((None, {}), "no logit bias"),
+    "response_format": ((None, {"type": "text"}), 'only {"type": "text"}'),
+    "tools": ((None, []), "no tool calling: describe the tools in the prompt"),
+    "functions": ((None, []), "no tool calling: describe the tools in the prompt"),
+    "tool_choice": ((None, "none", "auto"), "no tool calling"),
+    "echo": ((None, False), "the prompt is not echoed"),
+    "suffix": ((None, ""), "no insertion"),
+}
+
+
+def unsupported_errors(data: Any) -> list[InitErrorDetails]:
+    """pydantic errors, one per field of `data` (a request body) that UNSUPPORTED refuses, each located at its field."""
+    if not isinstance(data, dict):
+        return []
+    return [InitErrorDetails(type=PydanticCustomError("unsupported", "{field} is not supported by this server ({why})",
+                                                      {"field": name, "why": why}), loc=(name,), input=data[name])
+            for name, (allowed, why) in UNSUPPORTED.items() if name in data and data[name] not in allowed]
 
 
 class _Request(BaseModel):
@@ -88,44 +114,19 @@ class _Request(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension; -1 or 0: off
-    n: int | None = None
     seed: int | None = None
     stop: Any = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     speculate: str | None = None  # hybridspec's extension: the proposer of this request ("suffix", "none", ...)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logprobs: Any = None
-    logit_bias: dict | None = None
-    response_format: dict | None = None
 
-    @field_validator("n")
+    @model_validator(mode="before")
     @classmethod
-    def _n(cls, n):
-        return _reject(n, (None, 1), "n", "one choice per request: n must be 1")
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _penalty(cls, value, info):
-        return _reject(value, (None, 0), info.field_name, "only 0")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value):
-        return _reject(value, (None, False, 0), "logprobs", "no log-probabilities")
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, value):
-        return _reject(value or None, (None,), "logit_bias", "no logit bias")
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, value):
-        if value is not None and value.get("type") != "text":
-            raise ValueError("response_format is not supported by this server (only {\"type\": \"text\"})")
-        return value
+    def _supported(cls, data: Any) -> Any:
+        errors = unsupported_errors(data)
+        if errors:  # a ValidationError keeps each error's location (a ValueError here would name no field)
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -139,32 +140,10 @@ class _Request(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)
-    tools: list | None = None
-    functions: list | None = None
-    tool_choice: Any = None
-    top_logprobs: int | None = None
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, value, info):
-        return _reject(value or None, (None,), info.field_name, "no tool calling: describe the tools in the prompt")
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, value):
-        return _reject(value, (None, "none", "auto"), "tool_choice", "no tool calling")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value):
-        return _reject(value or None, (None,), "top_logprobs", "no log-probabilities")
 
 
 class CompletionRequest(_Request):
     prompt: Any = Field(...)
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -181,17 +160,126 @@ class CompletionRequest(_Request):
             raise ValueError("the prompt is empty")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value):
-        return _reject(value, (None, False), "echo", "the prompt is not echoed")
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, value):
-        return _reject(value, (None, 1), "best_of", "best_of must be 1")
+# ---------------------------------------------------------------------------------------------------- responses
 
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, value):
-        return _reject(value or None, (None,), "suffix", "no insertion")
+
+class _Body(BaseModel):
+    """A response body. Its fields are always in the JSON, null or not, except those of `omit_none` while None (as
+    OpenAI's bodies leave them out)."""
+
+    omit_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self.omit_none:
+            if name in data and data[name] is None:
+                del data[name]
+        return data
+
+
+class PromptTokensDetails(_Body):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
+class Usage(_Body):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(_Body):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Body):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(_Body):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(_Body):
+    """A streamed chat delta: the role first ({"role": "assistant", "content": ""}), then text, {} with the finish."""
+
+    omit_none = ("role", "content")
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Body):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Body):
+    """A streamed chat chunk; the last, with stream_options.include_usage, has no choices and the usage."""
+
+    omit_none = ("usage",)
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(_Body):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(_Body):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(Completion):
+    """A streamed text completion chunk (a text_completion object too); usage only in the last, as for chat."""
+
+    omit_none = ("usage",)
+    usage: Usage | None = None
+
+
+class ModelCard(_Body):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "hybridspec"
+    max_model_len: int
+
+
+class ModelList(_Body):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Body):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Body):
+    error: ErrorInfo

@@ -15,14 +15,14 @@ from hybridspec.vllm_plugin.config import ENV_OBSERVER, ENV_VERIFY_COST, PluginE
 class SuffixRequests:
     """Feeds a `SuffixCache` from vLLM's persistent batch the way hybridspec's Engine feeds it (module docstring).
 
-    `live` holds the requests started on the cache; every one of them ends in finish_request or abort_request once vLLM
-    drops it, so nothing leaks. `counters["drafts"]` / `["draft_tokens"]` count real drafts only (never padding).
+    `started` holds the requests started on the cache; every one of them ends in finish_request or abort_request once
+    vLLM drops it, so nothing leaks. `counters["drafts"]` / `["draft_tokens"]` count real drafts only (never padding).
     """
 
-    def __init__(self, cache: Any, max_model_len: int, observer: Any = None) -> None:
+    def __init__(self, cache: Any, max_seq_len: int, observer: Any = None) -> None:
         self.cache = cache
-        self.max_model_len = max_model_len
-        self.live: set[str] = set()
+        self.max_seq_len = max_seq_len
+        self.started: set[str] = set()
         self.observer = observer
         self.runner_requests: dict | None = None  # the runner's request states (sampling params), set each step
         self._histories: dict[str, list[int]] = {}  # for the observer only
@@ -38,15 +38,15 @@ class SuffixRequests:
     def rules(self, params: Any) -> StopRules:
         """The engine's stop rules for a request with vLLM's sampling params (None: only the model's length)."""
         if params is None:
-            return StopRules(frozenset(), None, self.max_model_len)
-        return StopRules(params.all_stop_token_ids, params.max_tokens, self.max_model_len, params.min_tokens)
+            return StopRules(frozenset(), None, self.max_seq_len)
+        return StopRules(params.all_stop_token_ids, params.max_tokens, self.max_seq_len, params.min_tokens)
 
     # -- called by the runner's _update_states, before it drops finished requests
     def on_scheduler_output(self, scheduler_output: Any, requests: dict) -> None:
         for rid in list(scheduler_output.finished_req_ids):
-            if rid in self.live:
+            if rid in self.started:
                 self._end(rid, self._finished_normally(requests.get(rid)))
-        for rid in self.live & scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+        for rid in self.started & scheduler_output.scheduled_cached_reqs.resumed_req_ids:
             self._end(rid, False)  # back from preemption: restarted on its next sampled token
 
     def _finished_normally(self, state: Any) -> bool:
@@ -60,7 +60,7 @@ class SuffixRequests:
         return reason is not None
 
     def _end(self, rid: str, normally: bool) -> None:
-        self.live.discard(rid)
+        self.started.discard(rid)
         (self.cache.finish_request if normally else self.cache.abort_request)(rid)
         self.counters["finished" if normally else "aborted"] += 1
         self.event("finish" if normally else "abort", rid)
@@ -72,9 +72,9 @@ class SuffixRequests:
         booked: vLLM's bookkeeping already wrote this step's sampled tokens into the batch (False: a drafter that runs
         before it, as EAGLE with the padded drafter batch does)."""
         present = input_batch.req_id_to_index
-        for rid in [r for r in self.live if r not in present]:  # preempted or unscheduled: left the batch
+        for rid in [r for r in self.started if r not in present]:  # preempted or unscheduled: left the batch
             self._end(rid, False)
-        for rid in [r for r in self._routed if r not in self.live]:
+        for rid in [r for r in self._routed if r not in self.started]:
             del self._routed[rid]
         budgets, self.contexts = [], []
         for i, sampled in enumerate(sampled_token_ids):
@@ -90,12 +90,12 @@ class SuffixRequests:
             before = num_tokens - len(sampled)
             tokens, reason = commit_tokens(list(sampled), before - num_prompt, before, rules)
             self.observe(rid, len(sampled))
-            if rid not in self.live:
+            if rid not in self.started:
                 history = input_batch.token_ids_cpu[i, :before]
                 self.cache.start_request(rid, history[:num_prompt])
                 if len(history) > num_prompt:  # a preempted request returning: its output so far
                     self.cache.append(rid, history[num_prompt:])
-                self.live.add(rid)
+                self.started.add(rid)
                 self.counters["started"] += 1
                 self.event("start", rid, prompt=[int(t) for t in history[:num_prompt]],
                            output=[int(t) for t in history[num_prompt:]])

@@ -1,8 +1,6 @@
-"""The training loop shared by the drafters: packed batches of real slots, chains sampled per depth, the loss of
-each drafter, periodic evaluation of acceptance length on held-out text, resumable checkpoints.
-
-Slot j of a sequence x_0..x_{T-1} is the target's features at position j with the token x_{j+1} that followed; the
-chain element (j, d) predicts x_{j+d+2}, whose target distribution is the target's output at position j+d+1.
+"""The training loop shared by the drafters: packed batches of real slots (`batches.py`), chains sampled per depth,
+the loss of each drafter, periodic evaluation of acceptance length on held-out text (`evaluation.py`), resumable
+checkpoints.
 """
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
@@ -28,175 +26,13 @@ from hybridspec.speculators.formats import save_drafter
 from hybridspec.speculators.layers import LayerConfig
 from hybridspec.speculators.lstm import LSTMConfig
 from hybridspec.speculators.registry import drafter_kind
+from hybridspec.speculators.train.batches import Batch, chain_logits, first_slot, make_batch
 from hybridspec.speculators.train.data import FeatureStore, load_target_head
+from hybridspec.speculators.train.evaluation import evaluate_acceptance, predicted_ids, spread
 from hybridspec.speculators.train.recipe import Recipe
 
 STATE_FILE = "train_state.pt"
 
-
-@dataclass
-class Batch:
-    """Real slots of several sequences packed together (one row per slot)."""
-
-    aux: Tensor           # [N, kH] target aux hidden states
-    final: Tensor         # [N, H] target final hidden state
-    next_tokens: Tensor   # [N] the token after the slot's position
-    target_final: Tensor  # [N, H] target final hidden state one position later (its distribution is the slot's target)
-    target_top1: Tensor   # [N] the target's greedy token for the slot's target
-    loss_mask: Tensor     # [N] the slot's target token is inside the response
-    is_origin: Tensor     # [N] drafting starts here at inference (the committed token is a response token)
-    seq_id: Tensor        # [N]
-    positions: Tensor     # [N]
-    valid_depth: Tensor   # [N] deepest chain element whose target exists in the same sequence
-
-    def __len__(self) -> int:
-        return self.next_tokens.numel()
-
-
-def first_slot(span: tuple[int, int, int], max_slots: int, max_prompt_slots: int | None = None) -> int:
-    """The first slot a batch keeps of a sequence (start, end, response start): at most its last max_slots slots (the
-    response end), and at most max_prompt_slots slots before the first trained-on one (prompt context)."""
-    start, end, rs = span
-    first = max(0, end - start - 2 - max_slots)
-    return first if max_prompt_slots is None else max(first, rs - 2 - max_prompt_slots)
-
-
-def make_batch(store: FeatureStore, seq_indices: list[int], max_slots: int, max_depth: int,
-               max_prompt_slots: int | None = None) -> Batch:
-    """Pack sequences, each cut to the slots `first_slot` keeps."""
-    rows, seq_ids, positions, loss, origin, depth = [], [], [], [], [], []
-    for b, index in enumerate(seq_indices):
-        start, end, rs = store.spans[index]
-        n = end - start - 2  # slots 0..T-3: each has a target token inside the sequence
-        first = first_slot(store.spans[index], max_slots, max_prompt_slots)
-        if n - first <= 0:
-            continue
-        j = torch.arange(first, n)
-        rows.append(start + j)
-        seq_ids.append(torch.full_like(j, b))
-        positions.append(j)
-        loss.append(j + 2 >= rs)
-        origin.append(j + 1 >= rs)
-        depth.append(torch.clamp(n - 1 - j, max=max_depth - 1))
-    g = torch.cat(rows)
-    data = store.data
-    return Batch(aux=data["aux"][g].float(), final=data["final"][g].float(), next_tokens=data["tokens"][g + 1].long(),
-                 target_final=data["final"][g + 1].float(), target_top1=data["topk_ids"][g + 1, 0].long(),
-                 loss_mask=torch.cat(loss), is_origin=torch.cat(origin), seq_id=torch.cat(seq_ids),
-                 positions=torch.cat(positions), valid_depth=torch.cat(depth))
-
-
-def chain_logits(drafter: Any, batch: Batch, layout: ChainLayout) -> list[Tensor]:
-    """The drafter's logits for every chain element of `layout` (EAGLE family: aux features, LSTM: final)."""
-    inputs = batch.aux if isinstance(drafter, EagleBase) else batch.final
-    return drafter.chain_logits(inputs, batch.next_tokens, layout)
-
-
-def spread(n: int, cap: int | None) -> list[int]:
-    """Indices of at most `cap` of n sequences, evenly spaced: a store is ordered by source, so its first ones are not
-    a sample."""
-    if cap is None or cap >= n:
-        return list(range(n))
-    return [i * n // cap for i in range(cap)]
-
-
-def as_target_ids(drafter: Any, ids: Tensor) -> Tensor:
-    """Draft-vocabulary ids (EAGLE family) as target ids; the LSTM drafts over the target's vocabulary already."""
-    return drafter.draft_to_target()[ids] if isinstance(drafter, EagleBase) else ids
-
-
-def predicted_ids(drafter: Any, logits: Tensor) -> Tensor:
-    """Greedy draft tokens as target ids."""
-    return as_target_ids(drafter, logits.argmax(-1))
-
-
-def walk_acceptance(correct: Tensor, valid_depth: Tensor, is_origin: Tensor, k: int,
-                    runner_up: Tensor | None = None) -> tuple[int, int]:
-    """(tokens, steps) of greedy speculative decoding over one sequence's slots with chains of k drafts.
-
-    correct [n, max_k]: draft d of the chain from slot i equals the target's greedy token. Decoding starts at the first
-    origin; a step from slot i commits 1 + (leading correct drafts, within the text) tokens and the next step starts
-    that many slots later, exactly as online decoding with a drafter whose state is rebuilt from target features.
-    runner_up [n, max_k]: the target's token is among the drafter's runner-ups at that depth, leaves hung beside the
-    chain's token (a tree, `widen_chain`): where the chain is first wrong, one more token is accepted.
-    """
-    origins = torch.nonzero(is_origin).flatten()
-    if origins.numel() == 0:
-        return 0, 0
-    limit = torch.clamp(valid_depth + 1, max=k)
-    run = torch.cumprod(correct[:, :k].int(), dim=1).sum(1)
-    if runner_up is not None:
-        first_wrong = torch.clamp(run, max=k - 1)
-        run = run + ((run < k) & runner_up[torch.arange(run.numel()), first_wrong]).int()
-    accepted = [min(int(r), int(m)) for r, m in zip(run, limit)]
-    tokens = steps = 0
-    pos, end = int(origins[0]), correct.shape[0]
-    while pos < end:
-        step = 1 + accepted[pos]
-        tokens, steps, pos = tokens + step, steps + 1, pos + step
-    return tokens, steps
-
-
-@torch.no_grad()
-def evaluate_acceptance(drafter: Any, store: FeatureStore, ks: list[int], indices: list[int] | None = None,
-                        slots_per_batch: int = 512, tree_width: int = 1) -> dict[str, Any]:
-    """Acceptance length at each K: tokens per decoding step (1 + accepted drafts) of greedy speculative decoding
-    through the responses of the given sequences, simulated offline. tree_width > 1 adds "tree_acceptance@K": the
-    chain with tree_width - 1 runner-up tokens beside it at each depth (all of them verified).
-
-    Exact for greedy decoding: the drafter sees the target features it would see online, and teacher-forcing the real
-    tokens equals feeding its own drafts for as long as they are accepted. (Averaging the acceptance of every position
-    instead would overstate it: online, steps start at the hard positions right after a rejection.)
-    """
-    drafter.eval()
-    max_k = max(ks)
-    indices = list(range(len(store))) if indices is None else indices
-    totals = {k: [0, 0] for k in ks}
-    tree_totals = {k: [0, 0] for k in ks}
-    depth_correct, depth_count = torch.zeros(max_k), torch.zeros(max_k)
-    groups, group, size = [], [], 0
-    for index in indices:
-        start, end, _ = store.spans[index]
-        group.append(index)
-        size += end - start
-        if size >= slots_per_batch:
-            groups.append(group)
-            group, size = [], 0
-    groups += [group] if group else []
-    for group in groups:
-        # whole sequences: the walk needs every slot of a response
-        batch = make_batch(store, group, 1 << 30, max_k)
-        layout = ChainLayout(batch.seq_id, batch.positions, full_chain_origins(batch.valid_depth, max_k))
-        correct = torch.zeros(len(batch), max_k, dtype=torch.bool)
-        runner_up = torch.zeros(len(batch), max_k, dtype=torch.bool)
-        for d, (lg, origins) in enumerate(zip(chain_logits(drafter, batch, layout), layout.origins)):
-            hit = predicted_ids(drafter, lg) == batch.target_top1[origins + d]
-            correct[origins, d] = hit
-            if tree_width > 1:
-                top = as_target_ids(drafter, lg.topk(tree_width, dim=-1).indices)  # [n, width], greedy token first
-                runner_up[origins, d] = (top[:, 1:] == batch.target_top1[origins + d][:, None]).any(1)
-            counted = batch.loss_mask[origins + d]
-            depth_correct[d] += (hit & counted).sum()
-            depth_count[d] += counted.sum()
-        for s in range(len(group)):
-            rows = batch.seq_id == s
-            for k in ks:
-                tokens, steps = walk_acceptance(correct[rows], batch.valid_depth[rows], batch.is_origin[rows], k)
-                totals[k][0] += tokens
-                totals[k][1] += steps
-                if tree_width > 1:
-                    tokens, steps = walk_acceptance(correct[rows], batch.valid_depth[rows], batch.is_origin[rows], k,
-                                                    runner_up[rows])
-                    tree_totals[k][0] += tokens
-                    tree_totals[k][1] += steps
-    result: dict[str, Any] = {f"acceptance@{k}": totals[k][0] / totals[k][1] if totals[k][1] else float("nan")
-                              for k in ks}
-    if tree_width > 1:
-        result.update({f"tree_acceptance@{k}": tree_totals[k][0] / tree_totals[k][1] if tree_totals[k][1]
-                       else float("nan") for k in ks})
-    result["steps"] = {k: totals[k][1] for k in ks}
-    result["accuracy_by_depth"] = [round(float(c / max(n, 1)), 4) for c, n in zip(depth_correct, depth_count)]
-    return result
 
 def build_drafter(recipe: Recipe, meta: dict[str, Any], embed: Tensor) -> Any:
     arch, cfg = recipe.architecture, SimpleNamespace(**meta["config"])

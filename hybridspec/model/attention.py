@@ -1,0 +1,181 @@
+"""The attention of a target forward pass, for one cache's rows at a time: rotary position embedding (as one complex
+multiplication per pair of dimensions), then where each input's key and value go in the KV cache and which keys it
+sees, and the attention itself by the fastest route for the inputs at hand. A decode or verification step (a few
+queries per row, chains, trees and rows of different lengths) runs the AVX-512 kernel `hybridspec.model._attention`
+on a CPU that has it; a prompt chunk attends to the cached prefix and causally to itself by PyTorch's CPU flash
+attention, in two mask-free parts merged by their log-sum-exps; anything else (another device, no kernel) attends
+under one boolean or additive mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridspec.model.kv_cache import KVCache
+
+# PyTorch's CPU flash attention, which also returns the log-sum-exp of each query's scores (GQA without repeats).
+FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+try:  # the attention kernel of decode and verification steps on a CPU (built with the package; AVX-512 CPUs)
+    from hybridspec.model import _attention as _step_attention
+except ImportError:  # pragma: no cover - a build without it: PyTorch's attention throughout
+    _step_attention = None
+# The most step inputs per cache that attend by the kernel. It reads every key once for all of a step's queries, which
+# wins while they are few; flash attention, built for many query rows, is faster only for long prompt chunks
+# (`benchmarks/bench_attention.py` measures both by number of queries).
+STEP_KERNEL_MAX_QUERIES = 64
+
+
+def interleave_rotary_pairs(rows: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """A query or key projection's output rows (weight or bias) reordered within each head from Llama's halves
+    (x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}) to pairs (x_0, y_0, x_1, y_1, ...): RoPE then rotates each pair as one
+    complex number, one multiplication for all heads. Queries and keys are permuted alike, so their dot products,
+    and attention, are unchanged."""
+    order = torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)
+    return rows.reshape(heads, head_dim, -1)[:, order].reshape(rows.shape)
+
+
+def rotary_table(rotary_emb, like: torch.Tensor, max_seq_len: int, head_dim: int) -> torch.Tensor:
+    """[max_seq_len, head_dim / 2] complex: the rotation of every position, computed once by the model's own rotary
+    module (so any RoPE scaling it applies holds), one complex number per pair of dimensions. like: [1, 1, H], a tensor
+    of the model's dtype and device."""
+    positions = torch.arange(max_seq_len, device=like.device)[None]
+    cos, sin = (t[0].float() for t in rotary_emb(like, positions))
+    half = head_dim // 2
+    if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+        raise ValueError("rotary tables whose two halves differ are not supported")
+    return torch.complex(cos[:, :half], sin[:, :half])
+
+
+def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [..., head_dim] in pair order (see interleave_rotary_pairs); rope [..., head_dim / 2] complex."""
+    if x.dtype != torch.float32:
+        return rotate(x.float(), rope).to(x.dtype)
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rope).flatten(-2)
+
+
+def _prefix_then_causal(query: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
+                        keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Attention of a prefill chunk: over the cached prefix (no mask) and causally over the chunk itself, merged by
+    their log-sum-exps. Twice as fast on a CPU as one pass with a [q, prefix + q] mask at 4k tokens of context, where
+    the masked kernel can skip no block and reads the mask."""
+    out, lse = FLASH_CPU(query, keys, values, is_causal=True)
+    if prefix_keys.shape[2] == 0:
+        return out
+    prefix_out, prefix_lse = FLASH_CPU(query, prefix_keys, prefix_values)
+    total = torch.logaddexp(lse, prefix_lse)
+    merged = out * torch.exp(lse - total)[..., None] + prefix_out * torch.exp(prefix_lse - total)[..., None]
+    return merged.to(query.dtype)
+
+
+@dataclass
+class AttentionPlan:
+    """How one cache's rows of a forward pass attend: their slots in the cache, their mask over it."""
+
+    cache: KVCache
+    kv_len: int
+    mask: torch.Tensor | None  # [b, 1, heads per KV head * q, kv_len] (additive on a CPU); None: every input sees all
+    slots: torch.Tensor  # [b, q]: where each input's key and value go
+    start: int | None  # every row has this length: the inputs go to one slice of slots
+    causal_chunk: bool  # rows of equal length whose q inputs are consecutive: attend in two mask-free parts
+    causal_rows: int = 0  # one row: its first inputs attend as a causal chunk, the others by `mask` (theirs only)
+    # The step kernel's inputs (`hybridspec.model._attention`) where it runs instead of `mask`: per row the keys every
+    # input sees ([b] int64), which of the step's own keys each input sees ([b, q, q] uint8), a scratch for the scores
+    kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class Attention:
+    """The attention of one model's passes: `plan` a cache's rows once per pass, then `attend` in every layer.
+
+    cpu_flash: prompt chunks attend by PyTorch's CPU flash attention in mask-free parts (on a CPU that has it).
+    step_kernel: steps attend by the AVX-512 kernel (float32 on a CPU that has it, head sizes it was built for).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 max_seq_len: int):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype, self.device, self.max_seq_len = dtype, device, max_seq_len
+        self.cpu_flash = FLASH_CPU is not None and device.type == "cpu"
+        self.step_kernel = (_step_attention is not None and device.type == "cpu" and dtype == torch.float32
+                            and head_dim in (16, 32, 64, 128) and _step_attention.supported())
+
+    def plan(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, causal: bool,
+             causal_rows: int = 0) -> AttentionPlan:
+        """The attention mask and KV slots of one cache's rows in a pass (grows the cache if the inputs need it)."""
+        bsz, q = depths.shape
+        causal_rows = causal_rows if self.cpu_flash and bsz == 1 and not causal else 0
+        lengths = torch.tensor(cache.lengths, dtype=torch.long, device=self.device)
+        kv_len = max(cache.lengths) + q
+        if kv_len > self.max_seq_len:
+            raise ValueError(f"sequence length {kv_len} exceeds the model's context of {self.max_seq_len} tokens")
+        cache.reserve(kv_len)
+        slots = lengths[:, None] + torch.arange(q, device=self.device)  # [B, q]
+        same_length = all(n == cache.lengths[0] for n in cache.lengths)
+        causal_chunk = causal and same_length and self.cpu_flash
+        group = self.num_heads // self.num_kv_heads
+        if not causal_chunk and self.step_kernel and q - causal_rows <= STEP_KERNEL_MAX_QUERIES:
+            steps = q - causal_rows
+            see = tree_mask[:, causal_rows:, causal_rows:].to(torch.uint8).contiguous()
+            scores = torch.empty(group * steps * (kv_len + 16), dtype=torch.float32)
+            return AttentionPlan(cache, kv_len, None, slots, cache.lengths[0] if same_length else None, False,
+                                 causal_rows, (lengths + causal_rows, see, scores))
+        # mask[b, 0, i, j]: committed prefix of row b, then the row's own tree block at its slots.
+        mask = torch.arange(kv_len, device=self.device)[None, None, :] < lengths[:, None, None]
+        mask = mask.expand(bsz, q, kv_len).clone()
+        row_ids = torch.arange(bsz, device=self.device)[:, None, None]
+        mask[row_ids, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = tree_mask
+        folded_mask = None
+        mask = mask[:, causal_rows:]  # rows of a causal chunk need none
+        if not causal_chunk and not bool(mask.all()):
+            # Row r of a folded head is input r % q (see _attend_masked); CPU flash attention takes an additive mask.
+            folded = mask[:, None].repeat(1, 1, group, 1)
+            folded_mask = folded if not self.cpu_flash else \
+                torch.zeros(folded.shape, dtype=self.dtype, device=self.device).masked_fill_(~folded, float("-inf"))
+        return AttentionPlan(cache, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None,
+                             causal_chunk, causal_rows)
+
+    def attend(self, plan: AttentionPlan, layer_id: int, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> torch.Tensor:
+        """Write one cache's new keys and values ([b, kv_heads, q, D]) at their slots, and attend over the cache."""
+        keys, values = plan.cache.keys[layer_id], plan.cache.values[layer_id]
+        q = key.shape[2]
+        if plan.start is not None:
+            keys[:, :, plan.start:plan.start + q] = key
+            values[:, :, plan.start:plan.start + q] = value
+        else:
+            # Advanced indices split by a slice put their dims first: the target view is [B, q, kv_heads, D].
+            row_ids = torch.arange(key.shape[0], device=self.device)[:, None]
+            keys[row_ids, :, plan.slots] = key.transpose(1, 2)
+            values[row_ids, :, plan.slots] = value.transpose(1, 2)
+        start = plan.start
+        if plan.causal_chunk:
+            return _prefix_then_causal(query, keys[:, :, :start], values[:, :, :start], key, value)
+        if plan.causal_rows:  # a prompt chunk, then a draft tree that sees all of it
+            n = plan.causal_rows
+            chunk = _prefix_then_causal(query[:, :, :n], keys[:, :, :start], values[:, :, :start], key[:, :, :n],
+                                        value[:, :, :n])
+            return torch.cat([chunk, self._attend_masked(plan, keys, values, query[:, :, n:])], dim=2)
+        return self._attend_masked(plan, keys, values, query)
+
+    def _attend_masked(self, plan: AttentionPlan, keys: torch.Tensor, values: torch.Tensor,
+                       query: torch.Tensor) -> torch.Tensor:
+        """Attention of `query` [b, heads, q, D] over the cache's first kv_len slots, by plan.mask or the kernel."""
+        # The query heads that share a KV head attend as the rows of one head, so each KV head is read once per step
+        # rather than once per query head: a step's attention is bound by reading the cache, not by its arithmetic.
+        bsz, _, q, head_dim = query.shape
+        folded = query.reshape(bsz, self.num_kv_heads, self.num_heads // self.num_kv_heads * q, head_dim)
+        if plan.kernel is not None:
+            prefix, see, scores = plan.kernel
+            folded, out = folded.contiguous(), torch.empty_like(folded)
+            _step_attention.decode_attention(
+                folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scores.data_ptr(), bsz,
+                self.num_kv_heads, folded.shape[2], head_dim, q, prefix.data_ptr(), see.data_ptr(), keys.stride(0),
+                keys.stride(1), keys.stride(2), head_dim ** -0.5)
+            return out.view(bsz, self.num_heads, q, head_dim)
+        keys, values = keys[:, :, :plan.kv_len], values[:, :, :plan.kv_len]
+        if self.cpu_flash:
+            out = FLASH_CPU(folded, keys, values, attn_mask=plan.mask)[0]
+        else:
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=plan.mask)
+        return out.view(bsz, self.num_heads, q, head_dim)

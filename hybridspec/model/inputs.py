@@ -1,0 +1,77 @@
+"""What goes into a target forward pass and what comes out of it. A caller describes one cache's part of a
+verification pass as a `StepInput` (each row's last committed token, its draft chain or tree, and optionally a prompt
+chunk run first in the same row); `TargetModel` turns each into a `ForwardPart` (the [b, q] tokens with their position
+offsets and tree mask), runs all parts of a pass at once, and returns a `StepOutput` per part: the logits, and on
+request the hidden states that drafters read, including `drafter_features`, the target features at a prompt's last
+`drafter_context` positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from hybridspec.model.kv_cache import KVCache
+
+
+@dataclass
+class StepOutput:
+    """Result of one forward pass over [B, q] input tokens."""
+
+    logits: torch.Tensor  # [B, q, V] (prefill: [B, 1, V], at each row's last new token)
+    aux_hidden: torch.Tensor | None = None  # [B, q, 3H]: inputs of the aux_layer_ids layers, concatenated
+    final_hidden: torch.Tensor | None = None  # [B, q, H]: the final hidden state after the model's last norm
+    # With drafter_context=n (prefill, StepInput): per row, (aux, final) at the last min(n, new tokens) prompt positions
+    drafter_features: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def with_rows(self, other: "StepOutput", rows: torch.Tensor) -> "StepOutput":
+        """This output with the rows where `rows` [B] is True taken from `other`."""
+        def pick(mine, theirs):
+            return None if mine is None else torch.where(rows[:, None, None], theirs, mine)
+
+        return StepOutput(pick(self.logits, other.logits), pick(self.aux_hidden, other.aux_hidden),
+                          pick(self.final_hidden, other.final_hidden))
+
+
+@dataclass
+class ForwardPart:
+    """One cache's rows in a forward pass: [b, q] input tokens at slots lengths[r] + i of its rows. The parts of a pass
+    may differ in q (a prefill chunk beside decode steps): their linear layers run over all their inputs at once, packed
+    without padding, and each part attends over its own cache.
+
+    depths [b, q]: each input's position offset from its row's length (a chain: 0..q-1; a tree: node depth).
+    tree_mask [b, q, q] bool: input i attends to input j of the same row (ancestor-or-self; padding: self only).
+    causal: every row's inputs are q consecutive tokens (a prefill chunk, no padding): tree_mask is causal.
+    output_index [b, n]: outputs (logits, hidden states) at these n inputs of each row only (None: at every input;
+    n = 0: none, a prefill chunk whose outputs nobody reads).
+    features_index [m] (one row): the hidden states at these inputs too, as the output's drafter_features (a drafter's
+    prompt context, from a prompt chunk).
+    causal_rows (one row): its first causal_rows inputs are consecutive tokens (a prompt chunk before a draft tree):
+    they attend causally without a mask, the rest by tree_mask; the mask then spans the rest only.
+    """
+
+    cache: KVCache
+    tokens: torch.Tensor
+    depths: torch.Tensor
+    tree_mask: torch.Tensor
+    causal: bool = False
+    output_index: torch.Tensor | None = None
+    features_index: torch.Tensor | None = None
+    causal_rows: int = 0
+
+
+@dataclass
+class StepInput:
+    """One cache's part of a verification pass (`TargetModel.step_many`): row r gets [last_tokens[r]] + drafts[r]
+    (a tree when parents[r] is given). prompt: a one-row cache's uncached prompt tokens, run first in the same row (a
+    prefill chunk; they go into the cache); with no last token the part is that chunk alone. drafter_context: the
+    target features at the prompt's last drafter_context tokens come back as the output's drafter_features (with
+    return_hidden)."""
+
+    cache: KVCache
+    last_tokens: Sequence[int]
+    drafts: Sequence[Sequence[int]] = ()
+    parents: Sequence[Sequence[int] | None] | None = None
+    prompt: Sequence[int] = ()
+    drafter_context: int = 0

@@ -1,0 +1,205 @@
+"""The decode step: propose -> route -> verify -> update, for every call that joined it, in one pass of the target.
+
+    steps = each(calls, share)        # each call's part: prompt positions copied from running calls, or a step's wait
+    propose(steps)                    # every row's draft; a proposer drafts all the greedy rows it serves at once
+    steps = each(steps, route)        # the part of each draft worth its verification cost
+    verify(steps)                     # one pass over every row's last token + draft, and the prompt chunks
+    each(steps, update)               # commit the accepted tokens, feed the proposer, retire finished rows
+
+Greedy: a draft token is kept while it equals the target's argmax; sampling: x is kept with probability
+min(1, p_target(x) / p_draft(x)), else the target resamples from norm(max(0, p_target - p_draft)). So outputs are the
+target's own whatever was drafted: speculation only changes how many tokens one pass commits.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from hybridspec.model.inputs import StepOutput
+from hybridspec.model.target import TargetModel
+from hybridspec.proposal import Proposal, speculate_each
+from hybridspec.router import Router
+from hybridspec.runtime.call import CallState, SequenceState
+from hybridspec.runtime.commit import commit_tokens, draft_budget, stop_cut
+from hybridspec.runtime.prefill import Prefill, PromptChunk
+from hybridspec.runtime.prefix_cache import PrefixCache
+from hybridspec.verifier import VerifyResult, verify_batch
+
+
+@dataclass(eq=False)
+class CallStep:
+    """One call's part of one step, filled in phase by phase (rows as the call's `rows`)."""
+
+    call: CallState
+    chunk: PromptChunk = field(default_factory=lambda: PromptChunk([]))  # the prompt tokens it runs in this pass
+    proposals: list[Proposal] = field(default_factory=list)  # each row's draft as proposed
+    drafts: list[Proposal] = field(default_factory=list)  # ... as routed: what the pass verifies
+    out: StepOutput | None = None
+    results: list[VerifyResult] | None = None
+
+
+def each(steps: Sequence[CallStep], work: Callable[[CallStep], Any], timer: str | None = None) -> list[CallStep]:
+    """work(step) for every step whose call has not failed; the steps that go on. An exception ends its call alone
+    (its own thread raises it) and the others go on; work returning False sits the step out."""
+    going = []
+    for step in steps:
+        call = step.call
+        if call.error is not None:
+            continue
+        try:
+            with call.stats.timed(timer) if timer else contextlib.nullcontext():
+                if work(step) is False:
+                    continue
+        except Exception as e:  # noqa: BLE001 - one call's failure must not end the others'
+            call.fail(e)
+            continue
+        going.append(step)
+    return going
+
+
+class StepRunner:
+    """Runs decode steps (`__call__`) on `target` for an engine's calls: its router, prompts (`Prefill`), prefix
+    cache (where finished rows leave their KV) and text decoding (stop strings)."""
+
+    def __init__(self, target: TargetModel, router: Router, prefill: Prefill, prefix_cache: PrefixCache | None,
+                 decode: Callable[[list[int]], str]) -> None:
+        self.target, self.router, self.prefill = target, router, prefill
+        self.prefix_cache, self.decode = prefix_cache, decode
+
+    def __call__(self, calls: list[CallState]) -> None:
+        steps = each([CallStep(c) for c in calls], lambda s: self.prefill.share(s.call, calls))
+        for step in steps:
+            step.chunk = self.prefill.chunk(step.call)
+        self.propose([s for s in steps if s.chunk.decodes])
+        steps = each(steps, self.route, "propose_s")
+        if steps:
+            self.verify(steps)
+        each(steps, self.update, "update_s")
+
+    def propose(self, steps: list[CallStep]) -> None:
+        """Each row's draft: no longer than the budget, the context left, or the tokens still wanted. The greedy
+        calls of one proposer draft together (a drafter's one pass for all their rows); a sampling call alone, with
+        its own generator. A proposer's failure ends the calls it drafted for."""
+        groups: dict[Any, list[CallStep]] = {}
+        for step in steps:
+            call = step.call
+            key = (id(call.proposer), call.params.tree) if call.params.temperature == 0 else id(call)
+            groups.setdefault(key, []).append(step)
+        for group in groups.values():
+            start = time.perf_counter()
+            first = group[0].call
+            rows = [(step, i) for step in group for i in step.call.rows]
+            budgets = [draft_budget(s.call.params.num_speculative_tokens, len(s.call.seqs[i].tokens),
+                                    len(s.call.seqs[i].generated), s.call.rules) for s, i in rows]
+            asked = [r for r, budget in enumerate(budgets) if first.proposer is not None and budget > 0]
+            drafts = [Proposal.empty() for _ in rows]
+            try:
+                first.set_sampling()  # the proposer may serve other calls' sequences with other settings
+                made = speculate_each(first.proposer, [rows[r][0].call.seqs[rows[r][1]].request_id for r in asked],
+                                      [budgets[r] for r in asked], tree=first.params.tree) if asked else []
+                for r, proposal in zip(asked, made):
+                    if len(proposal) > budgets[r]:
+                        raise ValueError(f"{type(first.proposer).__name__} proposed {len(proposal)} tokens; at most "
+                                         f"{budgets[r]} were asked for")
+                    drafts[r] = proposal
+            except Exception as e:  # noqa: BLE001 - the calls of this proposer fail, not the step
+                for step in group:
+                    step.call.fail(e)
+                continue
+            for step in group:
+                step.proposals = [d for (owner, _), d in zip(rows, drafts) if owner is step]
+                step.call.stats.propose_s += time.perf_counter() - start
+
+    def route(self, step: CallStep) -> None:
+        """The part of each draft worth a verification pass (the router's cost gate)."""
+        call, proposals = step.call, step.proposals
+        if not step.chunk.decodes:
+            return
+        routed = self.router(proposals, [len(call.seqs[i].tokens) for i in call.rows])
+        if len(routed) != len(proposals):
+            raise ValueError(f"the router returned {len(routed)} proposals for {len(proposals)} sequences")
+        if call.params.temperature > 0:
+            # A sampled draft is verified as drawn: cutting it by its own tokens' probabilities would make the kept
+            # tokens no longer follow the draft distribution the rejection rule assumes, and bias the output.
+            routed = [p if p.draft_logits is not None else r for p, r in zip(proposals, routed)]
+        call.stats.proposals += sum(1 for p in proposals if len(p))
+        call.stats.skipped_proposals += sum(1 for p, r in zip(proposals, routed) if len(p) and not len(r))
+        step.drafts = routed
+
+    def verify(self, steps: list[CallStep]) -> None:
+        """One pass of the target over every call's part (`Prefill.step_input`), then each call's acceptance rule.
+        The pass's time is its calls' prefill when it ran prompt tokens of theirs, else their verification."""
+        inputs = [self.prefill.step_input(s.call, s.chunk, s.drafts) for s in steps]
+        start = time.perf_counter()
+        try:
+            outs = self.target.step_many(
+                inputs, return_hidden=any(s.call.wants_target_features for s in steps),
+                argmax_only=all(s.call.params.temperature == 0 for s in steps if s.chunk.decodes))
+        except Exception as e:  # noqa: BLE001 - the pass failed for every call in it
+            for step in steps:
+                step.call.fail(e)
+            return
+        elapsed = time.perf_counter() - start
+        for step, out in zip(steps, outs):
+            call, step.out = step.call, out
+            self.prefill.gather(call, step.chunk, out)
+            if step.chunk.tokens:
+                call.stats.prefill_s += elapsed
+            else:
+                call.stats.verify_s += elapsed
+            if step.chunk.decodes:
+                p = call.params
+                with call.stats.timed("verify_s"):
+                    step.results = verify_batch(out.logits, step.drafts, p.temperature, p.top_k, p.top_p, p.generator)
+
+    def update(self, step: CallStep) -> None:
+        """Commit each row's accepted tokens: the KV cache, the stop rules, the proposer, the statistics; then retire
+        the rows that finished."""
+        call = step.call
+        self.prefill.hand_features(call)
+        if step.results is None:  # a prompt chunk alone: nothing to commit yet
+            return
+        self.router.observe(step.drafts, [r.accepted for r in step.results])
+        finished = []
+        for row, (i, proposed, draft, result) in enumerate(zip(call.rows, step.proposals, step.drafts, step.results)):
+            seq = call.seqs[i]
+            kept_slots = [0] + [1 + a for a in result.accepted]  # the step's input slot and the accepted path
+            call.cache.commit(row, kept_slots)
+            committed = self.commit(call, seq, result.tokens(draft))
+            call.cache.truncate(row, len(seq.tokens) - 1)  # a stop inside the committed tokens drops the rest
+            call.feed_proposer(row, seq, committed, step.out, kept_slots)
+            call.stats.count_step(proposed.source or "unnamed" if len(proposed) else None, len(draft),
+                                  len(result.accepted), len(committed), proposed.drafter_ran)
+            if seq.finish_reason is not None:
+                finished.append(row)
+        self.retire(call, finished)
+        if not call.stats.first_token_s and call.stats.new_tokens:
+            call.stats.first_token_s = time.perf_counter() - call.start
+
+    def commit(self, call: CallState, seq: SequenceState, tokens: list[int]) -> list[int]:
+        """Append verified tokens up to the stop rules (`commit_tokens`) and a stop string; returns those kept."""
+        kept, reason = commit_tokens(tokens, len(seq.generated), len(seq.tokens), call.rules)
+        cut = stop_cut(self.decode, seq.generated, kept, call.params.stop)
+        if cut is not None:
+            kept, reason = kept[:cut], "stop"
+        seq.tokens += kept
+        seq.finish_reason = reason
+        return kept
+
+    def retire(self, call: CallState, finished_rows: list[int]) -> None:
+        """Finished rows leave the batch; the prefix cache keeps their KV (a one-row cache as it is, others copied
+        out)."""
+        if not finished_rows:
+            return
+        if self.prefix_cache is not None:
+            for row in finished_rows:
+                seq = call.seqs[call.rows[row]]
+                cache = call.cache if call.cache.batch_size == 1 else call.cache.row(row)
+                self.prefix_cache.store(seq.request_id, seq.tokens, cache,
+                                        id(call.proposer) if call.proposer is not None else None)
+        keep = [r for r in range(len(call.rows)) if r not in finished_rows]
+        if keep:
+            call.cache.select_rows(keep)
+        call.rows = [call.rows[r] for r in keep]
