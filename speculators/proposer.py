@@ -20,17 +20,18 @@ class _Track:
     pending_slots: int = 0  # positions in `pending`
     awaiting: tuple[list[int], Hashable | None] | None = None  # (prompt, extends) until its features come
 
-    def take_pending(self, window: int) -> tuple[TargetFeatures, list[int]] | None:
-        """The pending positions (at most the last `window` of them) as one batch, and none left pending."""
+    def take_pending(self, drafter_context: int) -> tuple[TargetFeatures, list[int]] | None:
+        """The pending positions (at most the last `drafter_context` of them) as one batch, and none left pending."""
         if not self.pending:
             return None
         features = TargetFeatures.cat([f for f, _ in self.pending])
         tokens = [int(t) for _, ts in self.pending for t in ts]
         self.pending, self.pending_slots = [], 0
-        return features[-window:], tokens[-window:]
+        return features[-drafter_context:], tokens[-drafter_context:]
 
 
-DEFAULT_WINDOW = 64  # positions a drafter reads at most: as many tokens per step as 1024 on agent calls (BENCHMARKS.md)
+# positions a drafter reads at most: as many tokens per step as 1024 on agent calls (BENCHMARKS.md)
+DEFAULT_DRAFTER_CONTEXT = 64
 
 
 class DrafterProposer:
@@ -48,8 +49,9 @@ class DrafterProposer:
 
     Lazy: start_request and append only keep the features; the drafter runs when asked to draft, over every position
     it has not seen in one pass (its catch-up), so a step that drafts from elsewhere (a hybrid's suffix draft) costs
-    it nothing. At most the last `window` positions are kept: a request that skipped more restarts the drafter from
-    them (a drafter reads positions relative to its first one), and a prompt gives it at most its last `window`.
+    it nothing. At most the last `drafter_context` positions are kept: a request that skipped more restarts the
+    drafter from them (a drafter reads positions relative to its first one), and a prompt gives it at most its last
+    `drafter_context`.
     `pending(rid)` is the catch-up the next draft will run.
 
     Late prompt features: start_request(rid, tokens, features=None) begins the request before the target has run the
@@ -64,10 +66,11 @@ class DrafterProposer:
 
     def __init__(self, drafter: Drafter, num_speculative_tokens: int | None = None, probs_fn: ProbsFn | None = None,
                  generator: torch.Generator | None = None, max_retained: int = 8, tree_width: int = 3,
-                 window: int = DEFAULT_WINDOW) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self.drafter, self.probs_fn, self.generator, self.window = drafter, probs_fn, generator, window
+                 drafter_context: int = DEFAULT_DRAFTER_CONTEXT) -> None:
+        if drafter_context < 1:
+            raise ValueError(f"drafter_context must be >= 1, got {drafter_context}")
+        self.drafter, self.probs_fn, self.generator = drafter, probs_fn, generator
+        self.drafter_context = drafter_context
         self.num_speculative_tokens = num_speculative_tokens or drafter.num_speculative_tokens
         if tree_width < 1:
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
@@ -102,7 +105,7 @@ class DrafterProposer:
             track = _Track(None, first + 1, int(tokens[first]))
         self.live[request_id] = track
         if len(features):
-            self._keep(track, features[-self.window:], list(tokens[first + 1:])[-self.window:])
+            self._keep(track, features[-self.drafter_context:], list(tokens[first + 1:])[-self.drafter_context:])
 
     def prompt_features(self, request_id: Hashable, features: TargetFeatures) -> None:
         """The features a start_request(features=None) went without (see the class docstring)."""
@@ -118,15 +121,15 @@ class DrafterProposer:
         track.pending_slots += len(tokens)
         track.length += len(tokens)
         track.last_token = int(tokens[-1])
-        if track.pending_slots > 2 * self.window:  # bound the memory of a request that never drafts
-            features, tokens = track.take_pending(self.window)
+        if track.pending_slots > 2 * self.drafter_context:  # bound the memory of a request that never drafts
+            features, tokens = track.take_pending(self.drafter_context)
             track.pending, track.pending_slots, track.state = [(features, tokens)], len(tokens), None
 
     def _catch_up(self, track: _Track) -> None:
-        """Give the drafter the positions it has not seen; more than `window` of them restart it from the last
-        `window`."""
-        restart = track.state is None or track.pending_slots > self.window
-        batch = track.take_pending(self.window)
+        """Give the drafter the positions it has not seen; more than `drafter_context` of them restart it from the last
+        `drafter_context`."""
+        restart = track.state is None or track.pending_slots > self.drafter_context
+        batch = track.take_pending(self.drafter_context)
         if batch is None:
             return
         features, tokens = batch
@@ -136,8 +139,8 @@ class DrafterProposer:
             self.drafter.accept(track.state, features, tokens)
 
     def pending(self, request_id: Hashable) -> int:
-        """Positions the request's next draft must first run through the drafter (at most `window`)."""
-        return min(self._track(request_id).pending_slots, self.window)
+        """Positions the request's next draft must first run through the drafter (at most `drafter_context`)."""
+        return min(self._track(request_id).pending_slots, self.drafter_context)
 
     def context_length(self, request_id: Hashable) -> int:
         """Tokens of the request so far."""

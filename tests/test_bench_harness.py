@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from agent_calls import AgentCall
-from harness import (IDENTICAL, METHOD, TOK_S, CallRecord, add_level, add_ratio, best, by_method, engine_record,
-                     interleave, print_table, record, reference_outputs, replay, report, rows, summarize,
+from harness import (IDENTICAL, METHOD, TOK_S, CallRecord, add_level, add_ratio, best, by_method, engine_call,
+                     engine_record, interleave, print_table, record, reference_outputs, replay, report, rows, summarize,
                      summarize_runs, target, write)
 from hybridspec.runtime.stats import GenerationStats
 
@@ -90,8 +90,17 @@ def test_summaries_of_tokens_at_concurrency_1_and_c_with_the_engine_s_counters()
     assert "wall_s" not in s and "per_call_tok_s" not in s and "prompt_token_mismatches" not in s
     concurrent = summarize(suffix, reference, concurrency=4, wall_s=0.8)
     assert concurrent["tok_s"] == 5.0 and concurrent["per_call_tok_s"] == pytest.approx(4 / 1.5, abs=1e-3)
-    text = engine_record("none", a, engine_result([1, 2, 3], 3, 0.5), 1.0, output="text")
-    assert text.output == "123" and text.new_tokens == 3
+    sent = []
+
+    def generate(ids, **options):
+        sent.append((ids, options))
+        return engine_result([1, 2], 1, 0.1)
+
+    engine = SimpleNamespace(generate=generate)
+    text = engine_call(engine, "e", "text", max_new_tokens=2, speculate="suffix")(a)
+    assert sent == [(a.prompt_token_ids, {"max_new_tokens": 2, "speculate": "suffix"})]
+    assert (text.method, text.output, text.new_tokens, text.steps, text.ttft_s) == ("e", "12", 2, 1, 0.1)
+    assert text.total_s > 0 and text.finish_reason == "length"
 
     tables = summarize_runs({"none": none, "suffix": suffix}, reference)
     assert list(tables) == ["overall", "SWE-agent"] and tables["overall"]["suffix"] == s

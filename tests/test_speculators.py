@@ -320,7 +320,7 @@ def test_a_lazy_drafter_drafts_what_an_eager_one_drafts(kind, target):
 
     drafter = make_drafter(kind, target)
     eager = DrafterProposer(drafter, num_speculative_tokens=4)
-    lazy = DrafterProposer(drafter, num_speculative_tokens=4, window=1000)
+    lazy = DrafterProposer(drafter, num_speculative_tokens=4, drafter_context=1000)
     prompt = torch.randint(3, target.config.vocab_size, (9,), generator=torch.Generator().manual_seed(5)).tolist()
     logits, feats = forward(prompt)
     sequence = prompt + [int(logits[-1].argmax())]
@@ -379,7 +379,7 @@ def test_a_drafter_that_skipped_more_than_its_window_restarts_from_the_window(ki
     begun on those positions drafts."""
     tokens, features = sequence
     drafter = make_drafter(kind, target)
-    proposer = DrafterProposer(drafter, num_speculative_tokens=3, window=6)
+    proposer = DrafterProposer(drafter, num_speculative_tokens=3, drafter_context=6)
     proposer.start_request("w", tokens[:5].tolist(), features=features[:4])
     proposer.speculate("w")
     for i in range(4, 14):  # ten positions, none drafted from

@@ -37,7 +37,7 @@ from hybridspec.runtime.scheduler import StepScheduler
 from hybridspec.runtime.session import Session
 from hybridspec.runtime.stats import GenerationResult, GenerationStats
 from hybridspec.runtime.step import StepRunner
-from hybridspec.speculators.proposer import DEFAULT_WINDOW
+from hybridspec.speculators.proposer import DEFAULT_DRAFTER_CONTEXT
 from hybridspec.speculators.registry import DRAFTER_KINDS
 
 __all__ = ["Engine", "GenerateOptions", "GenerationResult", "GenerationStats", "Session", "Stream", "DRAFTER_KINDS",
@@ -74,7 +74,7 @@ class Engine:
                  router: Router | Callable[[Sequence[Proposal], Sequence[int]], list[Proposal]] | None = None,
                  suffix_cache: Any = None, num_speculative_tokens: int = 16,
                  drafters: Mapping[str, str | os.PathLike | Any] | None = None,
-                 drafter_context: int = DEFAULT_WINDOW,
+                 drafter_context: int = DEFAULT_DRAFTER_CONTEXT,
                  drafter_bf16: bool | None = None, prefix_cache_bytes: int | None = None,
                  prefill_chunk: int = PREFILL_CHUNK):
         if prefill_chunk < 1:

@@ -15,7 +15,7 @@ from hybridspec.model.linear import fast_bf16, pack_linears
 from hybridspec.proposal import FeatureProposer, Proposer, check_proposer
 from hybridspec.router import DraftCost, HybridProposer, Router
 from hybridspec.speculators import Drafter, DrafterProposer, load_drafter
-from hybridspec.speculators.proposer import DEFAULT_WINDOW
+from hybridspec.speculators.proposer import DEFAULT_DRAFTER_CONTEXT
 from hybridspec.speculators.registry import DRAFTER_KINDS
 from hybridspec.model.target import TargetModel
 
@@ -42,7 +42,7 @@ class Proposers:
 
     def __init__(self, target: TargetModel, router: Router, num_speculative_tokens: int, suffix_cache: Any = None,
                  drafters: Mapping[str, str | os.PathLike | Any] | None = None, drafter_bf16: bool | None = None,
-                 drafter_context: int = DEFAULT_WINDOW, measure_draft_cost: bool = False):
+                 drafter_context: int = DEFAULT_DRAFTER_CONTEXT, measure_draft_cost: bool = False):
         unknown = set(drafters or ()) - set(DRAFTER_KINDS)
         if unknown:
             raise ValueError(f"drafters: unknown kind(s) {sorted(unknown)}; the kinds are {DRAFTER_KINDS}")
@@ -95,7 +95,7 @@ class Proposers:
             cost = DraftCost(machine_draft_cost(drafter.drafter, self.target)) if self.measure_draft_cost else kind
             return HybridProposer(self.suffix_cache, drafter, self.router,
                                   num_speculative_tokens=self.num_speculative_tokens, draft_cost=cost)
-        return DrafterProposer(self.load_drafter(speculate), window=self.drafter_context)
+        return DrafterProposer(self.load_drafter(speculate), drafter_context=self.drafter_context)
 
     def load_drafter(self, kind: str) -> Drafter:
         """The drafter of `kind` on the target's device, checked against the target (packed for the CPU); one that
