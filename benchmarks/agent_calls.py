@@ -24,12 +24,18 @@ DEFAULT_MAX_PROMPT_TOKENS = 8192 - 128  # SmolLM2's context less the 128 new tok
 @dataclass
 class AgentCall:
     """One logged LLM call: its trajectory ("<framework folder>/<session id>"), its index among that trajectory's
-    calls, the messages sent (role and content only) and their token ids (chat template, generation prompt added)."""
+    calls, the messages sent (role and content only) and their token ids (chat template, generation prompt added).
+    `workload` is what a benchmark's summaries break it down by: its framework unless given (a benchmark that mixes
+    workloads: "agent", and "chat" or "code" for single prompts)."""
 
     trajectory: str
     index: int
     messages: list[dict[str, str]]
     prompt_token_ids: list[int]
+    workload: str = ""
+
+    def __post_init__(self) -> None:
+        self.workload = self.workload or self.framework
 
     @property
     def framework(self) -> str:
@@ -40,6 +46,12 @@ class AgentCall:
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """The prompt's token ids as `Engine.encode(messages)` makes them: the chat template with the generation prompt."""
     return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
+def prompt_calls(workload: str, name: str, prompts: list[str], tokenizer: Any) -> list[AgentCall]:
+    """Single-turn prompts as calls of `workload`: the user message through the chat template."""
+    messages = [[{"role": "user", "content": p}] for p in prompts]
+    return [AgentCall(name, i, m, chat_token_ids(tokenizer, m), workload) for i, m in enumerate(messages)]
 
 
 def framework_dirs(traces_dir: Path) -> list[Path]:

@@ -26,13 +26,14 @@ threads sharing one fresh Engine; vLLM: a fresh worker that adds each agent's ne
 previous one finished, so up to C requests are batched in every engine step. Speed at concurrency C is the aggregate:
 all new tokens over the wall time of the replay.
 
-Figures per method (overall and per framework): tok/s = generated tokens over the summed whole-call times (prefill
-included, from the call to its last token); ttft_s = median time from the call until its first generated token is
-available (transformers: a streamer's first put after the prompt; hybridspec: the first engine step that commits a
-token; vLLM: the engine step that returns the first token); tokens/step = generated tokens per forward pass that
-produced tokens (transformers greedy 1; vLLM counts the engine steps that gave the request tokens, its prefill step
-included; hybridspec's prefill samples no token and its first step does); identical = calls whose tokens (EOS
-included) equal transformers greedy's. Outputs are compared, not asserted: vLLM's CPU kernels may round differently.
+Figures per method, overall and per framework (the summaries and JSON of harness.py): tok_s over the summed
+whole-call times (prefill included); ttft_s until the first generated token is available (transformers: a streamer's
+first put after the prompt; hybridspec: the first engine step that commits a token; vLLM: the engine step that
+returns the first token); tokens_per_step per forward pass that produced tokens (transformers greedy 1; vLLM counts
+the engine steps that gave the request tokens, its prefill step included; hybridspec's prefill samples no token and
+its first step does); identical_calls: calls whose tokens (EOS included) equal transformers greedy's, the reference;
+vs_transformers: tok_s over transformers' at concurrency 1. Outputs are compared, not asserted: vLLM's CPU kernels may
+round differently.
 
     nice -n 10 .venv/bin/python benchmarks/bench_agent_calls.py --json out/bench_agent_calls.json
     .venv/bin/python benchmarks/bench_agent_calls.py --no-vllm --trajectories 1 --calls-per-trajectory 1 \
@@ -43,15 +44,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,47 +57,25 @@ import torch
 from tqdm import tqdm
 
 from agent_calls import SMOLLM2_CONTEXT, AgentCall, load_replay
-from bench_vllm_peagle import VLLM_ENV, VLLM_PYTHON
-from common import TRACES_DIR, bar_plot, machine_info, write_json
+from common import TRACES_DIR, VLLM_PYTHON
+from harness import (IDENTICAL, METHOD, OVERALL, TOK_S, TOKENS_PER_STEP, TTFT, VLLM_REPLAY_ENV,
+                     VLLM_SPECULATIVE_CONFIGS, CallRecord, MethodFailed, add_level, add_ratio, best, by_method,
+                     engine_record, interleave, level, print_table, print_targets, ratio_column, record,
+                     reference_outputs, replay, report, rows, summarize, summarize_runs, target, warmup_call, write)
 
 TRANSFORMERS_METHODS = ("transformers", "transformers-lookup")
 # name -> (speculate, prefix_cache_bytes): None leaves the engine's default budget, 0 turns prefix caching off
 HYBRIDSPEC_METHODS: dict[str, tuple[str, int | None]] = {
     "none": ("none", None), "suffix": ("suffix", None), "suffix+peagle": ("suffix+peagle", None),
     "peagle": ("peagle", None), "suffix-no-prefix-cache": ("suffix", 0)}
-# vLLM's documented examples: n-gram K=5 over up to 4-grams; suffix decoding at its own defaults (K = tree depth 24)
-VLLM_METHODS: dict[str, dict | None] = {
-    "vllm-none": None, "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4},
-    "vllm-suffix": {"method": "suffix"}}
+VLLM_METHODS: dict[str, dict | None] = {f"vllm-{name}": config for name, config in VLLM_SPECULATIVE_CONFIGS.items()}
 ALL_METHODS = (*TRANSFORMERS_METHODS, *HYBRIDSPEC_METHODS, *VLLM_METHODS)
-BASELINE = "transformers"
+BASELINE = "transformers"  # the reference of the outputs and the peer of vs_transformers
 DEFAULT = "suffix"  # hybridspec's default: the method the targets are about
 TARGETS = {"suffix_vs_transformers": 3.0, "suffix_vs_best_vllm": 1.0}
 PROMPT_LOOKUP_NUM_TOKENS = 10  # transformers' documented example value (it has no default)
 VLLM_WORKER = Path(__file__).resolve().parent / "vllm_agent_calls_worker.py"
-# one OpenMP thread, unbound (the machine is shared); 2 GiB of KV cache (~46k tokens: four agents of calls up to 8k
-# tokens; the budget of hybridspec's prefix cache, PREFIX_CACHE_BYTES)
-VLLM_WORKER_ENV = {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                   "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
-
-
-@dataclass
-class CallRecord:
-    """One method's run of one call."""
-
-    method: str
-    trajectory: str
-    framework: str
-    index: int
-    prompt_tokens: int
-    tokens: list[int]
-    total_s: float
-    ttft_s: float | None
-    steps: int | None  # forward passes that produced tokens; None where unknown
-
-
-class MethodFailed(RuntimeError):
-    """A method that cannot run here (reported as not run, with the reason)."""
+COLUMNS = (METHOD, TOK_S, ratio_column("vs_transformers", "vs transformers"), TTFT, TOKENS_PER_STEP, IDENTICAL)
 
 
 class Runner(Protocol):
@@ -108,12 +84,6 @@ class Runner(Protocol):
     def run(self, call: AgentCall, max_new_tokens: int) -> CallRecord: ...
 
     def close(self) -> None: ...
-
-
-def record(method: str, call: AgentCall, tokens: Sequence[int], total_s: float, ttft_s: float | None,
-           steps: int | None) -> CallRecord:
-    return CallRecord(method, call.trajectory, call.framework, call.index, len(call.prompt_token_ids), list(tokens),
-                      total_s, ttft_s, steps)
 
 
 # ---------------------------------------------------------------------------------------------------- transformers
@@ -170,7 +140,7 @@ class HybridspecRunner:
         start = time.perf_counter()
         result = self.engine.generate(call.prompt_token_ids, max_new_tokens=max_new_tokens, speculate=self.speculate)
         total = time.perf_counter() - start
-        return record(self.name, call, result.token_ids, total, result.stats.first_token_s, result.stats.steps)
+        return engine_record(self.name, call, result, total)
 
     def close(self) -> None:
         pass
@@ -201,7 +171,7 @@ class VLLMWorker:
             raise MethodFailed(f"{VLLM_PYTHON} is missing (scripts/setup_vllm.sh makes it)")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([str(VLLM_PYTHON), str(VLLM_WORKER), json.dumps(config)], cwd=log_dir,
-                                     env={**os.environ, **VLLM_WORKER_ENV}, text=True, stdin=subprocess.PIPE,
+                                     env={**os.environ, **VLLM_REPLAY_ENV}, text=True, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log)
         self.ready: dict | None = None
 
@@ -235,7 +205,8 @@ class VLLMWorker:
         if result.get("threads") != self.threads:
             print(f"{self.name}: vLLM ran with {result.get('threads')} torch threads, not {self.threads}",
                   file=sys.stderr)
-        records = [record(self.name, call, r["tokens"], r["total_s"], r["ttft_s"], r["steps"])
+        records = [record(self.name, call, r["tokens"], r["total_s"], r["ttft_s"], r["steps"],
+                          finish_reason=r["finish_reason"])
                    for calls, rs in zip(trajectories, result["calls"]) for call, r in zip(calls, rs)]
         return records, result["wall_s"]
 
@@ -303,9 +274,7 @@ def start_runners(setup: Setup, methods: Sequence[str], not_run: dict[str, str])
         except MethodFailed as e:
             not_run[method] = str(e)
     runners = {m: started[m] for m in methods if m in started}  # in the order asked for
-    warmup = AgentCall("warmup", 0, [{"role": "user", "content": "Hello"}],
-                       setup.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=True,
-                                                           add_generation_prompt=True, return_dict=False))
+    warmup = warmup_call(setup.tokenizer)
     for method, runner in list(runners.items()):
         try:
             if isinstance(runner, VLLMWorker):
@@ -321,25 +290,14 @@ def start_runners(setup: Setup, methods: Sequence[str], not_run: dict[str, str])
 
 def run_sequential(setup: Setup, trajectories: list[list[AgentCall]], methods: Sequence[str], max_new_tokens: int,
                    not_run: dict[str, str]) -> list[CallRecord]:
-    """Concurrency 1: call by call, every method on a call before the next call, in a rotating order."""
+    """Concurrency 1: every method on a call before the next call, in a rotating order (`harness.interleave`)."""
     runners = start_runners(setup, methods, not_run)
-    calls = [call for calls in trajectories for call in calls]
-    records: list[CallRecord] = []
     try:
-        with tqdm(total=len(calls) * len(runners), desc="calls x methods", unit="call", disable=None) as progress:
-            for k, call in enumerate(calls):
-                names = list(runners)
-                for method in names[k % len(names):] + names[:k % len(names)]:
-                    progress.set_postfix_str(f"{call.framework} #{call.index} {method}")
-                    records.append(runners[method].run(call, max_new_tokens))
-                    progress.update(1)
-                if progress.disable:  # a log file: a line per call instead of the bar
-                    print(f"call {k + 1}/{len(calls)} done ({call.trajectory} #{call.index}, "
-                          f"{len(call.prompt_token_ids)} prompt tokens)", file=sys.stderr, flush=True)
+        return interleave({m: lambda call, runner=runner: runner.run(call, max_new_tokens)
+                           for m, runner in runners.items()}, [call for calls in trajectories for call in calls])
     finally:
         for runner in runners.values():
             runner.close()
-    return records
 
 
 def run_concurrent(setup: Setup, trajectories: list[list[AgentCall]], methods: Sequence[str], max_new_tokens: int,
@@ -357,110 +315,26 @@ def run_concurrent(setup: Setup, trajectories: list[list[AgentCall]], methods: S
             if isinstance(runner, VLLMWorker):
                 out[method] = runner.replay(trajectories, max_new_tokens, concurrency)
             else:
-                out[method] = replay_threads(runner, trajectories, max_new_tokens, concurrency, setup.args.threads)
+                out[method] = replay(lambda call: runner.run(call, max_new_tokens), trajectories, concurrency,
+                                     # OpenMP's thread count is a per-thread setting
+                                     per_thread=lambda: torch.set_num_threads(setup.args.threads))
         finally:
             runner.close()
         print(f"concurrency {concurrency}: {method} done in {out[method][1]:.0f} s", file=sys.stderr, flush=True)
     return out
 
 
-def replay_threads(runner: Runner, trajectories: list[list[AgentCall]], max_new_tokens: int, concurrency: int,
-                   threads: int) -> tuple[list[CallRecord], float]:
-    """`concurrency` threads sharing one runner, each replaying whole trajectories, one call after the other."""
-    def agent(calls: list[AgentCall]) -> list[CallRecord]:
-        torch.set_num_threads(threads)  # per thread: OpenMP's thread count is a per-thread setting
-        return [runner.run(call, max_new_tokens) for call in calls]
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        per_trajectory = list(pool.map(agent, trajectories))
-    return [r for rs in per_trajectory for r in rs], time.perf_counter() - start
-
-
 # ------------------------------------------------------------------------------------------------------ reporting
 
 
-def summarize(records: Sequence[CallRecord], reference: dict[tuple[str, int], list[int]],
-              wall_s: float | None = None) -> dict[str, Any]:
-    """tok/s, ttft, tokens/step and identical calls of one method's records; with `wall_s` (a concurrent replay) tok/s
-    is the aggregate over the wall time and per_call_tok_s the calls' own."""
-    new_tokens = sum(len(r.tokens) for r in records)
-    total_s = sum(r.total_s for r in records)
-    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
-    steps = [r.steps for r in records if r.steps is not None]
-    compared = [r for r in records if (r.trajectory, r.index) in reference]
-    summary = {
-        "tok_s": round(new_tokens / (wall_s if wall_s is not None else total_s), 3) if total_s else 0.0,
-        "ttft_s": round(statistics.median(ttfts), 4) if ttfts else None,
-        "tokens_per_step": round(new_tokens / sum(steps), 3) if steps and len(steps) == len(records) else None,
-        "identical_calls": sum(r.tokens == reference[(r.trajectory, r.index)] for r in compared),
-        "calls": len(records),
-        "compared_calls": len(compared),
-        # after the first token: how fast each method decodes, prefill and its first step left out
-        "decode_tok_s": round((new_tokens - len(ttfts)) / sum(r.total_s - r.ttft_s for r in records), 3)
-        if len(ttfts) == len(records) and sum(r.total_s - r.ttft_s for r in records) > 0 else None,
-        "new_tokens": new_tokens, "total_s": round(total_s, 3),
-        "prompt_tokens": sum(r.prompt_tokens for r in records),
-    }
-    if wall_s is not None:
-        summary.update(wall_s=round(wall_s, 3), per_call_tok_s=round(new_tokens / total_s, 3) if total_s else 0.0)
-    return summary
-
-
-def per_call(r: CallRecord, concurrency: int) -> dict[str, Any]:
-    return {k: v for k, v in asdict(r).items() if k != "tokens"} | {"new_tokens": len(r.tokens),
-                                                                    "concurrency": concurrency}
-
-
-def with_ratios(summaries: dict[str, dict]) -> dict[str, dict]:
-    base = summaries.get(BASELINE, {}).get("tok_s")
-    for summary in summaries.values():
-        summary["vs_transformers"] = round(summary["tok_s"] / base, 3) if base else None
-    return summaries
-
-
-def by_method(records: Sequence[CallRecord]) -> dict[str, list[CallRecord]]:
-    grouped: dict[str, list[CallRecord]] = {}
-    for r in records:
-        grouped.setdefault(r.method, []).append(r)
-    return {m: grouped[m] for m in sorted(grouped, key=ALL_METHODS.index)}
-
-
 def targets(methods: dict[str, dict]) -> dict[str, Any]:
-    suffix, base = methods.get(DEFAULT), methods.get(BASELINE)
-    vllm = {m: s["tok_s"] for m, s in methods.items() if m in VLLM_METHODS}
-    out: dict[str, Any] = {}
-    if suffix and base:
-        ratio = suffix["tok_s"] / base["tok_s"] if base["tok_s"] else 0.0
-        identical = suffix["identical_calls"] == suffix["calls"]
-        out["suffix_vs_transformers"] = {"ratio": round(ratio, 3), "target": TARGETS["suffix_vs_transformers"],
-                                         "identical": identical,
-                                         "pass": ratio >= TARGETS["suffix_vs_transformers"] and identical}
-    if suffix and vllm:
-        best = max(vllm, key=vllm.get)
-        ratio = suffix["tok_s"] / vllm[best] if vllm[best] else 0.0
-        out["suffix_vs_best_vllm"] = {"ratio": round(ratio, 3), "best_vllm": best,
-                                      "target": TARGETS["suffix_vs_best_vllm"],
-                                      "pass": ratio >= TARGETS["suffix_vs_best_vllm"]}
-    return out
-
-
-def print_table(title: str, summaries: dict[str, dict]) -> None:
-    print(f"\n{title}")
-    print(f"{'method':<24}{'tok/s':>9}{'vs transformers':>17}{'ttft s':>9}{'tokens/step':>13}{'identical':>11}")
-    for method, s in summaries.items():
-        ratio = f"{s['vs_transformers']:.2f}x" if s.get("vs_transformers") is not None else "-"
-        ttft = f"{s['ttft_s']:.3f}" if s["ttft_s"] is not None else "-"
-        tps = f"{s['tokens_per_step']:.2f}" if s["tokens_per_step"] is not None else "-"
-        identical = f"{s['identical_calls']}/{s['compared_calls']}" if s["compared_calls"] else "-"
-        print(f"{method:<24}{s['tok_s']:>9.2f}{ratio:>17}{ttft:>9}{tps:>13}{identical:>11}")
-
-
-def plot(path: Path, methods: dict[str, dict], concurrent: dict[str, dict[str, dict]]) -> Path | None:
-    series = {label: {m: s["tok_s"] for m, s in per_method.items()}
-              for label, per_method in [("concurrency 1", methods), *concurrent.items()]}
-    return bar_plot(path, list(methods), series, "whole-call tokens/s", "SmolLM2 on real agent calls (CPU)",
-                    rotate=True)
+    """suffix against transformers (with every output identical to its) and against vLLM's best method."""
+    vllm = best(methods, VLLM_METHODS)
+    goals = {"suffix_vs_transformers": target(methods.get(DEFAULT), methods.get(BASELINE),
+                                              TARGETS["suffix_vs_transformers"], identical=True),
+             "suffix_vs_best_vllm": target(methods.get(DEFAULT), methods.get(vllm), TARGETS["suffix_vs_best_vllm"],
+                                           best_vllm=vllm)}
+    return {name: goal for name, goal in goals.items() if goal}
 
 
 # ------------------------------------------------------------------------------------------------------------ main
@@ -517,49 +391,35 @@ def main(argv: list[str] | None = None) -> int:
         concurrent_runs = {c: run_concurrent(setup, trajectories, concurrent_methods, args.max_new_tokens, c, not_run)
                            for c in levels if c > 1}
 
-    grouped = by_method(records)
-    reference = {(r.trajectory, r.index): r.tokens for r in grouped.get(BASELINE, [])}
-    overall = with_ratios({m: summarize(rs, reference) for m, rs in grouped.items()})
-    workloads: dict[str, Any] = {"concurrency-1": {"overall": overall}}
-    for framework in dict.fromkeys(c.framework for c in calls):
-        per_framework = by_method([r for r in records if r.framework == framework])
-        workloads["concurrency-1"][framework] = with_ratios({m: summarize(rs, reference)
-                                                             for m, rs in per_framework.items()})
-    concurrent: dict[str, dict[str, dict]] = {}
+    reference = reference_outputs(records, BASELINE)
+    workloads: dict[str, dict[str, dict]] = {}
+    first = summarize_runs(by_method(records, ALL_METHODS), reference)
+    for table in first.values():
+        add_ratio(table, "vs_transformers", table.get(BASELINE))
+    add_level(workloads, 1, first)
     for c, runs in concurrent_runs.items():
-        concurrent[f"concurrency {c}"] = {m: summarize(rs, reference, wall_s) for m, (rs, wall_s) in runs.items()}
-        base = overall.get(BASELINE, {}).get("tok_s")
-        for s in concurrent[f"concurrency {c}"].values():
-            s["vs_transformers"] = round(s["tok_s"] / base, 3) if base else None  # transformers at concurrency 1
-        workloads[f"concurrency-{c}"] = {"overall": concurrent[f"concurrency {c}"]}
+        table = {m: summarize(rs, reference, c, wall_s) for m, (rs, wall_s) in runs.items()}
+        add_ratio(table, "vs_transformers", first[OVERALL].get(BASELINE))  # transformers runs at concurrency 1 only
+        add_level(workloads, c, {OVERALL: table})
 
-    for framework, summaries in workloads["concurrency-1"].items():
-        if framework != "overall":
-            print_table(f"{framework} (concurrency 1)", summaries)
-    print_table(f"overall, concurrency 1: {len(calls)} calls, {args.max_new_tokens} new tokens", overall)
-    for label, summaries in concurrent.items():
-        print_table(f"overall, {label} (tok/s: all agents' tokens over the wall time; vs transformers at "
-                    f"concurrency 1)", summaries)
-    goals = targets(overall)
-    for name, goal in goals.items():
-        print(f"target {name}: {goal['ratio']:.2f}x >= {goal['target']:.1f}x: {'ok' if goal['pass'] else 'MISS'}")
-    for method, reason in not_run.items():
-        print(f"not run: {method}: {reason.splitlines()[0] if reason else ''}")
+    for workload, table in first.items():
+        if workload != OVERALL:
+            print_table(f"{workload} (concurrency 1)", rows({workload: table}), COLUMNS)
+    if first[OVERALL]:
+        print_table(f"overall, concurrency 1: {len(calls)} calls, {args.max_new_tokens} new tokens",
+                    rows({OVERALL: first[OVERALL]}), COLUMNS)
+    for c in concurrent_runs:
+        print_table(f"overall, concurrency {c} (tok/s: all agents' tokens over the wall time; vs transformers at "
+                    f"concurrency 1)", rows({OVERALL: workloads[OVERALL][level(c)]}), COLUMNS)
+    goals = targets(first[OVERALL])
+    print_targets(goals, not_run)
 
-    result = {"methods": overall, "workloads": workloads, "targets": goals, "not_run": not_run,
-              "calls": [{"trajectory": c.trajectory, "index": c.index, "prompt_tokens": len(c.prompt_token_ids)}
-                        for c in calls],
-              "per_call": [per_call(r, 1) for r in records]
-              + [per_call(r, c) for c, runs in concurrent_runs.items() for rs, _ in runs.values() for r in rs],
-              "wall_s": round(time.perf_counter() - started, 1),
-              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "vllm": {"python": str(VLLM_PYTHON), "speculative_configs": VLLM_METHODS, "env": VLLM_WORKER_ENV},
-              "machine": machine_info()}
-    write_json(args.json, result)
-    if args.json and overall:
-        png = plot(args.json, overall, concurrent)
-        if png:
-            print(f"wrote {png}")
+    result = report(args, started, workloads=workloads, targets=goals, reference=BASELINE, outputs=reference,
+                    records={1: records, **{c: [r for rs, _ in runs.values() for r in rs]
+                                            for c, runs in concurrent_runs.items()}},
+                    not_run=not_run, vllm={"python": str(VLLM_PYTHON), "speculative_configs": VLLM_METHODS,
+                                           "env": VLLM_REPLAY_ENV})
+    write(args.json, result, "SmolLM2 on real agent calls (CPU)")
     return 0
 
 

@@ -6,10 +6,11 @@ The requests, in order: an agent call (consecutive logged calls of --trajectorie
 question (MT-Bench first turns the drafter recipe held out of training), a code prompt (HumanEval prompts the recipe
 never trained on), an agent call, ... Every method runs a request before the next one starts, the methods taking turns
 in a rotating order (load from other processes falls on all alike); each keeps its caches across requests, as a server
-would. Greedy, --max-new-tokens, one CPU thread. tok/s = generated tokens over the summed whole-call times, prefill
-included; "identical" compares every request's tokens with speculate="none".
+would. Greedy, --max-new-tokens, one CPU thread. The summaries and JSON are harness.py's, per workload (agent, chat,
+code) and overall: tok_s = generated tokens over the summed whole-call times, prefill included; vs_none = tok_s over
+speculate="none"'s; identical_calls compares every request's tokens with speculate="none"'s.
 
-Target (issue 23): the hybrid (suffix+peagle) >= 1.15x the better of suffix and peagle overall.
+Target: the hybrid (suffix+peagle) >= 1.15x the better of suffix and peagle overall.
 
     python benchmarks/bench_mixed.py --json out/bench_mixed.json
     python benchmarks/bench_mixed.py --methods none,suffix,fasteagle,suffix+fasteagle --json out/bench_mixed_fe.json
@@ -19,48 +20,37 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from agent_calls import load_replay
+from agent_calls import AgentCall, load_replay, prompt_calls
 from bench_e2e import chat_questions, code_prompts
-from common import REPO, TRACES_DIR, WORKLOADS_DIR, bar_plot, machine_info, write_json
+from common import REPO, TRACES_DIR, WORKLOADS_DIR
+from harness import (IDENTICAL, METHOD, OVERALL, TOK_S, TOKENS_PER_STEP, WORKLOAD, Column, add_level, add_ratio,
+                     by_method, engine_call, interleave, print_table, print_targets, ratio_column,
+                     reference_outputs, report, rows, summarize_runs, target, warmup_call, write)
 
 RECIPE = REPO / "speculators" / "recipes" / "peagle-smollm2.yaml"  # its held-out prompts (the heads share the data)
 HYBRID, HALVES, TARGET = "suffix+peagle", ("suffix", "peagle"), 1.15
+DRAFTER_RUNS = Column("drafter runs", 14, lambda row: str(row["engine"]["drafter_runs"]))
+COLUMNS = (WORKLOAD, METHOD, TOK_S, ratio_column("vs_none", "vs none"), TOKENS_PER_STEP, DRAFTER_RUNS, IDENTICAL)
 
 
-@dataclass
-class Request:
-    workload: str                            # "agent", "chat" or "code"
-    name: str
-    prompt: list[int] | list[dict[str, str]]  # token ids (agent calls, as logged) or messages
-
-
-def mixed_requests(agent: list[Request], chat: list[Request], code: list[Request]) -> list[Request]:
+def mixed_calls(agent: list[AgentCall], chat: list[AgentCall], code: list[AgentCall]) -> list[AgentCall]:
     """agent, chat, code, agent, chat, code, ...; what is left of the longer lists at the end."""
-    return [r for group in zip_longest(agent, chat, code) for r in group if r is not None]
+    return [c for group in zip_longest(agent, chat, code) for c in group if c is not None]
 
 
-def summarize(runs: list[dict[str, Any]], reference: dict[str, list[int]]) -> dict[str, Any]:
-    tokens = sum(len(r["tokens"]) for r in runs)
-    seconds = sum(r["total_s"] for r in runs)
-    steps = sum(r["steps"] for r in runs)
-    return {"tok_s": round(tokens / seconds, 3) if seconds else 0.0, "requests": len(runs), "new_tokens": tokens,
-            "total_s": round(seconds, 3), "tokens_per_step": round(tokens / steps, 3) if steps else None,
-            "identical": sum(r["tokens"] == reference[r["name"]] for r in runs),
-            "drafter_runs": sum(r["drafter_runs"] for r in runs)}
-
-
-def plot(path: Path, table: dict[str, dict[str, dict]], methods: list[str]) -> Path | None:
-    series = {m: {w: per_method[m]["tok_s"] for w, per_method in table.items()} for m in methods}
-    return bar_plot(path, list(table), series, "whole-call tokens/s",
-                    "SmolLM2 on CPU, greedy: tokens/s by workload and method")
+def targets(overall: dict[str, dict]) -> dict[str, Any]:
+    """The hybrid against the better of its halves, over every request; none unless all three ran."""
+    if HYBRID not in overall or not all(h in overall for h in HALVES):
+        return {}
+    better = max(HALVES, key=lambda h: overall[h]["tok_s"])
+    return {"hybrid_vs_better_half": target(overall[HYBRID], overall[better], TARGET, better_half=better)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     from hybridspec import Engine
-    from hybridspec.runtime.engine import SPECULATE_CHOICES
     from hybridspec.model.target import TargetModel
+    from hybridspec.runtime.engine import SPECULATE_CHOICES
 
     methods = ["none"] + [m for m in dict.fromkeys(args.methods.split(",")) if m and m != "none"]
     bad = [m for m in methods if m not in SPECULATE_CHOICES]
@@ -90,63 +80,36 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model_dir, tokenizer, trajectories = load_replay(args.model, args.trajectories, args.calls_per_trajectory,
                                                      args.max_new_tokens, args.traces, f"methods: {', '.join(methods)}")
-    agent = [Request("agent", f"{c.trajectory}#{c.index}", c.prompt_token_ids) for calls in trajectories
-             for c in calls]
-    chat = [Request("chat", f"mt_bench#{i}", [{"role": "user", "content": q}])
-            for i, q in enumerate(chat_questions(WORKLOADS_DIR / "mt_bench_questions.jsonl", args.chat,
-                                                 args.heldout_recipe))]
-    code = [Request("code", f"humaneval#{i}", [{"role": "user", "content": p}])
-            for i, p in enumerate(code_prompts(WORKLOADS_DIR / "HumanEval.jsonl.gz", args.code, args.heldout_recipe))]
-    requests = mixed_requests(agent, chat, code)
+    agent = [replace(c, workload="agent") for calls in trajectories for c in calls]
+    chat = prompt_calls("chat", "mt_bench", chat_questions(WORKLOADS_DIR / "mt_bench_questions.jsonl", args.chat,
+                                                           args.heldout_recipe), tokenizer)
+    code = prompt_calls("code", "humaneval", code_prompts(WORKLOADS_DIR / "HumanEval.jsonl.gz", args.code,
+                                                          args.heldout_recipe), tokenizer)
+    calls = mixed_calls(agent, chat, code)
 
-    target = TargetModel.from_pretrained(model_dir)
-    engines = {m: Engine(target, tokenizer) for m in methods}
+    target_model = TargetModel.from_pretrained(model_dir)
+    engines = {m: Engine(target_model, tokenizer) for m in methods}
+    warmup = warmup_call(tokenizer)
     for method, engine in engines.items():  # untimed: load the drafters, warm the kernels
-        engine.generate([{"role": "user", "content": "Hello"}], max_new_tokens=4, speculate=method)
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
-    started = time.perf_counter()
-    with tqdm(total=len(requests) * len(methods), desc="requests x methods", unit="call", disable=None) as progress:
-        for k, request in enumerate(requests):
-            for method in methods[k % len(methods):] + methods[:k % len(methods)]:
-                begin = time.perf_counter()
-                result = engines[method].generate(request.prompt, max_new_tokens=args.max_new_tokens,
-                                                  speculate=method)
-                runs[method].append({"workload": request.workload, "name": request.name,
-                                     "tokens": result.token_ids, "total_s": time.perf_counter() - begin,
-                                     "steps": result.stats.steps, "drafter_runs": result.stats.drafter_runs})
-                progress.update(1)
-    reference = {r["name"]: r["tokens"] for r in runs["none"]}
-    table: dict[str, dict[str, dict]] = {}
-    for workload in ("agent", "chat", "code", "mixed"):
-        table[workload] = {m: summarize([r for r in rs if workload in ("mixed", r["workload"])], reference)
-                           for m, rs in runs.items()}
-        base = table[workload]["none"]["tok_s"]
-        for s in table[workload].values():
-            s["vs_none"] = round(s["tok_s"] / base, 3) if base else None
+        engine.generate(warmup.prompt_token_ids, max_new_tokens=4, speculate=method)
 
-    print(f"\n{len(requests)} requests ({len(agent)} agent calls, {len(chat)} chat, {len(code)} code), "
-          f"{args.max_new_tokens} new tokens, greedy")
-    print(f"{'workload':<9}{'method':<20}{'tok/s':>8}{'vs none':>9}{'tokens/step':>13}{'drafter runs':>14}"
-          f"{'identical':>11}")
-    for workload, per_method in table.items():
-        for method, s in per_method.items():
-            print(f"{workload:<9}{method:<20}{s['tok_s']:>8.2f}{s['vs_none']:>8.2f}x"
-                  f"{s['tokens_per_step'] or 0:>13.2f}{s['drafter_runs']:>14}{s['identical']:>6}/{s['requests']}")
-    goal = None
-    if HYBRID in table["mixed"] and all(h in table["mixed"] for h in HALVES):
-        better = max(HALVES, key=lambda h: table["mixed"][h]["tok_s"])
-        ratio = table["mixed"][HYBRID]["tok_s"] / table["mixed"][better]["tok_s"]
-        goal = {"ratio": round(ratio, 3), "better_half": better, "target": TARGET, "pass": ratio >= TARGET}
-        print(f"target: {HYBRID} / {better} = {ratio:.2f}x >= {TARGET}x: {'ok' if goal['pass'] else 'MISS'}")
-    result = {"workloads": table, "target": goal, "requests": [(r.workload, r.name) for r in requests],
-              "wall_s": round(time.perf_counter() - started, 1),
-              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "machine": machine_info()}
-    write_json(args.json, result)
-    if args.json:
-        png = plot(args.json, table, methods)
-        if png:
-            print(f"wrote {png}")
+    started = time.perf_counter()
+    records = interleave({m: engine_call(e, m, max_new_tokens=args.max_new_tokens, speculate=m)
+                          for m, e in engines.items()}, calls, desc="requests x methods")
+    reference = reference_outputs(records, "none")
+    tables = summarize_runs(by_method(records, methods), reference)
+    for table in tables.values():
+        add_ratio(table, "vs_none", table.get("none"))
+    workloads: dict[str, dict[str, dict]] = {}
+    add_level(workloads, 1, tables)
+
+    print_table(f"{len(calls)} requests ({len(agent)} agent calls, {len(chat)} chat, {len(code)} code), "
+                f"{args.max_new_tokens} new tokens, greedy", rows(tables), COLUMNS)
+    goals = targets(tables[OVERALL])
+    print_targets(goals)
+    result = report(args, started, workloads=workloads, targets=goals, reference="none", outputs=reference,
+                    records={1: records})
+    write(args.json, result, "SmolLM2 on CPU, greedy: tokens/s by workload and method", by_workload=True)
     return 0
 
 

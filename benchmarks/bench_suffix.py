@@ -240,7 +240,7 @@ def best_of(runs) -> dict[str, float]:
 # ---------------------------------------------------------------- report
 
 def target_rows(results: dict) -> list[tuple[str, str, str]]:
-    """(target, measured, PASS/FAIL/n/a) for issue 2's targets, as ratios against the peer in the same run."""
+    """(target, measured, PASS/FAIL/n/a) for the suffix tree's targets, as ratios against the peer in the same run."""
     rows = []
 
     def ratio_row(what: str, workload: str, key: str, other: str, limit: float, higher_is_better: bool) -> None:
@@ -280,7 +280,7 @@ def print_report(results: dict, notes: list[str]) -> None:
     print()
     rows = target_rows(results)
     width = max(len(r[0]) for r in rows)
-    print("targets (issue 2)")
+    print("targets (against the peer, same run)")
     for what, measured, verdict in rows:
         print(f"  {what:<{width}}  {measured:<32} {verdict}")
     for note in notes:

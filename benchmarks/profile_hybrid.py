@@ -1,5 +1,5 @@
 """Where a decode step's time goes in the engine: the suffix + drafter hybrid against the suffix cache alone, on real
-agent calls (issue 23's profile for the targets it misses).
+agent calls.
 
 Each method runs on its own Engine (one target model, the machine's cost tables), the calls interleaved method by
 method, greedy, prefix caching on. From the engines' cumulative `GenerationStats`: decode steps, tokens per step, and
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 outputs[method].append(result.token_ids)
     rows = {m: profile(e.stats) for m, e in engines.items()}
     base = methods[0]
-    identical = {m: sum(a == b for a, b in zip(outputs[m], outputs[base])) for m in methods}
+    identical_calls = {m: sum(a == b for a, b in zip(outputs[m], outputs[base])) for m in methods}
     print(f"{'method':<18}{'decode tok/s':>13}{'tok/step':>9}{'propose':>9}{'verify':>8}{'update':>8}"
           f"{'draft tok':>10}{'drafter':>8}  (ms and counts per step)")
     for m, r in rows.items():
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     for m, r in rows.items():
         won = ", ".join(f"{name} {s['won']} steps ({s['accepted_tokens']} accepted)" for name, s in
                         r["by_source"].items())
-        print(f"{m}: {won}; {identical[m]}/{len(outputs[m])} outputs identical to {base}'s")
+        print(f"{m}: {won}; {identical_calls[m]}/{len(outputs[m])} outputs identical to {base}'s")
     split = {}
     b = rows[base]
     for m in methods[1:]:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m} against {base}, decode ms per token: {split[m]['decode_ms_per_token']:+.2f} = proposing "
               f"{per_token['propose']:+.2f} (its drafter) + verifying {per_token['verify']:+.2f} (longer drafts, "
               f"fewer steps) + updating {per_token['update']:+.2f}")
-    write_json(args.json, {"methods": rows, "difference": split, "identical": identical,
+    write_json(args.json, {"methods": rows, "difference": split, "identical_calls": identical_calls,
                            "calls": sum(len(c) for c in trajectories),
                            "wall_s": round(time.perf_counter() - started, 1),
                            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

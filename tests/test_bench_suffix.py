@@ -19,7 +19,7 @@ def test_quick_run_writes_the_documented_json(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--repeat", "1", "--proposers", "ngram",
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "targets (issue 2)" in proc.stdout
+    assert "targets (against the peer, same run)" in proc.stdout
     data = json.loads(out.read_text())
     assert set(data) == {"workloads", "settings", "machine"}
     assert set(data["workloads"]) == {"agent", "random"}
