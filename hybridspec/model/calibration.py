@@ -89,7 +89,8 @@ def machine_verify_cost(target: TargetModel, *, contexts: Sequence[int] = AUTO_C
     return {"by_context": tables}
 
 
-DRAFT_COST_POSITIONS = (1, 16, 64)  # positions a lazy drafter catches up before it drafts (64: the default window)
+# positions a lazy drafter catches up before it drafts (64: the default drafter_context)
+DRAFT_COST_POSITIONS = (1, 16, 64)
 
 
 def measure_draft_cost(drafter: Any, feature_width: int, hidden_size: int, vocab_size: int,

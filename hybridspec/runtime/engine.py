@@ -58,7 +58,7 @@ class Engine:
     (the built-in tables of `hybridspec.router.cost`), or a table / the JSON path of one (`CostGate`).
     drafters, drafter_bf16: see `hybridspec.runtime.proposers.Proposers`. A drafter reads the target's hidden states
     at the last `drafter_context` positions of a prompt, then at every committed token, lazily (when it drafts) and
-    never more than that many positions (`DrafterProposer`'s window). router: a `Router` (default: the `CostGate`
+    never more than that many positions (`DrafterProposer`'s own bound). router: a `Router` (default: the `CostGate`
     over `verify_cost`), or a plain function (proposals, contexts) -> proposals. prefix_cache_bytes: the budget of
     automatic prefix caching (`hybridspec.runtime.prefix_cache`): the KV of recent requests, reused by any later call
     whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off).

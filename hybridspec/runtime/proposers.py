@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 from importlib import resources
+from importlib.abc import Traversable
 from typing import Any, Mapping
 
 import torch
@@ -12,18 +13,18 @@ import torch
 from hybridspec.errors import InvalidParameter, InvalidParameterType
 from hybridspec.model.calibration import machine_draft_cost
 from hybridspec.model.linear import fast_bf16, pack_linears
+from hybridspec.model.target import TargetModel
 from hybridspec.proposal import FeatureProposer, Proposer, check_proposer
 from hybridspec.router import DraftCost, HybridProposer, Router
 from hybridspec.speculators import Drafter, DrafterProposer, load_drafter
 from hybridspec.speculators.proposer import DEFAULT_DRAFTER_CONTEXT
 from hybridspec.speculators.registry import DRAFTER_KINDS
-from hybridspec.model.target import TargetModel
 
 HYBRID_KINDS = tuple(f"suffix+{kind}" for kind in DRAFTER_KINDS)
 SPECULATE_CHOICES = ("suffix", "ngram", *DRAFTER_KINDS, *HYBRID_KINDS, "none")
 
 
-def shipped_checkpoint(kind: str) -> os.PathLike:
+def shipped_checkpoint(kind: str) -> Traversable:
     """The head of `kind` shipped for SmolLM2-135M-Instruct, as package data of `hybridspec.speculators`: found the same
     in a checkout, an editable install and an installed wheel."""
     return resources.files("hybridspec.speculators") / "checkpoints" / f"{kind}-smollm2"
@@ -34,7 +35,7 @@ class Proposers:
 
     drafters: checkpoint directories (or `Drafter` modules) by drafter kind; by default the heads shipped for
     SmolLM2-135M-Instruct. drafter_bf16: run drafters' matrix products in bfloat16 on the CPU (default: where the CPU
-    does bfloat16 natively). drafter_context: the positions a drafter reads at most (`DrafterProposer`'s window). A
+    does bfloat16 natively). drafter_context: the positions a drafter reads at most (`DrafterProposer`'s). A
     hybrid runs its drafter where the router's rates say it pays, and picks between the two drafts by the router's
     calibrated `expected_tokens`; what a draft costs is this machine's (`calibration.machine_draft_cost`) with
     measure_draft_cost, else the built-in table of its kind (`router.cost.DEFAULT_DRAFT_MS`).
