@@ -1,6 +1,6 @@
 """The decode step: propose -> route -> verify -> update, for every call that joined it, in one pass of the target.
 
-    steps = each(calls, share)        # each call's part: prompt positions copied from running calls, or a step's wait
+    steps = plan(calls)               # each call's part: its prompt chunk (positions shared by running calls copied)
     propose(steps)                    # every row's draft; a proposer drafts all the greedy rows it serves at once
     steps = each(steps, route)        # the part of each draft worth its verification cost
     verify(steps)                     # one pass over every row's last token + draft, and the prompt chunks
@@ -69,14 +69,20 @@ class StepRunner:
         self.prefix_cache, self.decode = prefix_cache, decode
 
     def __call__(self, calls: list[CallState]) -> None:
+        steps = self.plan(calls)
+        self.propose([s for s in steps if s.chunk.decodes])
+        steps = each(steps, self.route, "propose_s")
+        self.verify(steps)
+        each(steps, self.update, "update_s")
+
+    def plan(self, calls: list[CallState]) -> list[CallStep]:
+        """Each call's part of the step: first every call copies what running calls computed of its pending prompt
+        (a call waits a step while one begun earlier runs those positions in this very pass), then takes the prompt
+        chunk it runs in this pass."""
         steps = each([CallStep(c) for c in calls], lambda s: self.prefill.share(s.call, calls))
         for step in steps:
             step.chunk = self.prefill.chunk(step.call)
-        self.propose([s for s in steps if s.chunk.decodes])
-        steps = each(steps, self.route, "propose_s")
-        if steps:
-            self.verify(steps)
-        each(steps, self.update, "update_s")
+        return steps
 
     def propose(self, steps: list[CallStep]) -> None:
         """Each row's draft: no longer than the budget, the context left, or the tokens still wanted. The greedy
@@ -131,6 +137,8 @@ class StepRunner:
     def verify(self, steps: list[CallStep]) -> None:
         """One pass of the target over every call's part (`Prefill.step_input`), then each call's acceptance rule.
         The pass's time is its calls' prefill when it ran prompt tokens of theirs, else their verification."""
+        if not steps:
+            return
         inputs = [self.prefill.step_input(s.call, s.chunk, s.drafts) for s in steps]
         start = time.perf_counter()
         try:
