@@ -105,6 +105,18 @@ def test_tree_verify_and_compaction_match_reference(target, tiny_model, seed):
                                atol=ATOL, rtol=0)
 
 
+def test_batched_prefill_where_a_row_ends_beyond_a_later_chunks_width(target, tiny_model):
+    """Rows of 40 and 25 tokens in chunks of 16: the short row ends at position 8 of the second chunk, past the width
+    (8) of the last chunk, where it has no tokens; each row's logits are still its last token's."""
+    rng = random.Random(3)
+    seqs = [[rng.randrange(128) for _ in range(n)] for n in (40, 25)]
+    cache = target.new_cache(2, capacity=48)
+    out = target.prefill(cache, seqs, chunk_size=16)
+    assert cache.lengths == [40, 25]
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(out.logits[row, 0], reference_logits(tiny_model, seq)[-1], atol=ATOL, rtol=0)
+
+
 def test_batch_rows_with_own_lengths_drafts_and_trees(target, tiny_model):
     rng = random.Random(7)
     seqs = [[rng.randrange(128) for _ in range(n)] for n in (3, 17, 9)]
