@@ -14,7 +14,7 @@ typical verification) and propose K. Median milliseconds per step. On CPU the li
 the engine runs them (hybridspec.model.linear.pack_linears), multiplying in bfloat16 where the CPU does so natively
 (--cpu-matmul float32 to compare).
 Acceptance: each checkpoint in speculators/checkpoints/ on the held-out split of its recipe's feature cache (never
-trained on), greedy, offline (see hybridspec.speculators.train.trainer.evaluate_acceptance), for chains and for the
+trained on), greedy, offline (see hybridspec.speculators.train.evaluation.evaluate_acceptance), for chains and for the
 engine's default trees (every node verified); chat = MT-Bench and HumanEval prompts, agent = user turns of the dev
 agent traces, self-instruct = requests the target wrote itself. Needs `hybridspec train RECIPE --data-only` to have
 run.
@@ -34,7 +34,7 @@ from hybridspec.speculators.formats import read_config
 from hybridspec.speculators.registry import drafter_kind
 from hybridspec.speculators.train import FeatureStore, load_recipe
 from hybridspec.speculators.train.data import load_target_head
-from hybridspec.speculators.train.trainer import evaluate_acceptance
+from hybridspec.speculators.train.evaluation import evaluate_acceptance
 from hybridspec.model.linear import fast_bf16, pack_linears
 
 RECIPES = {"fasteagle": "fasteagle-smollm2", "peagle": "peagle-smollm2", "eagle3": "eagle3-smollm2",

@@ -93,7 +93,7 @@ def chat_questions(path: Path, count: int, heldout_recipe: Path | None = None) -
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if heldout_recipe is not None:
         from hybridspec.speculators.train import load_recipe
-        from hybridspec.speculators.train.data import load_items
+        from hybridspec.speculators.train.text import load_items
 
         heldout = {item.prompt for item in load_items(load_recipe(heldout_recipe), skip_ungenerated=True)["heldout"]}
         rows = [row for row in rows if row["turns"][0] in heldout]
@@ -113,7 +113,7 @@ def code_prompts(path: Path, count: int, heldout_recipe: Path | None = None) -> 
         prompts = [HUMANEVAL_PROMPT.format(json.loads(line)["prompt"]) for line in f if line.strip()]
     if heldout_recipe is not None:
         from hybridspec.speculators.train import load_recipe
-        from hybridspec.speculators.train.data import load_items
+        from hybridspec.speculators.train.text import load_items
 
         trained = {item.prompt for item in load_items(load_recipe(heldout_recipe), skip_ungenerated=True)["train"]}
         prompts = [p for p in prompts if p not in trained]

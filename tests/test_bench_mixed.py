@@ -23,7 +23,7 @@ def test_requests_take_turns_by_workload_and_the_longer_lists_finish_last():
 
 def test_code_prompts_are_those_the_recipe_never_trained_on():
     from hybridspec.speculators.train import load_recipe
-    from hybridspec.speculators.train.data import load_items
+    from hybridspec.speculators.train.text import load_items
 
     everything = code_prompts(WORKLOADS_DIR / "HumanEval.jsonl.gz", 1000)
     assert len(everything) == 164 and everything[0].startswith(HUMANEVAL_PROMPT.split("{")[0])

@@ -80,7 +80,6 @@ class Engine:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target, self.tokenizer = target, tokenizer
-        self.prefill_chunk = prefill_chunk
         measured = router is None and verify_cost == "auto"  # this machine's costs: verification's and drafters'
         if router is None:
             router = CostGate(machine_verify_cost(target) if measured else verify_cost)
@@ -88,7 +87,6 @@ class Engine:
         self.num_speculative_tokens = num_speculative_tokens
         self.proposers = Proposers(target, self.router, num_speculative_tokens, suffix_cache, drafters, drafter_bf16,
                                    drafter_context, measure_draft_cost=measured)
-        self.drafter_context = drafter_context
         self.eos_token_ids = self._eos_ids()
         self.stats = GenerationStats()  # cumulative over every call
         budget = PREFIX_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes

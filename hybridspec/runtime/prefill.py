@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridspec.model.inputs import StepInput, StepOutput
+from hybridspec.model.inputs import StepOutput
 from hybridspec.model.target import TargetModel
 from hybridspec.runtime.call import CallState
 from hybridspec.runtime.prefix_cache import PrefixCache, cache_for_prompts, common_prefix
@@ -45,11 +45,11 @@ class Prefill:
         self.target, self.prefix_cache, self.running = target, prefix_cache, running
         self.prefill_chunk, self.drafter_context, self.defer = prefill_chunk, drafter_context, defer
 
-    def begin(self, call: CallState, headroom: int = KV_HEADROOM_TOKENS) -> list[TargetFeatures | None]:
+    def begin(self, call: CallState) -> list[TargetFeatures | None]:
         """Take a cache holding each prompt's longest cached prefix, then run the rest now or leave it pending.
         Returns the target's features at each prompt's last positions when the proposer reads them now (None: it
         gets them later, `hand_features`, or reads none)."""
-        need = min(max(len(s.tokens) for s in call.seqs) + call.params.max_new_tokens + headroom,
+        need = min(max(len(s.tokens) for s in call.seqs) + call.params.max_new_tokens + KV_HEADROOM_TOKENS,
                    self.target.max_seq_len)
         context = self.drafter_context if call.wants_target_features else 0
         call.cache, extends = cache_for_prompts(
@@ -99,14 +99,6 @@ class Prefill:
             chunk.features = max(0, len(chunk.tokens) - max(0, len(pending) - call.drafter_context))
         call.pending_prompt = pending[len(chunk.tokens):] or None
         return chunk
-
-    def step_input(self, call: CallState, chunk: PromptChunk, drafts: list | None) -> StepInput:
-        """The call's part of the step's pass: its prompt chunk, then (when it decodes) each row's last token and
-        draft."""
-        if not chunk.decodes:
-            return StepInput(call.cache, [], prompt=chunk.tokens, drafter_context=chunk.features)
-        return StepInput(call.cache, [call.seqs[i].tokens[-1] for i in call.rows], [d.token_ids for d in drafts],
-                         [d.parents for d in drafts], prompt=chunk.tokens, drafter_context=chunk.features)
 
     @staticmethod
     def gather(call: CallState, chunk: PromptChunk, out: StepOutput) -> None:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from hybridspec.model.inputs import StepOutput
+from hybridspec.model.inputs import StepInput, StepOutput
 from hybridspec.model.target import TargetModel
 from hybridspec.proposal import Proposal, speculate_each
 from hybridspec.router import Router
@@ -57,6 +57,15 @@ def each(steps: Sequence[CallStep], work: Callable[[CallStep], Any], timer: str 
             continue
         going.append(step)
     return going
+
+
+def step_input(step: CallStep) -> StepInput:
+    """A call's part of the step's pass: its prompt chunk, then (when it decodes) each row's last token and draft."""
+    call, chunk = step.call, step.chunk
+    if not chunk.decodes:
+        return StepInput(call.cache, [], prompt=chunk.tokens, drafter_context=chunk.features)
+    return StepInput(call.cache, [call.seqs[i].tokens[-1] for i in call.rows], [d.token_ids for d in step.drafts],
+                     [d.parents for d in step.drafts], prompt=chunk.tokens, drafter_context=chunk.features)
 
 
 class StepRunner:
@@ -135,11 +144,11 @@ class StepRunner:
         step.drafts = routed
 
     def verify(self, steps: list[CallStep]) -> None:
-        """One pass of the target over every call's part (`Prefill.step_input`), then each call's acceptance rule.
+        """One pass of the target over every call's part (`step_input`), then each call's acceptance rule.
         The pass's time is its calls' prefill when it ran prompt tokens of theirs, else their verification."""
         if not steps:
             return
-        inputs = [self.prefill.step_input(s.call, s.chunk, s.drafts) for s in steps]
+        inputs = [step_input(s) for s in steps]
         start = time.perf_counter()
         try:
             outs = self.target.step_many(
