@@ -8,6 +8,7 @@ from typing import Callable, Hashable, Iterator
 
 import torch
 
+from hybridspec.grammar.constraint import Constraint
 from hybridspec.runtime.commit import StopRules, cut_at_stop
 from hybridspec.model.kv_cache import KVCache
 from hybridspec.runtime.options import CallParams
@@ -47,6 +48,7 @@ class CallState:
     # the prompt's last positions whose target features the proposer reads, while the prompt runs in steps
     drafter_context: int | None = None
     drafter_features: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # gathered so far
+    constraints: list[Constraint] | None = None  # each sequence's grammar state, where a grammar constrains it
     error: Exception | None = None  # what ended the call in a step another thread ran
     start: float = field(default_factory=time.perf_counter)
 
@@ -83,8 +85,14 @@ class CallState:
         return cut_at_stop(text, self.params.stop) if seq.finish_reason == "stop" else text
 
     def results(self, decode: Callable[[list[int]], str]) -> list[GenerationResult]:
-        return [GenerationResult(text=self.text(s, decode), token_ids=s.generated, finish_reason=s.finish_reason,
-                                 prompt_token_ids=s.tokens[:s.prompt_len], stats=self.stats) for s in self.seqs]
+        results = [GenerationResult(text=self.text(s, decode), token_ids=s.generated, finish_reason=s.finish_reason,
+                                    prompt_token_ids=s.tokens[:s.prompt_len], stats=self.stats) for s in self.seqs]
+        if self.params.tools:  # the call could call its tools: its text's calls, parsed
+            from hybridspec.grammar.tool_calls import parse_tool_calls
+
+            for result in results:
+                result.content, result.tool_calls = parse_tool_calls(result.text)
+        return results
 
 
 class Stream:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from hybridspec.grammar.constraint import GrammarCompiler
 from hybridspec.model.calibration import machine_verify_cost
 from hybridspec.model.target import TargetModel
 from hybridspec.proposal import FeatureProposer, Proposal, Proposer
@@ -31,7 +32,7 @@ from hybridspec.runtime.commit import StopRules
 from hybridspec.runtime.options import DEFAULTS, GenerateOptions, resolve_options
 from hybridspec.runtime.prefill import Prefill
 from hybridspec.runtime.prefix_cache import PREFIX_CACHE_BYTES, PrefixCache
-from hybridspec.runtime.prompts import PromptLike, encode_prompt, is_batch
+from hybridspec.runtime.prompts import PromptLike, encode_prompt, is_batch, is_messages
 from hybridspec.runtime.proposers import SPECULATE_CHOICES, Proposers
 from hybridspec.runtime.scheduler import StepScheduler
 from hybridspec.runtime.session import Session
@@ -61,7 +62,8 @@ class Engine:
     never more than that many positions (`DrafterProposer`'s own bound). router: a `Router` (default: the `CostGate`
     over `verify_cost`), or a plain function (proposals, contexts) -> proposals. prefix_cache_bytes: the budget of
     automatic prefix caching (`hybridspec.runtime.prefix_cache`): the KV of recent requests, reused by any later call
-    whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off).
+    whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off). chat_template: a Jinja chat
+    template (its text) that renders chat prompts instead of the tokenizer's own.
 
     One Engine may serve several threads (`hybridspec.runtime.scheduler`): each call's decode steps join those of the
     calls decoding then, and one pass of the target verifies every sequence's draft. A single prompt's uncached
@@ -76,7 +78,7 @@ class Engine:
                  drafters: Mapping[str, str | os.PathLike | Any] | None = None,
                  drafter_context: int = DEFAULT_DRAFTER_CONTEXT,
                  drafter_bf16: bool | None = None, prefix_cache_bytes: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, chat_template: str | None = None):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target, self.tokenizer = target, tokenizer
@@ -88,6 +90,8 @@ class Engine:
         self.proposers = Proposers(target, self.router, num_speculative_tokens, suffix_cache, drafters, drafter_bf16,
                                    drafter_context, measure_draft_cost=measured)
         self.eos_token_ids = self._eos_ids()
+        self.chat_template = chat_template
+        self.grammars = GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids)
         self.stats = GenerationStats()  # cumulative over every call
         budget = PREFIX_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
         self.prefix_cache: PrefixCache | None = PrefixCache(budget) if budget > 0 else None
@@ -127,9 +131,13 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ public API
 
-    def encode(self, prompt: PromptLike) -> list[int]:
-        """Token ids of a prompt: text as is, chat messages through the tokenizer's chat template, or token ids."""
-        return encode_prompt(self.tokenizer, prompt, self.target.vocab_size, self.target.max_seq_len)
+    def encode(self, prompt: PromptLike, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Token ids of a prompt: text as is, chat messages through the chat template (with `tools` where given), or
+        token ids."""
+        if not is_messages(prompt):  # tools are part of a chat prompt only
+            return encode_prompt(self.tokenizer, prompt, self.target.vocab_size, self.target.max_seq_len)
+        return encode_prompt(self.tokenizer, prompt, self.target.vocab_size, self.target.max_seq_len, tools=tools,
+                             chat_template=self.chat_template)
 
     def generate(self, prompt_or_messages: PromptLike | Sequence[PromptLike],
                  max_new_tokens: int = DEFAULTS.max_new_tokens, temperature: float = DEFAULTS.temperature,
@@ -137,7 +145,10 @@ class Engine:
                  speculate: str | Proposer | FeatureProposer | None = DEFAULTS.speculate,
                  num_speculative_tokens: int | None = DEFAULTS.num_speculative_tokens,
                  tree: bool | None = DEFAULTS.tree, stop: str | Sequence[str] | None = DEFAULTS.stop,
-                 seed: int | None = DEFAULTS.seed) -> GenerationResult | list[GenerationResult]:
+                 seed: int | None = DEFAULTS.seed, response_format: Mapping[str, Any] | None = None,
+                 tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping[str, Any] | None = None,
+                 parallel_tool_calls: bool = DEFAULTS.parallel_tool_calls,
+                 grammar_drafts: bool = DEFAULTS.grammar_drafts) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (text, chat messages or token ids), or a list of prompts as one batch.
 
         temperature 0 is greedy; otherwise sampling with top_k / top_p. speculate: "suffix" (the engine's suffix
@@ -148,11 +159,21 @@ class Engine:
         tree=None (default) lets the proposer choose: trees for drafters and hybrids, chains for the suffix cache
         (the faster on a CPU, where verifying many tokens costs more than a plain step).
         Stops at EOS, at any of `stop` (the text is cut before it), or after max_new_tokens.
+
+        Structured output, as OpenAI's API defines it: response_format {"type": "json_object"} or {"type":
+        "json_schema", "json_schema": {"schema": ..., "strict": ...}}; tools (function tools, rendered by the chat
+        template) with tool_choice "auto" (text, or calls once one starts), "required", a named function
+        ({"type": "function", "function": {"name": ...}}) or "none", and parallel_tool_calls. The calls come back
+        parsed in the result's `tool_calls` (and the rest of the text in `content`). Decoding follows the grammar
+        exactly as plain constrained decoding would; drafts are checked against it, and with grammar_drafts the
+        tokens it forces are drafted too (source "grammar" in the stats).
         """
         batch = is_batch(prompt_or_messages)
         call = self._start_call(list(prompt_or_messages) if batch else [prompt_or_messages], dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, speculate=speculate,
-            num_speculative_tokens=num_speculative_tokens, tree=tree, stop=stop, seed=seed))
+            num_speculative_tokens=num_speculative_tokens, tree=tree, stop=stop, seed=seed,
+            response_format=response_format, tools=tools, tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls, grammar_drafts=grammar_drafts))
         for _ in self._steps(call):
             pass
         results = call.results(self._decode)
@@ -178,9 +199,14 @@ class Engine:
         with self.scheduler.lock:  # proposers load lazily
             params, proposer = resolve_options(options, self.proposers.get, self.num_speculative_tokens)
         seqs = [SequenceState(request_id=f"hs-{next(self._request_ids)}", tokens=ids, prompt_len=len(ids))
-                for ids in map(self.encode, prompts)]
+                for ids in (self.encode(p, options.get("tools")) for p in prompts)]
         rules = StopRules(self.eos_token_ids, params.max_new_tokens, self.target.max_seq_len)
-        return CallState(seqs, None, proposer, params, rules, GenerationStats(), rows=list(range(len(seqs))))
+        constraints = None
+        if params.grammar is not None:
+            compiled = self.grammars.compile(params.grammar)
+            constraints = [self.grammars.constraint(compiled) for _ in seqs]
+        return CallState(seqs, None, proposer, params, rules, GenerationStats(), rows=list(range(len(seqs))),
+                         constraints=constraints)
 
     def _steps(self, call: CallState) -> Iterator[None]:
         """Run a call: prefill and start its requests on the proposer, then decode steps (shared with the calls of

@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from hybridspec.errors import InvalidParameter
+from hybridspec.grammar.constraint import GrammarSpec, check_tools, grammar_spec
 from hybridspec.proposal import FeatureProposer, Proposer
 from hybridspec.verifier.reference import check_sampling_params
 
@@ -25,6 +26,11 @@ class GenerateOptions:
     tree: bool | None = None  # None: the proposer's preference (prefers_trees)
     stop: str | Sequence[str] | None = None
     seed: int | None = None
+    response_format: Mapping[str, Any] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    tool_choice: str | Mapping[str, Any] | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool = True
+    grammar_drafts: bool = True  # under a grammar, draft the tokens it forces (when speculating)
 
 
 DEFAULTS = GenerateOptions()
@@ -42,6 +48,9 @@ class CallParams:
     tree: bool
     stop: tuple[str, ...]
     generator: torch.Generator | None
+    grammar: GrammarSpec | None = None  # what the output must match (response_format, tool calls)
+    grammar_drafts: bool = True
+    tools: list[dict] | None = None  # the call's tools where it may call them (its text is parsed for tool calls)
 
 
 def resolve_options(options: Mapping[str, Any], proposer_for: Callable[[Any], Proposer | FeatureProposer | None],
@@ -74,6 +83,8 @@ def resolve_options(options: Mapping[str, Any], proposer_for: Callable[[Any], Pr
     elif tree and proposer is not None and not proposer.drafts_trees:
         raise InvalidParameter(f"tree=True needs a proposer that drafts trees, not {type(proposer).__name__} "
                                "(its drafts_trees is False)", "tree")
+    grammar = grammar_spec(o.response_format, o.tools, o.tool_choice, o.parallel_tool_calls)
+    tools, tool_choice = check_tools(o.tools, o.tool_choice)
     params = CallParams(o.max_new_tokens, float(o.temperature), int(o.top_k), float(o.top_p), k, bool(tree), stops,
-                        generator)
+                        generator, grammar, bool(o.grammar_drafts), tools if tool_choice != "none" else None)
     return params, proposer

@@ -92,6 +92,17 @@ class GenerationStats:
             counts.draft_tokens += draft_tokens
             counts.accepted_tokens += accepted_tokens
 
+    def count_source(self, name: str, draft_tokens: int, accepted_tokens: int) -> None:
+        """Draft tokens of a step from a second source (the tokens a grammar forced after the proposer's draft):
+        counted under `name` as well as in the step's totals."""
+        counts = self.source(name)
+        counts.won += 1
+        counts.drafts += draft_tokens > 0
+        counts.draft_tokens += draft_tokens
+        counts.accepted_tokens += accepted_tokens
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted_tokens
+
     def source(self, name: str) -> SourceStats:
         return self.by_source.setdefault(name, SourceStats())
 
@@ -127,3 +138,7 @@ class GenerationResult:
     finish_reason: str  # "eos" | "stop" | "length"
     prompt_token_ids: list[int]
     stats: GenerationStats  # of the whole call (shared by the results of a batch)
+    # A call with tools: the text outside its tool calls (None if empty), and the calls in OpenAI's shape
+    # ({"id", "type": "function", "function": {"name", "arguments": a JSON string}}); None without tools.
+    content: str | None = None
+    tool_calls: list[dict] | None = None

@@ -2,21 +2,26 @@
 
     steps = plan(calls)               # each call's part: its prompt chunk (positions shared by running calls copied)
     propose(steps)                    # every row's draft; a proposer drafts all the greedy rows it serves at once
-    steps = each(steps, route)        # the part of each draft worth its verification cost
+    steps = each(steps, route)        # the part of each draft its grammar allows and worth its verification cost
     verify(steps)                     # one pass over every row's last token + draft, and the prompt chunks
     each(steps, update)               # commit the accepted tokens, feed the proposer, retire finished rows
 
 Greedy: a draft token is kept while it equals the target's argmax; sampling: x is kept with probability
 min(1, p_target(x) / p_draft(x)), else the target resamples from norm(max(0, p_target - p_draft)). So outputs are the
-target's own whatever was drafted: speculation only changes how many tokens one pass commits.
+target's own whatever was drafted: speculation only changes how many tokens one pass commits. Under a grammar the
+target's distributions are the masked ones at every position (`hybridspec.grammar.constraint`).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
+
+from hybridspec.grammar.constraint import apply_mask
 from hybridspec.model.inputs import StepInput, StepOutput
 from hybridspec.model.target import TargetModel
 from hybridspec.proposal import Proposal, speculate_each
@@ -25,7 +30,7 @@ from hybridspec.runtime.call import CallState, SequenceState
 from hybridspec.runtime.commit import commit_tokens, draft_budget, stop_cut
 from hybridspec.runtime.prefill import Prefill, PromptChunk
 from hybridspec.runtime.prefix_cache import PrefixCache
-from hybridspec.verifier import VerifyResult, verify_batch
+from hybridspec.verifier import VerifyResult, process_logits, verify_batch
 
 
 @dataclass(eq=False)
@@ -36,6 +41,8 @@ class CallStep:
     chunk: PromptChunk = field(default_factory=lambda: PromptChunk([]))  # the prompt tokens it runs in this pass
     proposals: list[Proposal] = field(default_factory=list)  # each row's draft as proposed
     drafts: list[Proposal] = field(default_factory=list)  # ... as routed: what the pass verifies
+    forced: list[int] = field(default_factory=list)  # each row's draft: how many of its last tokens the grammar forced
+    masks: list[torch.Tensor | None] = field(default_factory=list)  # each row's grammar masks for the pass (None: none)
     out: StepOutput | None = None
     results: list[VerifyResult] | None = None
 
@@ -128,10 +135,14 @@ class StepRunner:
                 step.call.stats.propose_s += time.perf_counter() - start
 
     def route(self, step: CallStep) -> None:
-        """The part of each draft worth a verification pass (the router's cost gate)."""
-        call, proposals = step.call, step.proposals
+        """The part of each draft its grammar allows (`constrain`) and worth a verification pass (the router's cost
+        gate); then the grammar's masks for the pass."""
+        call = step.call
         if not step.chunk.decodes:
             return
+        if call.constraints is not None:
+            self.constrain(step)
+        proposals = step.proposals
         routed = self.router(proposals, [len(call.seqs[i].tokens) for i in call.rows])
         if len(routed) != len(proposals):
             raise ValueError(f"the router returned {len(routed)} proposals for {len(proposals)} sequences")
@@ -142,6 +153,30 @@ class StepRunner:
         call.stats.proposals += sum(1 for p in proposals if len(p))
         call.stats.skipped_proposals += sum(1 for p, r in zip(proposals, routed) if len(p) and not len(r))
         step.drafts = routed
+        if call.constraints is not None:
+            step.masks = [call.constraints[i].masks(d) for i, d in zip(call.rows, routed)]
+            step.forced = [max(0, f - (len(p) - len(d))) for f, p, d in zip(step.forced, proposals, routed)]
+
+    def constrain(self, step: CallStep) -> None:
+        """Each row's draft under its grammar: a deterministic or greedy one cut at its first rejected token and
+        extended with the tokens the grammar forces (`grammar_drafts`, while speculating); a sampled one redrawn from
+        the drafter's masked distributions (cutting it would skew the sample: `Constraint.redraw`)."""
+        call, p = step.call, step.call.params
+        forced = p.grammar_drafts and call.proposer is not None
+        checked, step.forced = [], []
+        for i, proposal in zip(call.rows, step.proposals):
+            constraint, n = call.constraints[i], 0
+            if p.temperature > 0 and proposal.draft_logits is not None:
+                probs_fn = functools.partial(process_logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+                proposal = constraint.redraw(proposal, probs_fn, p.generator,
+                                             keep_allowed=p.top_k == 0 and p.top_p == 1.0)
+            else:
+                seq = call.seqs[i]
+                budget = draft_budget(p.num_speculative_tokens, len(seq.tokens), len(seq.generated), call.rules)
+                proposal, n = constraint.check(proposal, budget, forced)
+            checked.append(proposal)
+            step.forced.append(n)
+        step.proposals = checked
 
     def verify(self, steps: list[CallStep]) -> None:
         """One pass of the target over every call's part (`step_input`), then each call's acceptance rule.
@@ -153,7 +188,8 @@ class StepRunner:
         try:
             outs = self.target.step_many(
                 inputs, return_hidden=any(s.call.wants_target_features for s in steps),
-                argmax_only=all(s.call.params.temperature == 0 for s in steps if s.chunk.decodes))
+                argmax_only=all(s.call.params.temperature == 0 and not any(m is not None for m in s.masks)
+                                for s in steps if s.chunk.decodes))
         except Exception as e:  # noqa: BLE001 - the pass failed for every call in it
             for step in steps:
                 step.call.fail(e)
@@ -169,6 +205,9 @@ class StepRunner:
             if step.chunk.decodes:
                 p = call.params
                 with call.stats.timed("verify_s"):
+                    for row, (masks, draft) in enumerate(zip(step.masks, step.drafts)):
+                        if masks is not None:
+                            apply_mask(out.logits[row, :1 + len(draft)], masks)
                     step.results = verify_batch(out.logits, step.drafts, p.temperature, p.top_k, p.top_p, p.generator)
 
     def update(self, step: CallStep) -> None:
@@ -187,8 +226,14 @@ class StepRunner:
             committed = self.commit(call, seq, result.tokens(draft))
             call.cache.truncate(row, len(seq.tokens) - 1)  # a stop inside the committed tokens drops the rest
             call.feed_proposer(row, seq, committed, step.out, kept_slots)
-            call.stats.count_step(proposed.source or "unnamed" if len(proposed) else None, len(draft),
-                                  len(result.accepted), len(committed), proposed.drafter_ran)
+            if call.constraints is not None:
+                call.constraints[i].accept(committed)
+            forced = step.forced[row] if step.forced else 0  # the grammar's tokens at the draft's end: their own source
+            own, accepted = len(draft) - forced, len(result.accepted)
+            call.stats.count_step(proposed.source or "unnamed" if len(proposed) > forced else None, own,
+                                  min(accepted, own), len(committed), proposed.drafter_ran)
+            if forced:
+                call.stats.count_source("grammar", forced, accepted - min(accepted, own))
             if seq.finish_reason is not None:
                 finished.append(row)
         self.retire(call, finished)

@@ -1,0 +1,305 @@
+"""Grammars for structured output and tool calls, and one sequence's grammar state as the decode step uses it.
+
+Why xgrammar: it is the structured-output backend vLLM and SGLang default to, compiles JSON schemas and the tool-call
+formats of current models (its structural tags: free text until `<tool_call>`, then the called function's schema) in
+milliseconds, fills a next-token mask in ~10 us on a CPU, and rolls its matcher back by tokens, which is what checking
+a draft and then keeping only its accepted part needs.
+
+Speculation under a grammar stays exact because the target's distribution at every verified position is the masked one
+(the mask at the state after that position's draft prefix), which is what plain constrained decoding samples from:
+a draft is cut at its first token the grammar rejects (a deterministic draft: the cut is a function of the history; a
+sampled one is redrawn from the drafter's masked distribution instead, `Constraint.redraw`), and the tokens the grammar
+forces are drafted after it (`Constraint.check`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from hybridspec.errors import InvalidParameter
+from hybridspec.proposal import Proposal
+
+# xgrammar's name for the Hermes tool-call format (Qwen2.5/3, Hermes, and our ChatML template for SmolLM2):
+# <tool_call>\n{"name": "...", "arguments": {...}}\n</tool_call>
+TOOL_CALL_FORMAT = "qwen_3"
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a call's output must match. kind: "json" (any JSON value), "json_schema" (`body`: the schema), "tools"
+    (`body`: the tools, tool_choice and parallel_tool_calls); `body` is canonical JSON."""
+
+    kind: str
+    body: str = ""
+    strict: bool = True
+
+
+def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict], str | dict]:
+    """`tools` as OpenAI function tools and `tool_choice` ("auto" where tools are given and it is None); an
+    `InvalidParameter` names the bad field."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise InvalidParameter("tool_choice needs tools", "tool_choice")
+        return [], "none"
+    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
+        raise InvalidParameter("tools must be a list of function tools", "tools")
+    checked = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function" or not isinstance(
+                function, Mapping):
+            raise InvalidParameter(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                                   f"tools[{i}]")
+        name, parameters = function.get("name"), function.get("parameters", {"type": "object"})
+        if not isinstance(name, str) or not name:
+            raise InvalidParameter(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
+        if not isinstance(parameters, Mapping):
+            raise InvalidParameter(f"tools[{i}].function.parameters must be a JSON schema object",
+                                   f"tools[{i}].function.parameters")
+        checked.append({"type": "function", "function": {**function, "parameters": dict(parameters)}})
+    names = [t["function"]["name"] for t in checked]
+    if tool_choice is None:
+        tool_choice = "auto"
+    if isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+        if name not in names:
+            raise InvalidParameter(f"tool_choice names {name!r}, which is not one of the tools ({', '.join(names)})",
+                                   "tool_choice")
+        tool_choice = {"type": "function", "function": {"name": name}}
+    elif tool_choice not in TOOL_CHOICES:
+        raise InvalidParameter(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a named function, got "
+                               f"{tool_choice!r}", "tool_choice")
+    if tool_choice == "required" and not checked:
+        raise InvalidParameter("tool_choice 'required' needs at least one tool", "tool_choice")
+    return checked, tool_choice
+
+
+def grammar_spec(response_format: Mapping[str, Any] | None = None, tools: Sequence[Mapping] | None = None,
+                 tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True) -> GrammarSpec | None:
+    """The grammar a call's options ask for, or None. An `InvalidParameter` names a bad field."""
+    tools, tool_choice = check_tools(tools, tool_choice)
+    kind = "text"
+    if response_format is not None:
+        if not isinstance(response_format, Mapping):
+            raise InvalidParameter("response_format must be an object with a 'type'", "response_format")
+        kind = response_format.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise InvalidParameter(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                                   "response_format.type")
+    if kind != "text" and tool_choice != "none":
+        raise InvalidParameter("response_format cannot be combined with tools unless tool_choice is 'none'",
+                               "response_format")
+    if tool_choice != "none":
+        body = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": bool(parallel_tool_calls)}
+        return GrammarSpec("tools", json.dumps(body, sort_keys=True))
+    if kind == "json_object":
+        return GrammarSpec("json")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise InvalidParameter("response_format.json_schema.schema must be a JSON schema object",
+                                   "response_format.json_schema")
+        return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True), bool(spec.get("strict", False)))
+    return None
+
+
+class GrammarCompiler:
+    """Compiles `GrammarSpec`s for one tokenizer (xgrammar caches compiled grammars by content) and makes each
+    sequence its `Constraint`. stop_token_ids: the tokens that end generation, allowed once the grammar is complete."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self._compiler = None
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar; an `InvalidParameter` where xgrammar refuses the schema or tools."""
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        try:
+            if spec.kind == "json":
+                return self._compiler.compile_builtin_json_grammar()
+            if spec.kind == "json_schema":
+                return self._compiler.compile_json_schema(spec.body, strict_mode=spec.strict)
+            body = json.loads(spec.body)
+            tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=body["tools"], tool_choice=body["tool_choice"],
+                                               reasoning="disabled", parallel_tool_calls=body["parallel_tool_calls"])
+            return self._compiler.compile_structural_tag(tag)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors for a bad schema subclass these
+            param = "tools" if spec.kind == "tools" else "response_format"
+            raise InvalidParameter(f"{param}: the grammar cannot be built: {e}", param) from e
+
+    def constraint(self, compiled: Any) -> "Constraint":
+        import xgrammar as xgr
+
+        return Constraint(xgr.GrammarMatcher(compiled), self.vocab_size, self._encode)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+class Constraint:
+    """One sequence's grammar state (an xgrammar matcher at its committed tokens). Every method leaves the matcher
+    where it found it but `accept`."""
+
+    def __init__(self, matcher: Any, vocab_size: int, encode: Callable[[str], list[int]]) -> None:
+        import xgrammar as xgr
+
+        self.matcher, self.vocab_size, self.encode = matcher, vocab_size, encode
+        self._scratch = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Advance past committed tokens (the target chose them from masked distributions: the grammar allows them)."""
+        for token in tokens:
+            if not self.matcher.accept_token(int(token)):
+                raise RuntimeError(f"the grammar rejected committed token {token}: the mask and the matcher disagree")
+
+    def check(self, proposal: Proposal, budget: int, forced: bool) -> tuple[Proposal, int]:
+        """The part of a deterministic or greedy draft the grammar allows (a chain cut at its first rejected token; a tree
+        without the subtrees of rejected nodes), a chain then extended with the tokens the grammar forces after it
+        (`forced`), to at most `budget` nodes. Returns the draft and how many of its last tokens the grammar forced."""
+        kept = self._walk(proposal)
+        if len(kept) < len(proposal):
+            proposal = _subset(proposal, kept)
+        if not forced or not proposal.is_chain or len(proposal) >= budget:
+            return proposal, 0
+        self.accept(proposal.token_ids)
+        extra = self._forced(budget - len(proposal))
+        self.matcher.rollback(len(proposal) + len(extra))
+        if not extra:
+            return proposal, 0
+        last = proposal.probs[-1] if proposal.probs else 1.0
+        probs = list(proposal.probs or [1.0] * len(proposal)) + [last] * len(extra)
+        source = proposal.source if len(proposal) else "grammar"
+        extended = Proposal.chain(proposal.token_ids + extra, probs, source=source, match_len=proposal.match_len)
+        extended.drafter_ran = proposal.drafter_ran
+        return extended, len(extra)
+
+    def redraw(self, proposal: Proposal, probs_fn: Callable[[torch.Tensor], torch.Tensor],
+               generator: torch.Generator | None, keep_allowed: bool) -> Proposal:
+        """A sampled chain drawn again from the drafter's grammar-masked distributions q'_j = probs_fn(masked logits),
+        which the verifier then uses as the draft distribution. keep_allowed (no top-k / top-p: q'_j is q_j
+        renormalised over the allowed tokens): a drafted token the grammar allows is kept, as a draw of q_j given that
+        it landed in the allowed set is a draw of q'_j; a rejected one is replaced by a fresh draw. Stops where q'_j
+        has no mass. Cutting at a rejected token instead would skew the sample towards the drafts the grammar allows."""
+        logits = proposal.draft_logits.float().clone()
+        tokens: list[int] = []
+        for j, token in enumerate(proposal.token_ids):
+            self.matcher.fill_next_token_bitmask(self._scratch)
+            row = logits[j:j + 1]
+            apply_mask(row, self._scratch)
+            q = probs_fn(row)[0]
+            total = float(q.sum())
+            if not total > 0:
+                break
+            if not (keep_allowed and _allowed(self._scratch[0], token)):
+                token = int(torch.multinomial(q / total, 1, generator=generator))
+            if not self.matcher.accept_token(token):
+                break
+            tokens.append(token)
+        self.matcher.rollback(len(tokens))
+        n = len(tokens)
+        probs = proposal.probs[:n] if proposal.probs else None
+        return Proposal.chain(tokens, probs, source=proposal.source, match_len=proposal.match_len,
+                              draft_logits=logits[:n]) if n else Proposal.empty(proposal.source)
+
+    def masks(self, proposal: Proposal) -> torch.Tensor | None:
+        """The grammar's masks for a verification pass over `proposal` (already checked): [1 + n, vocab / 32] int32
+        bits, row 0 at the committed tokens, row 1 + i after the path to node i; None where every token is allowed at
+        every position (free text: the pass needs no mask)."""
+        import xgrammar as xgr
+
+        masks = xgr.allocate_token_bitmask(1 + len(proposal), self.vocab_size)
+        needed = False
+
+        def fill(row: int) -> None:
+            nonlocal needed
+            if not self.matcher.is_terminated():  # after a drafted stop token nothing more is committed
+                needed |= self.matcher.fill_next_token_bitmask(masks, row)
+
+        self._walk(proposal, fill)
+        return masks if needed else None
+
+    def _walk(self, proposal: Proposal, on_state: Callable[[int], None] | None = None) -> list[int]:
+        """Depth-first through the draft with the matcher: on_state(row) at the state before each node's children (row
+        0: the committed tokens, 1 + i: after node i); the nodes the grammar allows, in order (with their ancestors)."""
+        children: list[list[int]] = [[] for _ in range(len(proposal) + 1)]
+        for i, parent in enumerate(proposal.parents):
+            children[parent + 1].append(i)
+        kept: list[int] = []
+
+        def visit(row: int) -> None:
+            if on_state is not None:
+                on_state(row)
+            for i in children[row]:
+                if self.matcher.accept_token(proposal.token_ids[i]):
+                    kept.append(i)
+                    visit(1 + i)
+                    self.matcher.rollback(1)
+
+        visit(0)
+        return sorted(kept)
+
+    def _forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here: its jump-forward string as the tokenizer splits it (while
+        the grammar takes each token), then tokens that are the only one allowed. The matcher advances past them."""
+        out: list[int] = []
+        if self.matcher.is_terminated():
+            return out
+        text = self.matcher.find_jump_forward_string()
+        for token in self.encode(text) if text else []:
+            if len(out) >= limit or not self.matcher.accept_token(token):
+                break
+            out.append(token)
+        while len(out) < limit and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(self._scratch)
+            token = _only_allowed(self._scratch[0])
+            if token is None or not self.matcher.accept_token(token):
+                break
+            out.append(token)
+        return out
+
+
+def apply_mask(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """logits [m, V] (float32) set to -inf where masks [>= m, V / 32] has a 0 bit, in place."""
+    import xgrammar as xgr
+
+    rows = logits.shape[0]
+    if logits.is_contiguous() and logits.dtype == torch.float32:
+        xgr.apply_token_bitmask_inplace(logits, masks[:rows], vocab_size=logits.shape[1])
+        return
+    bits = (masks[:rows, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    logits.masked_fill_(bits.view(rows, -1)[:, :logits.shape[1]] == 0, float("-inf"))
+
+
+def _allowed(mask_row: torch.Tensor, token: int) -> bool:
+    return bool((int(mask_row[token >> 5]) >> (token & 31)) & 1)
+
+
+def _only_allowed(mask_row: torch.Tensor) -> int | None:
+    """The one token a mask row allows, or None where it allows several (or none)."""
+    words = mask_row.nonzero()
+    if len(words) != 1:
+        return None
+    index = int(words[0])
+    word = int(mask_row[index]) & 0xFFFFFFFF
+    return index * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
+
+
+def _subset(proposal: Proposal, kept: list[int]) -> Proposal:
+    """The proposal's nodes `kept` (each with its ancestors), parents renumbered."""
+    new_index = {old: new for new, old in enumerate(kept)}
+    probs = [proposal.probs[i] for i in kept] if proposal.probs else None
+    logits = proposal.draft_logits[kept] if proposal.draft_logits is not None and kept else None
+    return Proposal(token_ids=[proposal.token_ids[i] for i in kept],
+                    parents=[new_index[proposal.parents[i]] if proposal.parents[i] >= 0 else -1 for i in kept],
+                    probs=probs, score=float(sum(probs)) if probs else 0.0, source=proposal.source,
+                    match_len=proposal.match_len, draft_logits=logits, drafter_ran=proposal.drafter_ran)
