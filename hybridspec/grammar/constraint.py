@@ -30,12 +30,12 @@ TOOL_CHOICES = ("auto", "none", "required")
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What a call's output must match. kind: "json" (any JSON value), "json_schema" (`body`: the schema), "tools"
-    (`body`: the tools, tool_choice and parallel_tool_calls); `body` is canonical JSON."""
+    """What a call's output must match. kind: "json_schema" (`body`: the schema; a JSON object for json_object) or
+    "tools" (`body`: the tools, tool_choice and parallel_tool_calls); `body` is JSON in the caller's property order,
+    which the grammar keeps."""
 
     kind: str
-    body: str = ""
-    strict: bool = True
+    body: str
 
 
 def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict], str | dict]:
@@ -95,16 +95,16 @@ def grammar_spec(response_format: Mapping[str, Any] | None = None, tools: Sequen
                                "response_format")
     if tool_choice != "none":
         body = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": bool(parallel_tool_calls)}
-        return GrammarSpec("tools", json.dumps(body, sort_keys=True))
+        return GrammarSpec("tools", json.dumps(body))
     if kind == "json_object":
-        return GrammarSpec("json")
-    if kind == "json_schema":
+        return GrammarSpec("json_schema", json.dumps({"type": "object"}))
+    if kind == "json_schema":  # enforced whether or not `strict` is set, as vLLM does
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, Mapping) else None
         if not isinstance(schema, Mapping):
             raise InvalidParameter("response_format.json_schema.schema must be a JSON schema object",
                                    "response_format.json_schema")
-        return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True), bool(spec.get("strict", False)))
+        return GrammarSpec("json_schema", json.dumps(schema))
     return None
 
 
@@ -125,10 +125,8 @@ class GrammarCompiler:
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         try:
-            if spec.kind == "json":
-                return self._compiler.compile_builtin_json_grammar()
             if spec.kind == "json_schema":
-                return self._compiler.compile_json_schema(spec.body, strict_mode=spec.strict)
+                return self._compiler.compile_json_schema(spec.body)
             body = json.loads(spec.body)
             tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=body["tools"], tool_choice=body["tool_choice"],
                                                reasoning="disabled", parallel_tool_calls=body["parallel_tool_calls"])
@@ -163,9 +161,10 @@ class Constraint:
                 raise RuntimeError(f"the grammar rejected committed token {token}: the mask and the matcher disagree")
 
     def check(self, proposal: Proposal, budget: int, forced: bool) -> tuple[Proposal, int]:
-        """The part of a deterministic or greedy draft the grammar allows (a chain cut at its first rejected token; a tree
-        without the subtrees of rejected nodes), a chain then extended with the tokens the grammar forces after it
-        (`forced`), to at most `budget` nodes. Returns the draft and how many of its last tokens the grammar forced."""
+        """The part of a deterministic or greedy draft the grammar allows (a chain cut at its first rejected token; a
+        tree without the subtrees of rejected nodes), a chain then extended with the tokens the grammar forces after
+        it (`forced`), to at most `budget` nodes. Returns the draft and how many of its last tokens the grammar
+        forced."""
         kept = self._walk(proposal)
         if len(kept) < len(proposal):
             proposal = _subset(proposal, kept)
