@@ -269,3 +269,16 @@ def test_cutting_a_sampled_draft_would_skew_the_sample(small_vocab_engine):
     greedy = tuple(engine.generate(prompt, max_new_tokens=3, response_format=PATTERN).token_ids[:3])
     assert greedy in expected
     assert chi_square_p_value([3000 * (c == greedy) for c in expected], list(expected.values())) < 1e-6
+
+
+def test_a_session_with_tools_renders_them_and_extends_its_tokens_turn_after_turn(engine):
+    session = engine.session(system="You run commands.", tools=BASH, tool_choice="required", max_new_tokens=80)
+    first = session.send("List the files.")
+    prompt = engine.tokenizer.decode(first.prompt_token_ids)
+    assert '"name": "bash"' in prompt and "<tools>" in prompt  # the tools are in the prompt (the ChatML tools template)
+    assert first.text.startswith('<tool_call>\n{"name": "bash", "arguments": {')
+    call_id = first.tool_calls[0]["id"] if first.tool_calls else "call_0"
+    before = list(session.tokens)
+    second = session.send({"role": "tool", "tool_call_id": call_id, "content": "a.txt b.txt"})
+    assert second.prompt_token_ids[:len(before)] == before  # the conversation's exact tokens, then the new turn
+    assert second.stats.cached_tokens >= len(before) - 1

@@ -22,9 +22,9 @@ import torch
 from hybridspec.errors import InvalidParameter
 from hybridspec.proposal import Proposal
 
-# xgrammar's name for the Hermes tool-call format (Qwen2.5/3, Hermes, and our ChatML template for SmolLM2):
-# <tool_call>\n{"name": "...", "arguments": {...}}\n</tool_call>
-TOOL_CALL_FORMAT = "qwen_3"
+# The Hermes tool-call format (Qwen2.5/3, Hermes, our ChatML tools template): <tool_call>\n{"name": "...",
+# "arguments": {...}}\n</tool_call>, calls one per line
+TOOL_CALL_BEGIN, TOOL_CALL_END = '<tool_call>\n{"name": "{name}", "arguments": ', "}\n</tool_call>"
 TOOL_CHOICES = ("auto", "none", "required")
 
 
@@ -108,6 +108,24 @@ def grammar_spec(response_format: Mapping[str, Any] | None = None, tools: Sequen
     return None
 
 
+def tool_calls_tag(tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool) -> Any:
+    """xgrammar's structural tag for Hermes tool calls: "auto" is free text in which a call, once begun, follows its
+    function's schema; "required" and a named function are calls only (one per line), then the end."""
+    from xgrammar.structural_tag import (JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat,
+                                         TriggeredTagsFormat)
+
+    if isinstance(tool_choice, Mapping):
+        tools = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
+    tags = [TagFormat(begin=TOOL_CALL_BEGIN.replace("{name}", t["function"]["name"]),
+                      content=JSONSchemaFormat(json_schema=t["function"]["parameters"]), end=TOOL_CALL_END)
+            for t in tools]
+    if tool_choice == "auto":
+        return StructuralTag(format=TriggeredTagsFormat(triggers=["<tool_call>"], tags=tags,
+                                                        stop_after_first=not parallel_tool_calls))
+    return StructuralTag(format=TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True,
+                                                        stop_after_first=not parallel_tool_calls))
+
+
 class GrammarCompiler:
     """Compiles `GrammarSpec`s for one tokenizer (xgrammar caches compiled grammars by content) and makes each
     sequence its `Constraint`. stop_token_ids: the tokens that end generation, allowed once the grammar is complete."""
@@ -127,10 +145,7 @@ class GrammarCompiler:
         try:
             if spec.kind == "json_schema":
                 return self._compiler.compile_json_schema(spec.body)
-            body = json.loads(spec.body)
-            tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=body["tools"], tool_choice=body["tool_choice"],
-                                               reasoning="disabled", parallel_tool_calls=body["parallel_tool_calls"])
-            return self._compiler.compile_structural_tag(tag)
+            return self._compiler.compile_structural_tag(tool_calls_tag(**json.loads(spec.body)))
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors for a bad schema subclass these
             param = "tools" if spec.kind == "tools" else "response_format"
             raise InvalidParameter(f"{param}: the grammar cannot be built: {e}", param) from e

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from typing import Any, Collection, Mapping, Protocol, Sequence
 
-from hybridspec.runtime.prompts import Message, check_messages
+from hybridspec.runtime.prompts import Message, check_messages, ignores_tools, tools_template
 from hybridspec.runtime.stats import GenerationResult, GenerationStats
 
 
 class Generator(Protocol):
-    """What a Session needs of an engine (`Engine` is one): its tokenizer, stop tokens and `generate`."""
+    """What a Session needs of an engine (`Engine` is one): its tokenizer, chat template, stop tokens and `generate`."""
 
     tokenizer: Any
+    chat_template: str | None
     eos_token_ids: Collection[int]
 
     def generate(self, prompt: list[int], **options: Any) -> GenerationResult: ...
@@ -34,16 +35,23 @@ class Session:
         self.tokens: list[int] = []  # the conversation so far, as the model saw and wrote it
         self.stats = GenerationStats()
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def _render(self, messages: list[dict[str, str]], tools: Sequence[Mapping[str, Any]] | None) -> str:
+        """The conversation as the engine would render it (`hybridspec.runtime.prompts.render_messages`), as text."""
+        tokenizer, template = self.engine.tokenizer, self.engine.chat_template
+        if template is None and tools and ignores_tools(tokenizer):
+            template = tools_template()
+        return tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, chat_template=template,
+                                             tokenize=False, add_generation_prompt=True)
 
-    def prompt_tokens(self, new_messages: Sequence[Message]) -> list[int]:
-        """The prompt `send(new_messages)` would run: the conversation's tokens + the template's text after the
-        previous reply, for the new messages."""
+    def prompt_tokens(self, new_messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
+                      ) -> list[int]:
+        """The prompt `send(new_messages, tools=tools)` would run: the conversation's tokens + the template's text
+        after the previous reply, for the new messages."""
         new_messages = check_messages(new_messages)
         tokenizer = self.engine.tokenizer
         if self.tokens:
-            full = self._render(self.messages[:-1] + [{"role": "assistant", "content": self._REPLY}] + new_messages)
+            full = self._render(self.messages[:-1] + [{"role": "assistant", "content": self._REPLY}] + new_messages,
+                                tools)
             parts = full.split(self._REPLY)
             if len(parts) == 2:
                 after = parts[1]
@@ -52,10 +60,12 @@ class Session:
                     after = after[len(end_tag):] if after.startswith(end_tag) else after
                 return self.tokens + tokenizer.encode(after, add_special_tokens=False)
         # first turn, or a template that does not render the reply verbatim: tokenise the whole conversation
-        return tokenizer.encode(self._render(self.messages + new_messages), add_special_tokens=False)
+        return tokenizer.encode(self._render(self.messages + new_messages, tools), add_special_tokens=False)
 
     def send(self, message: str | Message | Sequence[Message], **kwargs: Any) -> GenerationResult:
-        """Add a user message (a string), a message dict (any role, e.g. a tool observation) or several, and reply."""
+        """Add a user message (a string), a message dict (any role, e.g. a tool observation) or several, and reply.
+        With tools (here or in the session's defaults) the reply's `tool_calls` are parsed; the reply stays in the
+        conversation as the model wrote it, calls and all, so the next turn's prompt extends it token for token."""
         if isinstance(message, str):
             new = [{"role": "user", "content": message}]
         elif isinstance(message, Mapping):
@@ -63,7 +73,8 @@ class Session:
         else:
             new = [dict(m) for m in message]
         new = check_messages(new)
-        result = self.engine.generate(self.prompt_tokens(new), **{**self.defaults, **kwargs})
+        options = {**self.defaults, **kwargs}
+        result = self.engine.generate(self.prompt_tokens(new, options.get("tools")), **options)
         # The reply stays in the conversation as the model wrote it (up to the stop string's end, if any).
         self.tokens = result.prompt_token_ids + result.token_ids
         self.messages += new + [{"role": "assistant",
