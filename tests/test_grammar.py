@@ -282,3 +282,19 @@ def test_a_session_with_tools_renders_them_and_extends_its_tokens_turn_after_tur
     second = session.send({"role": "tool", "tool_call_id": call_id, "content": "a.txt b.txt"})
     assert second.prompt_token_ids[:len(before)] == before  # the conversation's exact tokens, then the new turn
     assert second.stats.cached_tokens >= len(before) - 1
+
+
+def test_greedy_steps_on_the_bfloat16_head_take_the_grammars_maximum(tiny_model, tiny_tokenizer):
+    """Where the CPU multiplies bfloat16 natively a small greedy pass runs `GreedyHead`, which takes the masks itself:
+    forced on here (any CPU runs it), constrained greedy is still the reference's."""
+    from hybridspec.model.head import GreedyHead
+
+    target = TargetModel(tiny_model)
+    target.greedy_head = GreedyHead(tiny_model.get_output_embeddings().weight)
+    engine = Engine(target, tiny_tokenizer, router=lambda proposals, contexts: list(proposals))
+    compiled = engine.grammars.compile(grammar_spec(**GRAMMARS["json_schema"]))
+    for p in prompts(3, seed=7):
+        ref = masked_greedy(tiny_model, p, compiled, 30, engine.tokenizer.eos_token_id)
+        for speculate in ("none", "suffix"):
+            assert engine.generate(p, max_new_tokens=30, speculate=speculate, **GRAMMARS["json_schema"]).token_ids \
+                == ref

@@ -392,6 +392,26 @@ def test_greedy_head_finds_the_float32_argmax_in_near_ties():
     assert bf16_wrong > 0  # the ties were close enough to need the float32 recheck
 
 
+def test_greedy_head_takes_the_maximum_over_a_grammars_tokens():
+    """With token masks (a grammar's allowed tokens, 32 per int32 word) the head's argmax is the exact argmax over the
+    allowed tokens, the others -inf: also where the unmasked maximum is disallowed."""
+    from hybridspec.model.head import GreedyHead
+
+    gen = torch.Generator().manual_seed(1)
+    vocab, hidden = 4096, 64
+    weight = torch.randn(vocab, hidden, generator=gen)
+    head = GreedyHead(weight)
+    h = torch.randn(3, hidden, generator=gen)
+    exact = h.double() @ weight.double().T
+    allowed = torch.rand(3, vocab, generator=gen) < 0.1
+    allowed[:, exact.argmax(-1)] = False  # the unmasked winners are out
+    bits = (allowed.view(3, -1, 32).int() << torch.arange(32, dtype=torch.int32)).sum(-1, dtype=torch.int64)
+    masks = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)  # the words as int32
+    logits = head(h, masks)
+    assert torch.equal(logits.argmax(-1), exact.masked_fill(~allowed, float("-inf")).argmax(-1))
+    assert torch.isinf(logits[~allowed]).all() and torch.isfinite(logits[allowed]).all()
+
+
 def test_argmax_only_steps_pick_the_tokens_of_full_steps(target):
     """Greedy steps with argmax_only (the bfloat16 head where the CPU multiplies bfloat16 natively) choose the same
     tokens as steps with full logits, for a batch of rows with drafts up to the head's row limit."""

@@ -31,10 +31,16 @@ class GreedyHead:
         # a float32 sum of H products (H 2^-24); all but the first-order term doubled for margin
         u = 2.0 ** -8
         self.C = 3 * u + 2 * (3 * u * u + u ** 3 + weight.shape[1] * 2.0 ** -24)
+        self.bit_shifts = torch.arange(32, dtype=torch.int32, device=weight.device)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, token_masks: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits exact wherever they may be their row's maximum. token_masks [rows, V / 32] int32: the maximum over
+        the tokens whose bit is set (a grammar's), the others' logits -inf."""
         h = hidden.reshape(-1, hidden.shape[-1])
         logits = self.bf16(h).float()
+        if token_masks is not None:
+            bits = (token_masks[:, :, None] >> self.bit_shifts) & 1
+            logits.masked_fill_(bits.view(len(h), -1)[:, :logits.shape[1]] == 0, float("-inf"))
         err = torch.outer(self.C * h.norm(dim=-1), self.row_norms).add_(1e-6)  # 1e-6: products flushed to zero
         top = logits.max(-1, keepdim=True)
         rows, cols = (logits + err >= top.values - err.gather(-1, top.indices)).nonzero(as_tuple=True)

@@ -49,6 +49,7 @@ class ForwardPart:
     prompt context, from a prompt chunk).
     causal_rows (one row): its first causal_rows inputs are consecutive tokens (a prompt chunk before a draft tree):
     they attend causally without a mask, the rest by tree_mask; the mask then spans the rest only.
+    token_masks: see `StepInput`.
     """
 
     cache: KVCache
@@ -59,6 +60,7 @@ class ForwardPart:
     output_index: torch.Tensor | None = None
     features_index: torch.Tensor | None = None
     causal_rows: int = 0
+    token_masks: torch.Tensor | None = None  # [b, n, V / 32] int32: the tokens each output may be (bits; a grammar's)
 
 
 @dataclass
@@ -67,7 +69,8 @@ class StepInput:
     (a tree when parents[r] is given). prompt: a one-row cache's uncached prompt tokens, run first in the same row (a
     prefill chunk; they go into the cache); with no last token the part is that chunk alone. drafter_context: the
     target features at the prompt's last drafter_context tokens come back as the output's drafter_features (with
-    return_hidden)."""
+    return_hidden). token_masks: a grammar's allowed tokens at each of a row's outputs (bit t % 32 of word t // 32),
+    which a greedy pass's output layer (`GreedyHead`) takes its maximum over; the logits are not masked otherwise."""
 
     cache: KVCache
     last_tokens: Sequence[int]
@@ -75,3 +78,4 @@ class StepInput:
     parents: Sequence[Sequence[int] | None] | None = None
     prompt: Sequence[int] = ()
     drafter_context: int = 0
+    token_masks: Sequence[torch.Tensor | None] | None = None  # per row: [1 + len(draft), V / 32] bits, or None

@@ -149,7 +149,8 @@ class TargetModel:
         Concurrent calls share the pass: the linear layers, where a decode step spends its time reading weights, run
         once for all of them. hidden_at_every_input keeps the hidden states at every input all the same (what a drafter
         reads of a prompt). argmax_only: the logits need to be right only where they are their row's maximum (greedy
-        verification), which a small pass gets sooner (`GreedyHead`).
+        verification), which a small pass gets sooner (`GreedyHead`); the maximum over a part's token_masks where it
+        has them (its other logits then -inf).
         """
         plans, positions, spans, begin = [], [], [], 0
         for part in parts:
@@ -197,8 +198,16 @@ class TargetModel:
         final = self._rms_norm(hidden_pick(x), self.final_norm)
         final_out = pick(final) if hidden_at_every_input else final
         greedy = argmax_only and self.greedy_head is not None and final_out.shape[0] <= GreedyHead.MAX_ROWS
-        if final_out.shape[0]:
-            logits = (self.greedy_head if greedy else self.lm_head)(final_out)
+        if final_out.shape[0] and greedy:
+            masks = None
+            if any(p.token_masks is not None for p in parts):
+                words = next(p.token_masks for p in parts if p.token_masks is not None).shape[-1]
+                masks = torch.cat([p.token_masks.reshape(-1, words) if p.token_masks is not None else
+                                   torch.full((b * n, words), -1, dtype=torch.int32, device=self.device)
+                                   for p, (b, n) in zip(parts, shapes)])
+            logits = self.greedy_head(final_out, masks)
+        elif final_out.shape[0]:
+            logits = self.lm_head(final_out)
         else:  # prompt chunks alone: no outputs
             logits = final_out.new_zeros(0, self.vocab_size)
         aux = None
@@ -360,9 +369,17 @@ class TargetModel:
         if not 0 <= step.drafter_context <= width:
             raise ValueError(f"drafter_context {step.drafter_context} for a prompt chunk of {width} tokens")
         output_index = torch.arange(width, q)[None].expand(rows, q - width) if prompt else None
+        token_masks = None
+        if step.token_masks is not None and any(m is not None for m in step.token_masks):
+            words = next(m for m in step.token_masks if m is not None).shape[-1]
+            token_masks = torch.full((rows, q - width, words), -1, dtype=torch.int32)  # -1: every token allowed
+            for b, m in enumerate(step.token_masks):
+                if m is not None:
+                    token_masks[b, :m.shape[0]] = m[:q - width]
         return ForwardPart(cache, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
                            causal=causal and bool(prompt),  # a step alone attends by its mask (Attention's folding)
                            causal_rows=width if prompt and not causal else 0,
                            output_index=None if output_index is None else output_index.to(self.device),
                            features_index=torch.arange(width - step.drafter_context, width, device=self.device)
-                           if step.drafter_context else None)
+                           if step.drafter_context else None,
+                           token_masks=None if token_masks is None else token_masks.to(self.device))

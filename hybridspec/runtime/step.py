@@ -72,7 +72,8 @@ def step_input(step: CallStep) -> StepInput:
     if not chunk.decodes:
         return StepInput(call.cache, [], prompt=chunk.tokens, drafter_context=chunk.features)
     return StepInput(call.cache, [call.seqs[i].tokens[-1] for i in call.rows], [d.token_ids for d in step.drafts],
-                     [d.parents for d in step.drafts], prompt=chunk.tokens, drafter_context=chunk.features)
+                     [d.parents for d in step.drafts], prompt=chunk.tokens, drafter_context=chunk.features,
+                     token_masks=step.masks or None)
 
 
 class StepRunner:
@@ -188,8 +189,7 @@ class StepRunner:
         try:
             outs = self.target.step_many(
                 inputs, return_hidden=any(s.call.wants_target_features for s in steps),
-                argmax_only=all(s.call.params.temperature == 0 and not any(m is not None for m in s.masks)
-                                for s in steps if s.chunk.decodes))
+                argmax_only=all(s.call.params.temperature == 0 for s in steps if s.chunk.decodes))
         except Exception as e:  # noqa: BLE001 - the pass failed for every call in it
             for step in steps:
                 step.call.fail(e)
