@@ -35,9 +35,10 @@ attention = Extension(
 setup(
     package_dir=package_dir,
     packages=packages,
-    # the shipped recipes (ablations too) and drafter checkpoints; only these patterns: their folders are data, not
-    # packages
-    package_data={"hybridspec.speculators": ["checkpoints/*/*", "recipes/*.yaml", "recipes/ablations/*.yaml"]},
+    # the shipped recipes (ablations too), drafter checkpoints and chat templates; only these patterns: their folders
+    # are data, not packages
+    package_data={"hybridspec.speculators": ["checkpoints/*/*", "recipes/*.yaml", "recipes/ablations/*.yaml"],
+                  "hybridspec.grammar": ["templates/*.jinja"]},
     include_package_data=False,
     ext_modules=[ext, attention],
 )

@@ -14,7 +14,7 @@ import torch
 import xgrammar as xgr
 
 from hybridspec import Engine, InvalidParameter
-from hybridspec.grammar import grammar_spec
+from hybridspec.grammar.constraint import grammar_spec
 from hybridspec.model.target import TargetModel
 from hybridspec.proposal import Proposal
 from hybridspec.tools.testing import chi_square_p_value, tiny_llama, tiny_tokenizer

@@ -23,7 +23,7 @@ from hybridspec.errors import ContextLengthExceeded, InvalidParameter, InvalidPa
 from hybridspec.runtime.engine import Engine
 from hybridspec.serve import create_app
 from hybridspec.serve.app import REQUEST_FIELDS
-from hybridspec.serve.protocol import UNSUPPORTED
+from hybridspec.serve.protocol import CHAT_ONLY, UNSUPPORTED
 from hybridspec.model.target import TargetModel
 
 MODEL = "tiny"
@@ -286,7 +286,7 @@ BAD = [  # endpoint, body (a dict, or raw bytes), the param the error names, its
     (CHAT, {"messages": USER, "n": 2}, "n", 400),
     (CHAT, {"messages": USER, "speculate": "telepathy"}, "speculate", 400),
     (CHAT, {"messages": USER, "speculate": "peagle"}, "speculate", 400),  # the shipped head is SmolLM2's
-    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
+    (COMPLETIONS, {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
     (CHAT, {"messages": USER, "logprobs": True}, "logprobs", 400),
     (CHAT, {"messages": USER, "frequency_penalty": 0.5}, "frequency_penalty", 400),
     (CHAT, {"messages": USER, "model": "gpt-4"}, "model", 404),
@@ -338,22 +338,23 @@ def test_bad_input_leaves_the_server_serving(server, client):
 
 
 REFUSED = {"n": 2, "best_of": 3, "frequency_penalty": 0.5, "presence_penalty": -1, "logprobs": True, "top_logprobs": 2,
-           "logit_bias": {"5": 1}, "response_format": {"type": "json_object"},
-           "tools": [{"type": "function", "function": {"name": "f"}}], "functions": [{"name": "f"}],
-           "tool_choice": "required", "echo": True, "suffix": "}"}  # a value UNSUPPORTED refuses, per field
+           "logit_bias": {"5": 1}, "functions": [{"name": "f"}], "function_call": {"name": "f"}, "echo": True,
+           "suffix": "}",  # a value UNSUPPORTED refuses, per field; and CHAT_ONLY's on text completions:
+           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}
 
 
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
 def test_each_unsupported_field_is_a_400_naming_it(server, endpoint):
-    assert set(REFUSED) == set(UNSUPPORTED)
+    refused = {**UNSUPPORTED, **(CHAT_ONLY if endpoint == COMPLETIONS else {})}
+    assert set(REFUSED) == set(UNSUPPORTED) | set(CHAT_ONLY)
     base = {"messages": USER} if endpoint == CHAT else {"prompt": "hi"}
-    for field, value in REFUSED.items():
+    for field, value in ((f, v) for f, v in REFUSED.items() if f in refused):
         response = httpx.post(server.url + endpoint, json={**base, "max_tokens": 2, field: value})
         assert response.status_code == 400, (field, response.text)
         error = response.json()["error"]
         assert error["param"] == field and "not supported" in error["message"], error
     # the values that change nothing are accepted, each field at once
-    accepted = {field: allowed[-1] for field, (allowed, _) in UNSUPPORTED.items()}
+    accepted = {field: allowed[-1] for field, (allowed, _) in refused.items()}
     response = httpx.post(server.url + endpoint, json={**base, "max_tokens": 2, **accepted})
     assert response.status_code == 200, response.text
 

@@ -76,7 +76,7 @@ def test_mini_swe_agent_runs_on_the_server(server, tmp_path):
            "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path / "config")}
     trajectory = tmp_path / "run.traj.json"
     run = subprocess.run(
-        [str(BIN / "mini"), "-c", "mini_textbased.yaml", "-c", str(ROOT / "examples" / "mini-swe-agent.yaml"),
+        [str(BIN / "mini"), "-c", "mini_textbased.yaml", "-c", str(ROOT / "examples" / "mini-swe-agent-textbased.yaml"),
          "-c", f"model.model_kwargs.api_base={server}/v1", "-c", "agent.step_limit=3",
          "-y", "--exit-immediately", "-t", TASK, "-o", str(trajectory)],
         cwd=repo, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180)

@@ -1,7 +1,7 @@
 """An installed wheel works on its own: built from an sdist of the working tree (so the sdist holds everything the
 build needs: the Cython sources, their includes, the attention kernel's header), installed into a fresh directory,
-imported from there with the checkout out of reach, it finds its shipped drafter heads and recipes as package data,
-and its P-EAGLE and FastEagle heads draft greedy output equal to the target's own."""
+imported from there with the checkout out of reach, it finds its shipped drafter heads, recipes and chat template as
+package data, and its P-EAGLE and FastEagle heads draft greedy output equal to the target's own."""
 from __future__ import annotations
 
 import ast
@@ -109,10 +109,15 @@ def test_wheel_holds_every_module_head_recipe_and_extension_once(built):
     assert any(r.startswith("ablations/") for r in expected_recipes)
     assert {n[len(recipes):] for n in files if n.startswith(recipes)} == expected_recipes
 
+    templates = "hybridspec/grammar/templates/"
+    expected_templates = {p.name for p in (src / "hybridspec/grammar/templates").glob("*.jinja")}
+    assert "chatml_tools.jinja" in expected_templates
+    assert {n[len(templates):] for n in files if n.startswith(templates)} == expected_templates
+
     extensions = sorted(n for n in files if n.endswith(".so"))
     assert [n.split(".")[0] for n in extensions] == ["hybridspec/model/_attention", "hybridspec/suffix/_tree"]
 
-    data = {n for n in files if n.startswith((ckpt, recipes))}
+    data = {n for n in files if n.startswith((ckpt, recipes, templates))}
     other = {n for n in files if not n.endswith((".py", ".so")) and n not in data and ".dist-info/" not in n}
     assert not other, f"unexpected files in the wheel (build inputs or strays): {sorted(other)}"
 
@@ -133,6 +138,7 @@ CHILD = textwrap.dedent('''
     torch.set_num_threads(1)
     from importlib import resources
     from hybridspec import Engine
+    from hybridspec.runtime.prompts import tools_template
     from hybridspec.speculators.train import load_recipe
 
     data = resources.files("hybridspec.speculators")
@@ -147,6 +153,7 @@ CHILD = textwrap.dedent('''
         result = engine.generate(prompt, max_new_tokens=24, speculate=kind)
         out[kind] = {"tokens": result.token_ids, "drafter_runs": result.stats.drafter_runs,
                      "by_source": {k: vars(v) for k, v in result.stats.by_source.items()}}
+    out["tools_template"] = tools_template()  # the chat template tools fall back to, as package data
     out["modules"] = sorted({getattr(m, "__file__", None) or "" for name, m in list(sys.modules.items())
                              if name == "hybridspec" or name.startswith("hybridspec.")})
     print("RESULT " + json.dumps(out))
@@ -169,6 +176,7 @@ def test_installed_wheel_drafts_with_its_shipped_heads(built, tmp_path):
     assert any(m.endswith(".so") for m in result["modules"])  # the wheel's own compiled extensions were imported
     assert result["data"].startswith(str(site))
     assert sorted(result["drafters"]) == sorted(KINDS)
+    assert result["tools_template"] == (built["src"] / "hybridspec/grammar/templates/chatml_tools.jinja").read_text()
     assert len(result["ablations"]) == len(list((built["src"] / "speculators/recipes/ablations").glob("*.yaml")))
     for kind in ("peagle", "fasteagle"):
         assert result[kind]["tokens"] == result["none"], kind  # greedy: exactly the target's own tokens

@@ -253,6 +253,8 @@ class Constraint:
         def visit(row: int) -> None:
             if on_state is not None:
                 on_state(row)
+            if self.matcher.is_terminated():  # a drafted stop token: nothing follows it
+                return
             for i in children[row]:
                 if self.matcher.accept_token(proposal.token_ids[i]):
                     kept.append(i)

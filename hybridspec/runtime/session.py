@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Collection, Mapping, Protocol, Sequence
 
-from hybridspec.runtime.prompts import Message, check_messages, ignores_tools, tools_template
+from hybridspec.runtime.prompts import Message, check_messages, choose_template
 from hybridspec.runtime.stats import GenerationResult, GenerationStats
 
 
@@ -37,9 +37,8 @@ class Session:
 
     def _render(self, messages: list[dict[str, str]], tools: Sequence[Mapping[str, Any]] | None) -> str:
         """The conversation as the engine would render it (`hybridspec.runtime.prompts.render_messages`), as text."""
-        tokenizer, template = self.engine.tokenizer, self.engine.chat_template
-        if template is None and tools and ignores_tools(tokenizer):
-            template = tools_template()
+        tokenizer = self.engine.tokenizer
+        template = choose_template(tokenizer, messages, tools, self.engine.chat_template)
         return tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, chat_template=template,
                                              tokenize=False, add_generation_prompt=True)
 

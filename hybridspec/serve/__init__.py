@@ -5,7 +5,9 @@ client, mini-swe-agent, ...).
     hybridspec serve ~/models/my-llama --port 8080 --served-model-name my-llama --speculate ngram
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models, /health, /metrics
-(Prometheus). A request may pick its proposer with the extra body field `speculate`. `create_app(engine)` builds the
+(Prometheus). Chat requests may send `tools` / `tool_choice` (Hermes-style <tool_call> blocks in the chat template,
+constrained by a grammar, returned as OpenAI's `tool_calls`) and any request `response_format` (JSON, a JSON schema).
+A request may pick its proposer with the extra body field `speculate`. `create_app(engine)` builds the
 app for any engine (tests, embedding in another ASGI server).
 """
 from __future__ import annotations
@@ -41,6 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="prompt tokens a request runs per decode step while others decode (chunked prefill; "
                              "default 512)")
+    parser.add_argument("--chat-template", default=None, metavar="PATH",
+                        help="a Jinja chat template (a file, or the template itself) instead of the model's own; "
+                             "default: the model's, or for requests with tools, where it ignores them, hybridspec's "
+                             "ChatML tools template")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1, as for `hybridspec demo`; 0 = torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -55,16 +61,21 @@ def _main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hybridspec.runtime.engine import PREFILL_CHUNK, Engine
+    from hybridspec.runtime.prompts import load_chat_template
 
     if args.max_tokens <= 0:
         raise SystemExit("--max-tokens must be positive")
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:
         raise SystemExit("--prefill-chunk must be positive")
+    try:
+        chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--chat-template: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(args.model, max_seq_len=args.max_model_len,
                                     prefix_cache_bytes=args.prefix_cache_bytes,
-                                    prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
+                                    prefill_chunk=args.prefill_chunk or PREFILL_CHUNK, chat_template=chat_template)
     try:  # an unknown name fails here, at start, not at the first request
         engine.stream("x", speculate=args.speculate, max_new_tokens=1).close()
     except (ValueError, TypeError) as e:

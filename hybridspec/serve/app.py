@@ -2,7 +2,9 @@
 `/metrics`.
 
 Every HTTP request is one engine call (`Engine.stream`), so concurrent requests share decode steps (continuous
-batching) and each gets what it would get alone. The engine blocks, so its calls run in worker threads, one step per
+batching) and each gets what it would get alone. Tools, tool_choice and response_format go to the engine, which
+constrains the output with a grammar; a reply's `<tool_call>` blocks come back as OpenAI's `tool_calls` (streamed as
+`delta.tool_calls` once each call is complete). The engine blocks, so its calls run in worker threads, one step per
 thread hop while streaming: the event loop never waits on a step. A streaming client that goes away is cancelled at
 the next step (its engine stream is closed, its requests aborted, its batch slot freed).
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 import uuid
@@ -24,11 +27,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridspec.errors import ContextLengthExceeded, InvalidParameter
+from hybridspec.grammar.tool_calls import Event, ToolCallStreamParser, parse_tool_calls
 from hybridspec.serve.metrics import Metrics, finish_reason
-from hybridspec.serve.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                       ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionChoice,
-                                       CompletionChunk, CompletionRequest, Delta, ErrorInfo, ErrorResponse, ModelCard,
-                                       ModelList, PromptTokensDetails, Usage, error_response, param_path)
+from hybridspec.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_response,
+                                       param_path)
+from hybridspec.serve.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                        ChatCompletionChunk, Completion, CompletionChoice, CompletionChunk, Delta,
+                                        ErrorInfo, ErrorResponse, ModelCard, ModelList, PromptTokensDetails, ToolCall,
+                                        ToolCallDelta, Usage)
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics")
@@ -36,8 +42,13 @@ ENDPOINTS = (CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics")
 # endpoint's field; a chat message's fields ("messages[1].content") are named alike in both; the others the server
 # never sets from a request (tree, num_speculative_tokens) name no field.
 REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                  "speculate": "speculate", "stop": "stop", "seed": "seed"}
+                  "speculate": "speculate", "stop": "stop", "seed": "seed", "tool_choice": "tool_choice",
+                  "parallel_tool_calls": "parallel_tool_calls"}
 PROMPT_FIELDS = {CHAT: "messages", COMPLETIONS: "prompt"}
+NESTED_FIELDS = ("messages", "tools", "response_format")  # fields whose inner names the engine's params use as is
+# JSON nesting a body may have: far beyond real requests (a tool's schema 40 levels deep fits); a deeper one is refused
+# here rather than recursed into later (json, pydantic, the chat template, the grammar compiler: a RecursionError)
+MAX_DEPTH = 100
 
 
 def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suffix", max_tokens: int = 1024,
@@ -85,7 +96,7 @@ def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suf
     @app.post(CHAT)
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
         return await server.complete(CHAT, body, messages, body.max_completion_tokens or body.max_tokens)
 
     @app.post(COMPLETIONS)
@@ -97,15 +108,34 @@ def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suf
 
 
 async def _parse(request: Request, model: type[BaseModel]):
-    """The request body as `model`: JSON whatever the Content-Type says (curl -d sends a form's)."""
+    """The request body as `model`: JSON whatever the Content-Type says (curl -d sends a form's), no deeper than
+    MAX_DEPTH."""
     try:
         data = json.loads(await request.body())
     except ValueError as e:
         raise APIError(f"the body is not valid JSON: {e}", None, code="json_invalid") from None
+    except RecursionError:
+        raise APIError(f"the body is nested more than {MAX_DEPTH} levels deep", None) from None
+    field = _too_deep(data, MAX_DEPTH)
+    if field is not None:
+        raise APIError(f"{field or 'the body'} is nested more than {MAX_DEPTH} levels deep", field or None)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e.errors()) from None
+
+
+def _too_deep(data: Any, limit: int) -> str | None:
+    """The top-level field of `data` nested deeper than `limit` ("" for the body itself), or None."""
+    for field, value in data.items() if isinstance(data, dict) else [("", data)]:
+        stack = [(value, 2)]
+        while stack:
+            item, depth = stack.pop()
+            if isinstance(item, (dict, list)):
+                if depth > limit:
+                    return field
+                stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return None
 
 
 def _validation_error(errors: list) -> APIError:
@@ -172,10 +202,13 @@ class _Server:
         if body.model is not None and body.model != self.model:
             raise APIError(f"The model `{body.model}` does not exist: this server serves `{self.model}`", "model",
                            404, "model_not_found", "not_found_error")
+        tools = body.tool_options() if isinstance(body, ChatCompletionRequest) else {}
+        response_format = body.response_format and body.response_format.model_dump(by_alias=True, exclude_none=True)
         return dict(max_new_tokens=max_tokens or self.max_tokens,
                     temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
-                    speculate=body.speculate or self.speculate, stop=body.stop, seed=body.seed)
+                    speculate=body.speculate or self.speculate, stop=body.stop, seed=body.seed,
+                    response_format=response_format, **tools)
 
     async def complete(self, endpoint: str, body, prompt, max_tokens: int | None):
         options = self.options(body, max_tokens)
@@ -185,9 +218,11 @@ class _Server:
             code = "context_length_exceeded" if isinstance(e, ContextLengthExceeded) else None
             raise APIError(str(e), self.field(e.param, endpoint, body), code=code) from None
         ids = Ids(endpoint, self.model)
+        calls_tools = isinstance(body, ChatCompletionRequest) and body.calls_tools()
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _SSE(self._events(endpoint, stream, ids, include_usage), headers={"Cache-Control": "no-cache"})
+            return _SSE(self._events(endpoint, stream, ids, include_usage, calls_tools),
+                        headers={"Cache-Control": "no-cache"})
         self.metrics.running.inc()
         pump = _Pump(stream)
         try:
@@ -201,25 +236,33 @@ class _Server:
             pump.cancel()
             raise
         result = stream.result
-        self.metrics.ended(endpoint, result)
-        return _json(ids.response(result))
+        message = _message(result, calls_tools) if ids.chat else None
+        reason = finish_reason(result.finish_reason, bool(message and message.tool_calls))
+        self.metrics.ended(endpoint, reason, result)
+        return _json(ids.response(result, reason, message))
 
-    async def _events(self, endpoint: str, stream, ids: "Ids", include_usage: bool) -> AsyncIterator[str]:
-        """The SSE body: a role chunk (chat), text deltas, the chunk with the finish reason, the usage chunk if
-        asked for, `[DONE]`. Any way this generator ends before the engine call did cancels that call. (A response
-        whose client is gone before its first byte never starts it: the engine call, never started, holds
-        nothing.)"""
+    async def _events(self, endpoint: str, stream, ids: "Ids", include_usage: bool,
+                      calls_tools: bool) -> AsyncIterator[str]:
+        """The SSE body: a role chunk (chat), text deltas (with tools: content and tool-call deltas, as
+        `ToolCallStreamParser` sends them), the chunk with the finish reason, the usage chunk if asked for,
+        `[DONE]`. Any way this generator ends before the engine call did cancels that call. (A response whose client
+        is gone before its first byte never starts it: the engine call, never started, holds nothing.)"""
         self.metrics.running.inc()
         ended = False
         pump = _Pump(stream)
+        parser = ToolCallStreamParser() if calls_tools else None
         try:
             if ids.chat:
                 yield _event(ids.role_chunk())
             async for delta in pump:
-                yield _event(ids.chunk(delta))
+                for event in parser.feed(delta) if parser else [delta]:
+                    yield _event(ids.chunk(event))
+            for event in parser.finish() if parser else []:
+                yield _event(ids.chunk(event))
             result, ended = stream.result, True
-            self.metrics.ended(endpoint, result)
-            yield _event(ids.chunk(None, finish_reason(result.finish_reason)))
+            reason = finish_reason(result.finish_reason, bool(parser and parser.calls))
+            self.metrics.ended(endpoint, reason, result)
+            yield _event(ids.chunk(None, reason))
             if include_usage:
                 yield _event(ids.usage_chunk(result))
             yield "data: [DONE]\n\n"
@@ -236,10 +279,11 @@ class _Server:
 
     @staticmethod
     def field(param: str, endpoint: str, body) -> str | None:
-        """The request field named by the engine's parameter `param` (REQUEST_FIELDS)."""
+        """The request field named by the engine's parameter `param` (REQUEST_FIELDS; the fields of messages, tools
+        and response_format as the engine names them, "tools[0].function.parameters")."""
         if param == "prompt":
             return PROMPT_FIELDS[endpoint]
-        if param == "messages" or param.startswith("messages["):
+        if re.split(r"[.\[]", param, maxsplit=1)[0] in NESTED_FIELDS:
             return param
         if param == "max_new_tokens" and getattr(body, "max_completion_tokens", None) is not None:
             return "max_completion_tokens"
@@ -286,6 +330,18 @@ class _Pump:
             yield item
 
 
+def _message(result, calls_tools: bool) -> AssistantMessage:
+    """A chat reply: its text, or with tools its calls and the text beside them (the engine's parse where it made one,
+    the same `parse_tool_calls` otherwise)."""
+    if not calls_tools:
+        return AssistantMessage(content=result.text)
+    calls = getattr(result, "tool_calls", None)
+    content, calls = (result.content, calls) if calls is not None else parse_tool_calls(result.text)
+    if not calls:
+        return AssistantMessage(content=content or "")
+    return AssistantMessage(content=content, tool_calls=[ToolCall.model_validate(call) for call in calls])
+
+
 def _event(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
@@ -311,11 +367,11 @@ class Ids:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=result.stats.cached_tokens))
 
-    def response(self, result) -> ChatCompletion | Completion:
-        reason = finish_reason(result.finish_reason)
+    def response(self, result, reason: str, message: AssistantMessage | None) -> ChatCompletion | Completion:
+        """The whole response: chat's `message`, or the text."""
         if self.chat:
-            return ChatCompletion(**self._head(), usage=self.usage(result), choices=[
-                ChatChoice(message=AssistantMessage(content=result.text), finish_reason=reason)])
+            return ChatCompletion(**self._head(), usage=self.usage(result),
+                                  choices=[ChatChoice(message=message, finish_reason=reason)])
         return Completion(**self._head(), usage=self.usage(result),
                           choices=[CompletionChoice(text=result.text, finish_reason=reason)])
 
@@ -324,12 +380,14 @@ class Ids:
         return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(delta=Delta(role="assistant",
                                                                                         content=""))])
 
-    def chunk(self, text: str | None, reason: str | None = None) -> ChatCompletionChunk | CompletionChunk:
-        """A streamed chunk: text, or none with the finish reason (chat's delta is then {})."""
+    def chunk(self, event: Event | None, reason: str | None = None) -> ChatCompletionChunk | CompletionChunk:
+        """A streamed chunk: text, a tool-call delta (chat), or nothing with the finish reason (chat's delta is then
+        {})."""
         if self.chat:
-            return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(delta=Delta(content=text),
-                                                                                finish_reason=reason)])
-        return CompletionChunk(**self._head(), choices=[CompletionChoice(text=text or "", finish_reason=reason)])
+            delta = Delta(tool_calls=[ToolCallDelta.model_validate(event)]) if isinstance(event, dict) else \
+                Delta(content=event)
+            return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(delta=delta, finish_reason=reason)])
+        return CompletionChunk(**self._head(), choices=[CompletionChoice(text=event or "", finish_reason=reason)])
 
     def usage_chunk(self, result) -> ChatCompletionChunk | CompletionChunk:
         """The last chunk with stream_options.include_usage: no choices, the usage."""

@@ -14,9 +14,12 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
-def finish_reason(engine_reason: str | None) -> str:
-    """OpenAI's finish_reason for the engine's: "eos" and "stop" (a stop string) are both "stop"."""
-    return "length" if engine_reason == "length" else "stop"
+def finish_reason(engine_reason: str | None, tool_calls: bool = False) -> str:
+    """OpenAI's finish_reason for the engine's: "eos" and "stop" (a stop string) are both "stop", or "tool_calls"
+    where the reply called tools (a reply cut at its length limit stays "length")."""
+    if engine_reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 class Metrics:
@@ -26,7 +29,7 @@ class Metrics:
         self.http_requests = Counter("hybridspec:http_requests", "HTTP responses by endpoint and status code",
                                      ["endpoint", "status"], registry=r)
         self.requests = Counter("hybridspec:requests", "Generation requests by endpoint and finish reason (stop, "
-                                "length; abort: the client went away; error: the engine failed)",
+                                "length, tool_calls; abort: the client went away; error: the engine failed)",
                                 ["endpoint", "finish_reason"], registry=r)
         self.running = Gauge("hybridspec:num_requests_running", "Generation requests in the engine now", registry=r)
         self.prompt_tokens = Counter("hybridspec:prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -43,8 +46,10 @@ class Metrics:
         self.e2e = Histogram("hybridspec:e2e_request_latency_seconds", "A request's time in the engine",
                              buckets=E2E_BUCKETS, registry=r)
         source = ["source"]
-        self.spec_won = Counter("hybridspec:spec_decode_num_steps_won", "Steps whose draft came from this proposer "
-                                "source (a hybrid's choice)", source, registry=r)
+        # sources as the engine's stats name them: proposers ("suffix", "peagle", ...) and "grammar" (the tokens a
+        # grammar forced, drafted after a proposer's draft)
+        self.spec_won = Counter("hybridspec:spec_decode_num_steps_won", "Steps whose draft came from this source (a "
+                                "hybrid's choice; grammar: steps with grammar-forced draft tokens)", source, registry=r)
         self.spec_drafts = Counter("hybridspec:spec_decode_num_drafts", "Steps that verified a draft from this "
                                    "source", source, registry=r)
         self.spec_draft_tokens = Counter("hybridspec:spec_decode_num_draft_tokens", "Draft tokens sent to "
@@ -52,16 +57,16 @@ class Metrics:
         self.spec_accepted_tokens = Counter("hybridspec:spec_decode_num_accepted_tokens", "Draft tokens the target "
                                             "accepted, by source", source, registry=r)
 
-    def ended(self, endpoint: str, result) -> None:
-        """Count a request that left the engine: its `GenerationResult` (the usage it returned, its stats), or
-        "abort" (the client went away) or "error" (the engine failed), which count nothing else."""
+    def ended(self, endpoint: str, reason: str, result=None) -> None:
+        """Count a request that left the engine with OpenAI's finish `reason` and its `GenerationResult` (the usage
+        it returned, its stats), or with "abort" (the client went away) or "error" (the engine failed) and no result,
+        which count nothing else."""
         self.running.dec()
-        if isinstance(result, str):
-            self.requests.labels(endpoint, result).inc()
+        self.requests.labels(endpoint, reason).inc()
+        if result is None:
             return
         stats = result.stats
         n = len(result.token_ids)
-        self.requests.labels(endpoint, finish_reason(result.finish_reason)).inc()
         self.prompt_tokens.inc(len(result.prompt_token_ids))
         self.generation_tokens.inc(n)
         self.cached_tokens.inc(stats.cached_tokens)

@@ -1,18 +1,20 @@
-"""The OpenAI request and response bodies of the server (pydantic), and OpenAI-style errors.
+"""The OpenAI request bodies of the server (pydantic), and OpenAI-style errors (the responses: `responses`).
 
 Request fields the OpenAI API defines that do not change the output here (`user`, `metadata`, `store`, ...) are
-accepted and ignored; those that would change it and are not supported (`UNSUPPORTED`: `n` > 1, tools,
-log-probabilities, penalties, JSON output, ...) are rejected with a 400 naming the field, rather than silently ignored.
-Responses are models whose JSON is what OpenAI's clients parse (as vLLM's server has them).
+accepted and ignored; those that would change it and are not supported (`UNSUPPORTED`: `n` > 1, log-probabilities,
+penalties, the legacy `functions`, ...; `CHAT_ONLY` on text completions: tools) are rejected with a 400 naming the
+field, rather than silently ignored. Tools, `tool_choice` and `response_format` are checked here as far as the request
+alone tells (a tool_choice naming no tool); the engine checks what needs its grammar compiler (a JSON schema).
 """
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from hybridspec.serve.responses import ErrorInfo, ErrorResponse
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -55,19 +57,56 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., min_length=1)
+    arguments: Any = "{}"  # OpenAI's is a JSON string; a JSON object is taken too
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, arguments: Any) -> str | dict[str, Any]:
+        if not isinstance(arguments, (str, dict)):  # (a union type's errors would name its members in the field)
+            raise ValueError("arguments must be a JSON string or object")
+        return arguments
+
+
+class MessageToolCall(BaseModel):
+    """A call of an earlier assistant message, as the response had it."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    """A chat message; `name`, `tool_call_id` and other extra keys are accepted and not used."""
+    """A chat message: an assistant's may carry the `tool_calls` it made (and then no content), a tool message the
+    `tool_call_id` it answers; `name` and other extra keys go to the chat template as they are."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal[ROLES]
-    content: Any = Field(...)
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = Field(None, validate_default=True)
+    content: Any = Field(None, validate_default=True)  # validated last: it may be None where tool_calls are given
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and not call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return call_id
 
     @field_validator("content")
     @classmethod
-    def _text(cls, content: Any) -> str:
-        """A string, or OpenAI's list of content parts of type "text" (joined with newlines, as vLLM does)."""
+    def _text(cls, content: Any, info: ValidationInfo) -> str | None:
+        """A string, or OpenAI's list of content parts of type "text" (joined with newlines, as vLLM does); None only
+        for an assistant message's tool calls."""
         if isinstance(content, str):
             return content
+        if content is None:
+            if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+                return None
+            raise ValueError("content is missing")
         if isinstance(content, list):
             parts = [ContentPart.model_validate(p) if isinstance(p, dict) else None for p in content]
             if all(p is not None and p.type == "text" and isinstance(p.text, str) for p in parts):
@@ -76,9 +115,57 @@ class ChatMessage(BaseModel):
         raise ValueError("content must be a string or a list of text content parts")
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice {"type": "function", "function": {"name": ...}}: that function must be called."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """{"type": "text"}, {"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = Field(None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _given(cls, spec: JSONSchemaFormat | None, info: ValidationInfo) -> JSONSchemaFormat | None:
+        if info.data.get("type") == "json_schema" and (spec is None or spec.schema_ is None):
+            raise ValueError('type "json_schema" needs json_schema.schema')
+        return spec
+
+
 # Request fields that would change the output and are not supported: field -> (the values accepted, those that change
 # nothing here, compared with ==; why others are not). Both endpoints check them all, so that echo on a chat request
-# (vLLM's extension) or tools on a text completion are refused there too rather than ignored.
+# (vLLM's extension) is refused there too rather than ignored; text completions refuse CHAT_ONLY's as well.
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "n": ((None, 1), "one choice per request: n must be 1"),
     "best_of": ((None, 1), "best_of must be 1"),
@@ -87,28 +174,37 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "logprobs": ((None, False, 0), "no log-probabilities"),
     "top_logprobs": ((None, 0), "no log-probabilities"),
     "logit_bias": ((None, {}), "no logit bias"),
-    "response_format": ((None, {"type": "text"}), 'only {"type": "text"}'),
-    "tools": ((None, []), "no tool calling: describe the tools in the prompt"),
-    "functions": ((None, []), "no tool calling: describe the tools in the prompt"),
-    "tool_choice": ((None, "none", "auto"), "no tool calling"),
+    "functions": ((None, []), "the legacy functions API: use tools"),
+    "function_call": ((None, "none", "auto"), "the legacy functions API: use tool_choice"),
     "echo": ((None, False), "the prompt is not echoed"),
     "suffix": ((None, ""), "no insertion"),
 }
+CHAT_ONLY: dict[str, tuple[tuple, str]] = {
+    "tools": ((None, []), "tools need chat messages: use /v1/chat/completions"),
+    "tool_choice": ((None, "none", "auto"), "tools need chat messages: use /v1/chat/completions"),
+}
 
 
-def unsupported_errors(data: Any) -> list[InitErrorDetails]:
-    """pydantic errors, one per field of `data` (a request body) that UNSUPPORTED refuses, each located at its field."""
+def unsupported_errors(data: Any, refused: dict[str, tuple[tuple, str]] = UNSUPPORTED) -> list[InitErrorDetails]:
+    """pydantic errors, one per field of `data` (a request body) that `refused` refuses, each located at its field."""
     if not isinstance(data, dict):
         return []
     return [InitErrorDetails(type=PydanticCustomError("unsupported", "{field} is not supported by this server ({why})",
                                                       {"field": name, "why": why}), loc=(name,), input=data[name])
-            for name, (allowed, why) in UNSUPPORTED.items() if name in data and data[name] not in allowed]
+            for name, (allowed, why) in refused.items() if name in data and data[name] not in allowed]
+
+
+def field_error(model: type[BaseModel], field: str, message: str, value: Any) -> ValidationError:
+    """A validation error located at a request's field (a plain ValueError in a model validator would name none)."""
+    return ValidationError.from_exception_data(model.__name__, [InitErrorDetails(
+        type=PydanticCustomError("invalid", message), loc=(field,), input=value)])
 
 
 class _Request(BaseModel):
     """What chat and text completions share."""
 
     model_config = ConfigDict(extra="allow")
+    refused: ClassVar[dict[str, tuple[tuple, str]]] = UNSUPPORTED
     model: str | None = None
     max_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -118,12 +214,13 @@ class _Request(BaseModel):
     stop: Any = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     speculate: str | None = None  # hybridspec's extension: the proposer of this request ("suffix", "none", ...)
 
     @model_validator(mode="before")
     @classmethod
     def _supported(cls, data: Any) -> Any:
-        errors = unsupported_errors(data)
+        errors = unsupported_errors(data, cls.refused)
         if errors:  # a ValidationError keeps each error's location (a ValueError here would name no field)
             raise ValidationError.from_exception_data(cls.__name__, errors)
         return data
@@ -140,9 +237,51 @@ class _Request(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_of(cls, choice: Any) -> Any:
+        """One error for any other value (the union's would each name a member in the field)."""
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+                and isinstance(choice["function"].get("name"), str):
+            return choice
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                         '{"name": ...}}')
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> "ChatCompletionRequest":
+        """A tool_choice that asks for a call needs a tool to call: "required" some tool, a named one that tool."""
+        names = [tool.function.name for tool in self.tools or []]
+        choice = self.tool_choice
+        if choice == "required" and not names:
+            raise field_error(type(self), "tool_choice", 'tool_choice "required" needs tools', choice)
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise field_error(type(self), "tool_choice", f"tool_choice names the function {choice.function.name!r}, "
+                              f"which is not one of the tools ({', '.join(names) or 'none given'})",
+                              choice.model_dump())
+        if len(set(names)) < len(names):
+            raise field_error(type(self), "tools", "two tools have the same name", names)
+        return self
+
+    def tool_options(self) -> dict[str, Any]:
+        """The engine's tool options: the tools as plain dicts, the choice ("auto" or "none" without tools: None)."""
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []] or None
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return dict(tools=tools, tool_choice=choice if tools else None,
+                    parallel_tool_calls=self.parallel_tool_calls is not False)
+
+    def calls_tools(self) -> bool:
+        """Whether the output may hold tool calls (to be parsed into `tool_calls`)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(_Request):
+    refused: ClassVar[dict[str, tuple[tuple, str]]] = {**UNSUPPORTED, **CHAT_ONLY}
     prompt: Any = Field(...)
 
     @field_validator("prompt")
@@ -159,127 +298,3 @@ class CompletionRequest(_Request):
         if not prompt:
             raise ValueError("the prompt is empty")
         return prompt
-
-
-# ---------------------------------------------------------------------------------------------------- responses
-
-
-class _Body(BaseModel):
-    """A response body. Its fields are always in the JSON, null or not, except those of `omit_none` while None (as
-    OpenAI's bodies leave them out)."""
-
-    omit_none: ClassVar[tuple[str, ...]] = ()
-
-    @model_serializer(mode="wrap")
-    def _omit_none(self, handler) -> dict[str, Any]:
-        data = handler(self)
-        for name in self.omit_none:
-            if name in data and data[name] is None:
-                del data[name]
-        return data
-
-
-class PromptTokensDetails(_Body):
-    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
-
-
-class Usage(_Body):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class AssistantMessage(_Body):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(_Body):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: str
-
-
-class ChatCompletion(_Body):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class Delta(_Body):
-    """A streamed chat delta: the role first ({"role": "assistant", "content": ""}), then text, {} with the finish."""
-
-    omit_none = ("role", "content")
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(_Body):
-    index: int = 0
-    delta: Delta
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Body):
-    """A streamed chat chunk; the last, with stream_options.include_usage, has no choices and the usage."""
-
-    omit_none = ("usage",)
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChoice(_Body):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class Completion(_Body):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class CompletionChunk(Completion):
-    """A streamed text completion chunk (a text_completion object too); usage only in the last, as for chat."""
-
-    omit_none = ("usage",)
-    usage: Usage | None = None
-
-
-class ModelCard(_Body):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "hybridspec"
-    max_model_len: int
-
-
-class ModelList(_Body):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(_Body):
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(_Body):
-    error: ErrorInfo

@@ -1,0 +1,180 @@
+"""vLLM plugin mode under vLLM's own structured outputs (xgrammar): with HYBRIDSPEC_VLLM=suffix and `method: "suffix"`,
+greedy outputs constrained by a JSON schema, a tool-call-shaped schema (the one vLLM's server compiles for
+`tool_choice: "required"`) and a regex equal vLLM's without speculation, token for token, at batch 1 and 4; every
+output is valid against its constraint; our proposer drafted and vLLM accepted some of it.
+
+Why this holds without anything of the plugin's own: vLLM's scheduler checks every draft against the request's grammar
+before scheduling it (`StructuredOutputManager.validate_tokens`: the longest grammar-valid prefix, the matcher rolled
+back) and the runner masks the target's logits with a bitmask per draft position, so a draft token outside the grammar
+is never verified and the bonus token stays in it. Our proposer's drafts are cut there like vLLM's own; what it sees
+next step is only what vLLM committed (`SuffixRequests.update`), so the suffix cache never learns a cut draft.
+
+One vLLM subprocess (two engine starts, ~1-2 minutes here).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from test_vllm_plugin import life_cycle, needs_vllm, read_events, replay_through_fresh_cache
+
+from common import VLLM_ENV, VLLM_PYTHON
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 48
+K_SUFFIX = 8
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+BASH = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+# What vLLM's OpenAI server constrains a `tool_choice: "required"` reply to (serving_engine's tool schema): a list of
+# {name, parameters} objects, one alternative per tool
+TOOL_CALLS = {"type": "array", "minItems": 1,
+              "items": {"type": "object", "anyOf": [{"properties": {"name": {"type": "string", "enum": ["bash"]},
+                                                                    "parameters": BASH},
+                                                     "required": ["name", "parameters"]}]}}
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+
+# (the user's message, the constraint): "json" a JSON schema, "regex" a regular expression; the messages hold text the
+# reply copies (names, paths, commands), so that the suffix method has something to draft from
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("Extract the person as JSON with keys name and age. Text: 'Margaret Hamilton, 34, leads the Apollo flight "
+     "software team at MIT.'", {"json": PERSON}),
+    ("The tests failed with: FileNotFoundError: 'tests/data/config.yaml'. Call the bash tool with the command "
+     "`ls -la tests/data` to see what is there.", {"json": TOOL_CALLS}),
+    ("Reply with the JSON {\"command\": \"grep -rn parse_config src/\"} and nothing else.", {"json": BASH}),
+    ("The release was cut on 2024-03-15 and shipped on 2024-03-18. When did it ship? Answer with the date only.",
+     {"regex": DATE}),
+]
+
+
+def structured_worker(model: str, runs: list[dict], out_file: str) -> None:
+    """Runs under .venv-vllm/bin/python (hybridspec installed there, no pytest): per run an LLM (its speculative
+    config, record directory) generating its batches greedily, each prompt under its structured-outputs constraint;
+    writes per run the output token ids and texts of each batch and vLLM's speculative-decoding counters."""
+    import json
+    import os
+
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    results = []
+    for run in runs:
+        if run.get("record"):
+            os.environ.update(HYBRIDSPEC_VLLM_OBSERVER="vllm_recorder:Recorder", HYBRIDSPEC_VLLM_RECORD=run["record"])
+        else:
+            os.environ.pop("HYBRIDSPEC_VLLM_OBSERVER", None)
+        llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, disable_log_stats=False,
+                  speculative_config=run.get("speculative_config"), structured_outputs_config={"backend": "xgrammar"})
+        tokens, texts = [], []
+        for batch in run["batches"]:
+            params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"],
+                                     structured_outputs=StructuredOutputsParams(**p["constraint"])) for p in batch]
+            done = llm.generate([{"prompt_token_ids": p["prompt"]} for p in batch], params, use_tqdm=False)
+            tokens.append([list(o.outputs[0].token_ids) for o in done])
+            texts.append([o.outputs[0].text for o in done])
+        counters = {m.name: m.value for m in llm.get_metrics()
+                    if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
+        results.append({"name": run["name"], "tokens": tokens, "texts": texts, "counters": counters})
+        del llm
+    with open(out_file, "w") as f:
+        json.dump(results, f)
+
+
+def run_structured(runs: list[dict], work: Path, env: dict[str, str], timeout: int = 1200) -> dict[str, dict]:
+    from hybridspec.model.loading import resolve_model
+
+    out_file = work / "results.json"
+    code = textwrap.dedent(inspect.getsource(structured_worker))
+    code += f"\nif __name__ == '__main__':\n    structured_worker({str(resolve_model('smollm2'))!r}, {runs!r}, " \
+            f"{str(out_file)!r})\n"
+    script = work / "structured_worker.py"  # a file, not -c: spawned processes re-import __main__
+    script.write_text(code)
+    proc = subprocess.run(["nice", "-n", "10", str(VLLM_PYTHON), str(script)], cwd=work, text=True,
+                          capture_output=True, env={**os.environ, **VLLM_ENV, "PYTHONPATH": str(ROOT / "tests"), **env},
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"vLLM subprocess failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return {r["name"]: r for r in json.loads(out_file.read_text())}
+
+
+def chat_prompts() -> list[list[int]]:
+    from hybridspec.model.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2")
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False)) for text, _ in CASES]
+
+
+def valid(text: str, constraint: dict[str, Any]) -> bool:
+    """Whether `text` satisfies the constraint: a whole match of the regex, or JSON valid against the schema."""
+    import jsonschema
+
+    if "regex" in constraint:
+        return re.fullmatch(constraint["regex"], text) is not None
+    try:
+        jsonschema.validate(json.loads(text), constraint["json"])
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def structured_runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm_structured")
+    requests = [{"prompt": p, "max_tokens": MAX_TOKENS, "constraint": c} for p, (_, c) in zip(chat_prompts(), CASES)]
+    batches = [[r] for r in requests] + [requests]  # each alone, then all four at once
+    runs = [{"name": "none", "batches": batches},
+            {"name": "suffix", "batches": batches, "record": str(work / "rec-suffix"),
+             "speculative_config": {"method": "suffix", "num_speculative_tokens": K_SUFFIX}}]
+    results = run_structured(runs, work, {"HYBRIDSPEC_VLLM": "suffix"})
+    return SimpleNamespace(work=work, batches=batches, results=results)
+
+
+@needs_vllm
+def test_structured_greedy_outputs_of_our_suffix_method_equal_vllm_without_speculation(structured_runs):
+    plain, ours = structured_runs.results["none"], structured_runs.results["suffix"]
+    assert all(len(o) > 0 for batch in plain["tokens"] for o in batch)
+    assert ours["tokens"] == plain["tokens"]  # batch 1 (one batch per case) and batch 4 (the last)
+    assert ours["texts"] == plain["texts"]
+
+
+@needs_vllm
+def test_every_structured_output_satisfies_its_constraint(structured_runs):
+    for name in ("none", "suffix"):
+        for batch, texts in zip(structured_runs.batches, structured_runs.results[name]["texts"]):
+            for request, text in zip(batch, texts):
+                assert valid(text, request["constraint"]), (name, request["constraint"], text)
+
+
+@needs_vllm
+def test_our_proposer_drafted_under_the_grammar_and_vllm_accepted_some(structured_runs):
+    counters = structured_runs.results["suffix"]["counters"]
+    assert counters.get("vllm:spec_decode_num_drafts", 0) > 0, counters
+    assert counters.get("vllm:spec_decode_num_accepted_tokens", 0) > 0, counters
+    assert not structured_runs.results["none"]["counters"].get("vllm:spec_decode_num_drafts")
+    recordings = read_events(structured_runs.work / "rec-suffix")
+    assert len(recordings) == 1
+    counts = replay_through_fresh_cache(recordings[0])  # the same drafts as a fresh SuffixCache, step by step
+    assert counts["drafts"] > 0
+    cycles = life_cycle(recordings[0])
+    assert cycles["start"] == sum(len(b) for b in structured_runs.batches) and cycles["restart"] == 0
+
+
+def test_the_constraint_check_accepts_and_refuses():
+    assert valid('{"name": "Margaret Hamilton", "age": 34}', {"json": PERSON})
+    assert not valid('{"name": "Margaret Hamilton", "age": "34"}', {"json": PERSON})
+    assert not valid('{"name": "Margaret', {"json": PERSON})
+    assert valid('[{"name": "bash", "parameters": {"command": "ls tests/data"}}]', {"json": TOOL_CALLS})
+    assert not valid('[{"name": "python", "parameters": {"command": "ls"}}]', {"json": TOOL_CALLS})
+    assert not valid("[]", {"json": TOOL_CALLS})
+    assert valid("2024-03-18", {"regex": DATE}) and not valid("2024-03-18.", {"regex": DATE})
