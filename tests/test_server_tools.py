@@ -199,6 +199,24 @@ def test_metrics_count_tool_calls_and_grammar_drafts(server, client, engine):
             counts.accepted_tokens - old.get("accepted_tokens", 0), source
 
 
+def test_a_server_without_grammar_drafts_drafts_none_and_answers_the_same(tiny_model, tiny_tokenizer, client):
+    """`hybridspec serve --no-grammar-drafts` (create_app(grammar_drafts=False)): the same replies, no "grammar"
+    source."""
+    engine = Engine(TargetModel(tiny_model), tiny_tokenizer)
+    plain = Server(create_app(engine, served_model_name=MODEL, grammar_drafts=False))
+    try:
+        other = openai.OpenAI(base_url=plain.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for choice in ("required", NAMED_G):
+            ours = other.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                                 **GREEDY)
+            theirs = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                                    **GREEDY)
+            assert calls(ours.choices[0].message) == calls(theirs.choices[0].message)
+        assert "grammar" not in engine.stats.by_source and engine.stats.steps > 0
+    finally:
+        plain.stop()
+
+
 # ---------------------------------------------------------------------------------------------------- bad input
 
 

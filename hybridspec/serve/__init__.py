@@ -47,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a Jinja chat template (a file, or the template itself) instead of the model's own; "
                              "default: the model's, or for requests with tools, where it ignores them, hybridspec's "
                              "ChatML tools template")
+    parser.add_argument("--no-grammar-drafts", dest="grammar_drafts", action="store_false",
+                        help="under a grammar (tools, response_format) do not draft the tokens it forces")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1, as for `hybridspec demo`; 0 = torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -82,7 +84,8 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--speculate: {e}")
     prometheus_client.disable_created_metrics()  # no `_created` series beside every counter (as vLLM)
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
-    app = create_app(engine, served_model_name=name, speculate=args.speculate, max_tokens=args.max_tokens)
+    app = create_app(engine, served_model_name=name, speculate=args.speculate, max_tokens=args.max_tokens,
+                     grammar_drafts=args.grammar_drafts)
     print(f"hybridspec serve: {name} on http://{args.host}:{args.port}/v1 (speculate={args.speculate})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

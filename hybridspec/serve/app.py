@@ -52,12 +52,13 @@ MAX_DEPTH = 100
 
 
 def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suffix", max_tokens: int = 1024,
-               registry: CollectorRegistry | None = None) -> FastAPI:
+               registry: CollectorRegistry | None = None, grammar_drafts: bool = True) -> FastAPI:
     """The server's app on `engine`. speculate: the proposer of requests that do not name one (the request field
     `speculate` overrides it); max_tokens: the limit of requests that set neither max_tokens nor
-    max_completion_tokens. Metrics go to `registry` (default: a new one, this app's own)."""
+    max_completion_tokens; grammar_drafts: under a grammar, draft the tokens it forces (`Engine.generate`). Metrics
+    go to `registry` (default: a new one, this app's own)."""
     app = FastAPI(title="hybridspec", version=_version(), docs_url=None, redoc_url=None)
-    server = _Server(engine, served_model_name, speculate, max_tokens, Metrics(registry))
+    server = _Server(engine, served_model_name, speculate, max_tokens, Metrics(registry), grammar_drafts)
     app.state.server = server
     app.state.metrics = server.metrics
 
@@ -192,9 +193,9 @@ class _SSE(StreamingResponse):
 
 
 class _Server:
-    def __init__(self, engine, model: str, speculate: str, max_tokens: int, metrics: Metrics):
+    def __init__(self, engine, model: str, speculate: str, max_tokens: int, metrics: Metrics, grammar_drafts: bool):
         self.engine, self.model, self.speculate, self.max_tokens = engine, model, speculate, max_tokens
-        self.metrics = metrics
+        self.metrics, self.grammar_drafts = metrics, grammar_drafts
         self.created = int(time.time())
 
     def options(self, body, max_tokens: int | None) -> dict[str, Any]:
@@ -208,7 +209,7 @@ class _Server:
                     temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
                     speculate=body.speculate or self.speculate, stop=body.stop, seed=body.seed,
-                    response_format=response_format, **tools)
+                    response_format=response_format, grammar_drafts=self.grammar_drafts, **tools)
 
     async def complete(self, endpoint: str, body, prompt, max_tokens: int | None):
         options = self.options(body, max_tokens)
