@@ -146,6 +146,7 @@ def test_a_call_with_tools_returns_its_parsed_tool_calls(engine):
     (dict(tools=BASH, tool_choice="sometimes"), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),
     (dict(tools=[{"type": "function", "function": {"name": ""}}]), "tools[0].function.name"),
+    (dict(tools=[{"type": "function", "function": {"name": 'x", "arguments": {}}'}}]), "tools[0].function.name"),
     (dict(tools=BASH, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
 ])
 def test_bad_grammars_name_their_field(engine, options, param):

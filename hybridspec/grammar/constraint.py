@@ -14,6 +14,7 @@ forces are drafted after it (`Constraint.check`).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -26,6 +27,7 @@ from hybridspec.proposal import Proposal
 # "arguments": {...}}\n</tool_call>, calls one per line
 TOOL_CALL_BEGIN, TOOL_CALL_END = '<tool_call>\n{"name": "{name}", "arguments": ', "}\n</tool_call>"
 TOOL_CHOICES = ("auto", "none", "required")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # also what keeps a name from breaking out of the call's JSON
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,9 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict], str | dict]:
             raise InvalidParameter(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                                    f"tools[{i}]")
         name, parameters = function.get("name"), function.get("parameters", {"type": "object"})
-        if not isinstance(name, str) or not name:
-            raise InvalidParameter(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise InvalidParameter(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-' (OpenAI's "
+                                   f"rule), got {name!r}", f"tools[{i}].function.name")
         if not isinstance(parameters, Mapping):
             raise InvalidParameter(f"tools[{i}].function.parameters must be a JSON schema object",
                                    f"tools[{i}].function.parameters")

@@ -1,5 +1,5 @@
-"""Tool calls in generated text, Hermes / Qwen style (what our ChatML tools template asks for and xgrammar's "qwen_3"
-structural tag constrains):
+"""Tool calls in generated text, Hermes / Qwen style (what our ChatML tools template asks for and our
+grammar, `hybridspec.grammar.constraint.tool_calls_tag`, constrains):
 
     <tool_call>
     {"name": "bash", "arguments": {"command": "ls -la"}}
