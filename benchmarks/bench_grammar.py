@@ -9,14 +9,14 @@ Methods (one Engine each on one shared target model, so that no suffix or prefix
 - grammar-suffix-nogd: the suffix cache's drafts checked against the grammar, without grammar-forced drafts;
 - grammar-suffix: the same with the tokens the grammar forces drafted (source "grammar").
 
-Where the model writes the same tokens with and without the grammar (it often writes the call the template asks for
-unprompted), the grammar's own cost is measured on identical work: `constrained_cost` is grammar-none's decode seconds
-per token over free-none's on those calls (target: at most 1.05, i.e. free over constrained speed at least 0.95); on
-all calls too, as `constrained_cost_all`.
+The grammar's own cost: `constrained_cost` is grammar-none's decode seconds per token over free-none's, on the same
+prompts (the outputs differ where the grammar steers, but a decode step costs the same whichever token it makes;
+target: at most 1.05), and `constrained_cost_identical` the same on the calls where both wrote identical tokens (None
+where there are none: SmolLM2 seldom writes the call unasked).
 Speed: whole-call tok/s, at concurrency 1 (methods interleaved call by call) and 4 (threads on one engine).
 
 JSON: harness.py's keys (reference grammar-none, outputs_compared "tokens"), and `constrained_cost`,
-`constrained_cost_all`, `same_tokens_calls` (calls whose free and constrained outputs are identical).
+`constrained_cost_identical`, `same_tokens_calls` (calls whose free and constrained outputs are identical).
 
     nice -n 10 .venv/bin/python benchmarks/bench_grammar.py --json out/bench_grammar.json     # ~15 min here
     .venv/bin/python benchmarks/bench_grammar.py --smoke                                     # ~1 min
@@ -66,7 +66,8 @@ def decode_s_per_token(records: Sequence[CallRecord]) -> float | None:
 
 
 def constrained_cost(runs: Mapping[str, Sequence[CallRecord]]) -> dict[str, Any]:
-    """grammar-none's decode seconds per token over free-none's: on the calls whose tokens are the same, and on all."""
+    """grammar-none's decode seconds per token over free-none's: on every call both ran, and on those whose tokens are
+    the same."""
     free = {r.key: r for r in runs.get("free-none", [])}
     constrained = {r.key: r for r in runs.get("grammar-none", [])}
     same = [k for k in constrained if k in free and free[k].output == constrained[k].output]
@@ -75,7 +76,7 @@ def constrained_cost(runs: Mapping[str, Sequence[CallRecord]]) -> dict[str, Any]
         a, b = decode_s_per_token([constrained[k] for k in keys]), decode_s_per_token([free[k] for k in keys])
         return round(a / b, 3) if a and b else None
 
-    return {"constrained_cost": ratio(same), "constrained_cost_all": ratio([k for k in constrained if k in free]),
+    return {"constrained_cost": ratio([k for k in constrained if k in free]), "constrained_cost_identical": ratio(same),
             "same_tokens_calls": len(same)}
 
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.trajectories, args.calls_per_trajectory, args.json_calls, args.concurrency = 1, 2, 1, "1"
-        args.max_prompt_tokens, args.max_tokens = 1536, 48
+        args.max_prompt_tokens, args.max_tokens = 4096, 48
     methods = [m for m in args.methods.split(",") if m]
     unknown = set(methods) - set(METHODS)
     if unknown or REFERENCE not in methods:
@@ -163,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for workload, by_level in workloads.items():
         for name, table in by_level.items():
             print_table(f"{workload}, {name}", rows({workload: table}), columns)
-    print(f"constrained decoding per token over free decoding: {costs.get('constrained_cost')} on "
-          f"{costs.get('same_tokens_calls')} calls of identical tokens, {costs.get('constrained_cost_all')} on all")
+    print(f"constrained decoding's time per token over free decoding's: {costs.get('constrained_cost')} (on the "
+          f"{costs.get('same_tokens_calls')} calls of identical tokens: {costs.get('constrained_cost_identical')})")
     print_targets(targets)
     result = report(args, started, workloads=workloads, targets=targets, reference=REFERENCE, outputs=reference,
                     records=records, **costs)
