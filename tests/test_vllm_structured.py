@@ -1,7 +1,7 @@
 """vLLM plugin mode under vLLM's own structured outputs (xgrammar): with HYBRIDSPEC_VLLM=suffix and `method: "suffix"`,
-greedy outputs constrained by a JSON schema, a tool-call-shaped schema (the one vLLM's server compiles for
-`tool_choice: "required"`) and a regex equal vLLM's without speculation, token for token, at batch 1 and 4; every
-output is valid against its constraint; our proposer drafted and vLLM accepted some of it.
+greedy outputs constrained by a JSON schema, the two constraints vLLM's server compiles for `tool_choice: "required"`
+(a JSON list of calls; the hermes parser's structural tag) and a regex equal vLLM's without speculation, token for
+token, at batch 1 and 5; every output is valid against its constraint; our proposer drafted and vLLM accepted some.
 
 Why this holds without anything of the plugin's own: vLLM's scheduler checks every draft against the request's grammar
 before scheduling it (`StructuredOutputManager.validate_tokens`: the longest grammar-valid prefix, the matcher rolled
@@ -35,21 +35,38 @@ K_SUFFIX = 8
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 BASH = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
-# What vLLM's OpenAI server constrains a `tool_choice: "required"` reply to (serving_engine's tool schema): a list of
-# {name, parameters} objects, one alternative per tool
+# What vLLM's OpenAI server constrains a `tool_choice: "required"` reply to where its tool parser has no structural
+# tag (tool_parsers/utils.py get_json_schema_from_tools): a list of {name, parameters} objects, one kind per tool
 TOOL_CALLS = {"type": "array", "minItems": 1,
               "items": {"type": "object", "anyOf": [{"properties": {"name": {"type": "string", "enum": ["bash"]},
                                                                     "parameters": BASH},
                                                      "required": ["name", "parameters"]}]}}
+
+
+def _hermes_call(newline: str) -> dict[str, Any]:
+    return {"type": "tag", "begin": f'<tool_call>{newline}{{"name": "bash", "arguments": ',
+            "content": {"type": "json_schema", "json_schema": BASH, "style": "json", "any_order": False,
+                        "max_whitespace_cnt": None, "excludes": []},
+            "end": f"}}{newline}</tool_call>"}
+
+
+# ... and where it has one: what vLLM 0.32's server compiles for the hermes parser, tool_choice "required", a strict
+# bash tool and parallel_tool_calls false (structural_tag_registry.get_model_structural_tag, limit_to_single_tool_call)
+HERMES_REQUIRED = {"type": "structural_tag", "format": {
+    "type": "tags_with_separator", "tags": [_hermes_call("\n"), _hermes_call("")], "separator": "",
+    "at_least_one": True, "stop_after_first": True}}
+HERMES_BLOCK = re.compile(r"<tool_call>\n?(.*?)\n?</tool_call>", re.DOTALL)
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+TOOL_PROMPT = ("The tests failed with: FileNotFoundError: 'tests/data/config.yaml'. Call the bash tool with the "
+               "command `ls -la tests/data` to see what is there.")
 
 # (the user's message, the constraint): "json" a JSON schema, "regex" a regular expression; the messages hold text the
 # reply copies (names, paths, commands), so that the suffix method has something to draft from
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("Extract the person as JSON with keys name and age. Text: 'Margaret Hamilton, 34, leads the Apollo flight "
      "software team at MIT.'", {"json": PERSON}),
-    ("The tests failed with: FileNotFoundError: 'tests/data/config.yaml'. Call the bash tool with the command "
-     "`ls -la tests/data` to see what is there.", {"json": TOOL_CALLS}),
+    (TOOL_PROMPT, {"json": TOOL_CALLS}),
+    (TOOL_PROMPT, {"structural_tag": json.dumps(HERMES_REQUIRED)}),
     ("Reply with the JSON {\"command\": \"grep -rn parse_config src/\"} and nothing else.", {"json": BASH}),
     ("The release was cut on 2024-03-15 and shipped on 2024-03-18. When did it ship? Answer with the date only.",
      {"regex": DATE}),
@@ -116,14 +133,20 @@ def chat_prompts() -> list[list[int]]:
 
 
 def valid(text: str, constraint: dict[str, Any]) -> bool:
-    """Whether `text` satisfies the constraint: a whole match of the regex, or JSON valid against the schema."""
+    """Whether `text` satisfies the constraint: a whole match of the regex, JSON valid against the schema, or (the
+    hermes tag) one <tool_call> block calling bash with arguments valid against its parameters."""
     import jsonschema
 
     if "regex" in constraint:
         return re.fullmatch(constraint["regex"], text) is not None
     try:
+        if "structural_tag" in constraint:
+            blocks = HERMES_BLOCK.findall(text)
+            call = json.loads(blocks[0])
+            jsonschema.validate(call["arguments"], BASH)
+            return len(blocks) == 1 and call["name"] == "bash" and HERMES_BLOCK.sub("", text).strip() == ""
         jsonschema.validate(json.loads(text), constraint["json"])
-    except (ValueError, jsonschema.ValidationError):
+    except (ValueError, IndexError, KeyError, TypeError, jsonschema.ValidationError):
         return False
     return True
 
@@ -132,7 +155,7 @@ def valid(text: str, constraint: dict[str, Any]) -> bool:
 def structured_runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm_structured")
     requests = [{"prompt": p, "max_tokens": MAX_TOKENS, "constraint": c} for p, (_, c) in zip(chat_prompts(), CASES)]
-    batches = [[r] for r in requests] + [requests]  # each alone, then all four at once
+    batches = [[r] for r in requests] + [requests]  # each alone, then all at once
     runs = [{"name": "none", "batches": batches},
             {"name": "suffix", "batches": batches, "record": str(work / "rec-suffix"),
              "speculative_config": {"method": "suffix", "num_speculative_tokens": K_SUFFIX}}]
@@ -144,7 +167,7 @@ def structured_runs(tmp_path_factory):
 def test_structured_greedy_outputs_of_our_suffix_method_equal_vllm_without_speculation(structured_runs):
     plain, ours = structured_runs.results["none"], structured_runs.results["suffix"]
     assert all(len(o) > 0 for batch in plain["tokens"] for o in batch)
-    assert ours["tokens"] == plain["tokens"]  # batch 1 (one batch per case) and batch 4 (the last)
+    assert ours["tokens"] == plain["tokens"]  # batch 1 (one batch per case) and all together (the last)
     assert ours["texts"] == plain["texts"]
 
 
@@ -178,3 +201,7 @@ def test_the_constraint_check_accepts_and_refuses():
     assert not valid('[{"name": "python", "parameters": {"command": "ls"}}]', {"json": TOOL_CALLS})
     assert not valid("[]", {"json": TOOL_CALLS})
     assert valid("2024-03-18", {"regex": DATE}) and not valid("2024-03-18.", {"regex": DATE})
+    tag = {"structural_tag": json.dumps(HERMES_REQUIRED)}
+    assert valid('<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>', tag)
+    assert not valid('<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>', tag)
+    assert not valid('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call> and more', tag)
