@@ -163,8 +163,9 @@ def test_bad_grammars_name_their_field(engine, options, param):
 PATTERN = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "pattern": "^[!#$]+$"}}}
 
 
-def exact_masked_distribution(model, prompt: list[int], compiled, depth: int) -> dict[tuple, float]:
-    """P(first `depth` tokens) under plain constrained sampling at temperature 1: the masked softmax at each prefix."""
+def exact_masked_distribution(model, prompt: list[int], compiled, depth: int, top_k: int = 0) -> dict[tuple, float]:
+    """P(first `depth` tokens) under plain constrained sampling at temperature 1: at each prefix the softmax of the
+    masked logits (their top_k only, where given: top-k applies after the mask, as in plain constrained sampling)."""
     dist: dict[tuple, float] = {}
 
     def expand(prefix: tuple, p: float) -> None:
@@ -176,11 +177,15 @@ def exact_masked_distribution(model, prompt: list[int], compiled, depth: int) ->
             assert matcher.accept_token(t)
         matcher.fill_next_token_bitmask(mask)
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1:].double().clone()
-        allowed = [(int(mask[0, 0]) >> t) & 1 for t in range(SMALL_VOCAB)]
-        probs = torch.softmax(logits[0].masked_fill(torch.tensor(allowed) == 0, float("-inf")), -1)
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double().clone()
+        allowed = torch.tensor([(int(mask[0, 0]) >> t) & 1 for t in range(SMALL_VOCAB)]) == 1
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        if top_k:
+            kth = logits.topk(min(top_k, int(allowed.sum()))).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, -1)
         for t in range(SMALL_VOCAB):
-            if allowed[t]:
+            if probs[t] > 0:
                 expand(prefix + (t,), p * float(probs[t]))
 
     expand((), 1.0)
@@ -219,8 +224,7 @@ def test_sampling_under_a_grammar_keeps_the_masked_target_distribution(small_voc
     prompt = [3, 5, 4, 6]
     compiled = engine.grammars.compile(grammar_spec(response_format=PATTERN))
     # top-k applies to the masked logits, as plain constrained sampling applies it
-    expected = (exact_masked_distribution_top_k(model, prompt, compiled, 3, top_k) if top_k
-                else exact_masked_distribution(model, prompt, compiled, depth=3))
+    expected = exact_masked_distribution(model, prompt, compiled, depth=3, top_k=top_k)
     assert math.isclose(sum(expected.values()), 1.0, rel_tol=1e-9)
     proposer = GrammarSamplingProposer(seed=21 + 2 * tree + with_logits, tree=tree, with_logits=with_logits)
     counts = Counter()
@@ -233,32 +237,6 @@ def test_sampling_under_a_grammar_keeps_the_masked_target_distribution(small_voc
         assert results[0].stats.accepted_tokens > 0
     assert chi_square_p_value([counts.get(c, 0) for c in expected], list(expected.values())) > 1e-3
     assert set(counts) <= set(expected)  # nothing outside the grammar
-
-
-def exact_masked_distribution_top_k(model, prompt, compiled, depth: int, top_k: int) -> dict[tuple, float]:
-    """As exact_masked_distribution, with top-k applied to the masked logits."""
-    dist: dict[tuple, float] = {}
-
-    def expand(prefix: tuple, p: float) -> None:
-        if len(prefix) == depth or (prefix and prefix[-1] == 2):
-            dist[prefix] = p
-            return
-        matcher, mask = xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, SMALL_VOCAB)
-        for t in prefix:
-            assert matcher.accept_token(t)
-        matcher.fill_next_token_bitmask(mask)
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double().clone()
-        allowed = torch.tensor([(int(mask[0, 0]) >> t) & 1 for t in range(SMALL_VOCAB)]) == 1
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        kth = logits.topk(min(top_k, int(allowed.sum()))).values[-1]
-        probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), -1)
-        for t in range(SMALL_VOCAB):
-            if probs[t] > 0:
-                expand(prefix + (t,), p * float(probs[t]))
-
-    expand((), 1.0)
-    return dist
 
 
 def test_cutting_a_sampled_draft_would_skew_the_sample(small_vocab_engine):
