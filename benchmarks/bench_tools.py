@@ -44,7 +44,8 @@ out) as one JSON string: identical_calls = the same reply, character for charact
 and at the top: requests ({workload: what was sent besides the messages: tools, tool_choice, response_format}),
 chat_template (its path), replies ({method@C: {"<trajectory>#<index>": output}}), vllm (its python, speculative
 configs, environment, extra server arguments).
-Targets: serve-suffix over serve-none (identical outputs too), over serve-suffix-nogrammar, over vLLM's best.
+Targets (issue 33): serve-suffix at least 1.5x serve-none (identical outputs too) and 1.2x vLLM's best, and at least
+level with serve-suffix-nogrammar.
 
     nice -n 10 .venv/bin/python benchmarks/bench_tools.py --json out/bench_tools.json      # ~20 min here (2 cores)
     .venv/bin/python benchmarks/bench_tools.py --smoke        # ~2 min: serve-none and serve-suffix, 3 requests
@@ -116,7 +117,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 ]}
 REFERENCE = "serve-none"
 SMOKE_METHODS = ("serve-none", "serve-suffix")
-TARGETS = {"serve_suffix_vs_none": 1.0, "serve_suffix_vs_nogrammar": 1.0, "serve_suffix_vs_best_vllm": 1.0}
+TARGETS = {"serve_suffix_vs_none": 1.5, "serve_suffix_vs_nogrammar": 1.0, "serve_suffix_vs_best_vllm": 1.2}  # issue 33
 
 
 def chat_template_path() -> Path:
