@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -266,14 +267,18 @@ def vllm_worker(model: str, runs: list[dict], out_file: str) -> None:
         json.dump(results, f)
 
 
-def run_vllm(runs: list[dict], work: Path, env: dict[str, str], timeout: int = 1500) -> dict[str, dict]:
+def run_vllm(runs: list[dict], work: Path, env: dict[str, str], timeout: int = 1500,
+             worker: Callable | None = None) -> dict[str, dict]:
+    """`worker(model_dir, runs, out_file)` (default `vllm_worker`; its source alone) in .venv-vllm's Python, nice'd;
+    its results by run name."""
     from hybridspec.model.loading import resolve_model
 
+    worker = worker or vllm_worker
     out_file = work / "results.json"
-    code = textwrap.dedent(inspect.getsource(vllm_worker))
-    code += f"\nif __name__ == '__main__':\n    vllm_worker({str(resolve_model('smollm2'))!r}, {runs!r}, " \
+    code = textwrap.dedent(inspect.getsource(worker))
+    code += f"\nif __name__ == '__main__':\n    {worker.__name__}({str(resolve_model('smollm2'))!r}, {runs!r}, " \
             f"{str(out_file)!r})\n"
-    script = work / "vllm_worker.py"  # a file, not -c: spawned processes re-import __main__
+    script = work / f"{worker.__name__}.py"  # a file, not -c: spawned processes re-import __main__
     script.write_text(code)
     proc = subprocess.run(["nice", "-n", "10", str(VLLM_PYTHON), str(script)], cwd=work, text=True,
                           capture_output=True, env={**os.environ, **VLLM_ENV, "PYTHONPATH": str(ROOT / "tests"), **env},

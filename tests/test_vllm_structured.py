@@ -13,20 +13,14 @@ One vLLM subprocess (two engine starts, ~1-2 minutes here).
 """
 from __future__ import annotations
 
-import inspect
 import json
-import os
 import re
-import subprocess
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_vllm_plugin import life_cycle, needs_vllm, read_events, replay_through_fresh_cache
-
-from common import VLLM_ENV, VLLM_PYTHON
+from test_vllm_plugin import life_cycle, needs_vllm, read_events, replay_through_fresh_cache, run_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 48
@@ -107,21 +101,7 @@ def structured_worker(model: str, runs: list[dict], out_file: str) -> None:
 
 
 def run_structured(runs: list[dict], work: Path, env: dict[str, str], timeout: int = 1200) -> dict[str, dict]:
-    from hybridspec.model.loading import resolve_model
-
-    out_file = work / "results.json"
-    code = textwrap.dedent(inspect.getsource(structured_worker))
-    code += f"\nif __name__ == '__main__':\n    structured_worker({str(resolve_model('smollm2'))!r}, {runs!r}, " \
-            f"{str(out_file)!r})\n"
-    script = work / "structured_worker.py"  # a file, not -c: spawned processes re-import __main__
-    script.write_text(code)
-    proc = subprocess.run(["nice", "-n", "10", str(VLLM_PYTHON), str(script)], cwd=work, text=True,
-                          capture_output=True, env={**os.environ, **VLLM_ENV, "PYTHONPATH": str(ROOT / "tests"), **env},
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"vLLM subprocess failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
-    return {r["name"]: r for r in json.loads(out_file.read_text())}
+    return run_vllm(runs, work, env, timeout, worker=structured_worker)
 
 
 def chat_prompts() -> list[list[int]]:
