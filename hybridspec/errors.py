@@ -2,7 +2,7 @@
 it from the message. Cheap to import: nothing but the standard library."""
 from __future__ import annotations
 
-__all__ = ["InvalidParameter", "InvalidParameterType", "ContextLengthExceeded"]
+__all__ = ["InvalidParameter", "InvalidParameterType", "ContextLengthExceeded", "QueueFull"]
 
 
 class InvalidParameter(ValueError):
@@ -24,3 +24,15 @@ class InvalidParameterType(InvalidParameter, TypeError):
 
 class ContextLengthExceeded(InvalidParameter):
     """The prompt leaves no room in the model's context (`param` "prompt")."""
+
+
+class QueueFull(RuntimeError):
+    """The engine is at its limits and as many calls as it queues are already waiting: the call was refused before it
+    held anything (the server's 429). `retry_after`: seconds after which a place is likely free."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.retry_after)

@@ -64,3 +64,87 @@ def keep_measured(filename: str, entries: dict[str, Any]) -> None:
         os.replace(f.name, path)
     except OSError:
         pass
+
+
+def physical_cores() -> int:
+    """The physical cores this process may run on (hyper-threads of one core count once), within a container's CPU
+    quota where one is set: the torch threads the engine runs with by default (a second thread on one core only
+    contends for its vector units)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(base + "physical_package_id") as p, open(base + "core_id") as c:
+                cores.add((p.read().strip(), c.read().strip()))
+        except OSError:
+            cores.add(("", str(cpu)))
+    quota = _cgroup_cpu_quota()
+    return max(1, min(len(cores), quota) if quota else len(cores))
+
+
+def _cgroup_cpu_quota() -> int | None:
+    """A container's CPU limit in whole CPUs (cgroup v2 cpu.max, v1 cfs quota), rounded up; None when unlimited."""
+    for path, split in (("/sys/fs/cgroup/cpu.max", lambda s: s.split()),
+                        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", None)):
+        try:
+            with open(path) as f:
+                text = f.read()
+            if split is not None:
+                quota, period = split(text)
+            else:
+                with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+                    quota, period = text.strip(), f.read().strip()
+            if quota in ("max", "-1"):
+                return None
+            return max(1, -(-int(quota) // int(period)))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use: a container's limit (cgroup v2 memory.max, v1 memory.limit_in_bytes) where
+    one is set below the machine's, else the machine's physical memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text != "max" and 0 < int(text) < physical:
+                return int(text)
+        except (OSError, ValueError):
+            continue
+    return physical
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release_free_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc keeps them after a burst of requests, and the
+    resident memory would stay at the burst's peak); a no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def set_threads(threads: int | None = None) -> int:
+    """Run torch's CPU work on `threads` threads (None: this machine's physical cores, `physical_cores`); returns the
+    count."""
+    import torch
+
+    count = physical_cores() if threads is None else threads
+    if count < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(count)
+    return count

@@ -127,6 +127,11 @@ class TargetModel:
         products = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return products + [self.lm_head] + ([self.greedy_head.bf16] if self.greedy_head is not None else [])
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The bytes of one token's keys and values, every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
     def new_cache(self, batch_size: int = 1, capacity: int = 1024) -> KVCache:
         return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim,
                        min(capacity, self.max_seq_len), self.dtype, self.device)

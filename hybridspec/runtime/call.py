@@ -50,6 +50,7 @@ class CallState:
     drafter_features: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # gathered so far
     constraints: list[Constraint] | None = None  # each sequence's grammar state, where a grammar constrains it
     error: Exception | None = None  # what ended the call in a step another thread ran
+    cancelled: bool = False  # its caller gave up (`Stream.cancel`): it never starts, or leaves at its next step
     start: float = field(default_factory=time.perf_counter)
 
     @property
@@ -97,10 +98,13 @@ class CallState:
 
 class Stream:
     """One call's text deltas, as its tokens are committed. `result` is its GenerationResult once the iteration has
-    ended; `close()` cancels the call (it leaves the running batch at its next step, its requests are aborted)."""
+    ended (None if cancelled); `close()` ends the call from the thread that iterates (its requests are aborted, its
+    place and KV freed); `cancel()` from any other: a waiting call never runs, a running one leaves the batch at its
+    next step and the iteration ends there."""
 
-    def __init__(self, call: CallState, steps: Iterator[None], decode: Callable[[list[int]], str]) -> None:
-        self._call, self._steps, self._decode, self._sent = call, steps, decode, ""
+    def __init__(self, call: CallState, steps: Iterator[None], decode: Callable[[list[int]], str],
+                 cancel: Callable[[CallState], None]) -> None:
+        self._call, self._steps, self._decode, self._cancel, self._sent = call, steps, decode, cancel, ""
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> "Stream":
@@ -115,9 +119,13 @@ class Stream:
             if len(text) > len(self._sent):
                 delta, self._sent = text[len(self._sent):], text
                 return delta
-        if self.result is None and self._call.error is None:
+        if self.result is None and self._call.error is None and not self._call.cancelled:
             self.result = self._call.results(self._decode)[0]
         raise StopIteration
 
     def close(self) -> None:
+        self._cancel(self._call)  # a stream never iterated gives up its place in line here
         self._steps.close()
+
+    def cancel(self) -> None:
+        self._cancel(self._call)

@@ -24,9 +24,11 @@ import torch
 
 from hybridspec.grammar.constraint import GrammarCompiler
 from hybridspec.model.calibration import machine_verify_cost
+from hybridspec.model.machine import release_free_memory
 from hybridspec.model.target import TargetModel
 from hybridspec.proposal import FeatureProposer, Proposal, Proposer
 from hybridspec.router import CostGate, Router, as_router
+from hybridspec.runtime.admission import Admission, Limits
 from hybridspec.runtime.call import CallState, SequenceState, Stream
 from hybridspec.runtime.commit import StopRules
 from hybridspec.runtime.options import DEFAULTS, GenerateOptions, resolve_options
@@ -44,8 +46,8 @@ from hybridspec.speculators.registry import DRAFTER_KINDS
 __all__ = ["Engine", "GenerateOptions", "GenerationResult", "GenerationStats", "Session", "Stream", "DRAFTER_KINDS",
            "SPECULATE_CHOICES"]
 
-# Prompt tokens a call runs per decode step (chunked prefill), in the pass of the other calls' steps: they wait a step
-# of about this many tokens' compute rather than the whole prompt's, and so does a call that arrives meanwhile; 512 ran
+# Prompt tokens a decode step runs (chunked prefill; the oldest pending prompts first), in the pass of the other calls'
+# steps: they wait a step of about this many tokens' compute rather than a whole prompt's; 512 ran
 # fastest at four agents on this CPU (BENCHMARKS.md, the chunk size sweep).
 PREFILL_CHUNK = 512
 
@@ -65,11 +67,15 @@ class Engine:
     whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off). chat_template: a Jinja chat
     template (its text) that renders chat prompts instead of the tokenizer's own.
 
+    Admission (`hybridspec.runtime.admission`): at most `max_running_calls` calls run at once, their caches within
+    `kv_budget_bytes` of KV (default: what keeps the process within about half of the machine's memory); later calls
+    wait in arrival order, at most `max_waiting_calls` of them (one more raises `QueueFull`).
+
     One Engine may serve several threads (`hybridspec.runtime.scheduler`): each call's decode steps join those of the
     calls decoding then, and one pass of the target verifies every sequence's draft. A single prompt's uncached
-    tokens run in those passes too, `prefill_chunk` tokens per step (its last chunk with its first step), so the
-    others go on decoding while it prefills (chunked prefill); the positions another running call has run of the
-    same tokens are copied from that call (in-flight prefix sharing): `hybridspec.runtime.prefill`.
+    tokens run in those passes too, `prefill_chunk` prompt tokens per step, oldest prompt first (its last chunk with
+    its first step), so the others go on decoding while it prefills (chunked prefill); the positions another running
+    call has run of the same tokens are copied from that call (in-flight prefix sharing): `hybridspec.runtime.prefill`.
     """
 
     def __init__(self, target: TargetModel, tokenizer: Any, *, verify_cost: Any = "auto",
@@ -78,7 +84,9 @@ class Engine:
                  drafters: Mapping[str, str | os.PathLike | Any] | None = None,
                  drafter_context: int = DEFAULT_DRAFTER_CONTEXT,
                  drafter_bf16: bool | None = None, prefix_cache_bytes: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, chat_template: str | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, chat_template: str | None = None,
+                 max_running_calls: int | None = None, kv_budget_bytes: int | None = None,
+                 max_waiting_calls: int | None = None):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target, self.tokenizer = target, tokenizer
@@ -95,6 +103,7 @@ class Engine:
         self.stats = GenerationStats()  # cumulative over every call
         budget = PREFIX_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
         self.prefix_cache: PrefixCache | None = PrefixCache(budget) if budget > 0 else None
+        self.admission = Admission(Limits.default(budget, max_running_calls, kv_budget_bytes, max_waiting_calls))
         self._running: list[CallState] = []  # calls begun and not ended, oldest first (a step may hold some of them)
         self.prefill = Prefill(target, self.prefix_cache, self._running, prefill_chunk, drafter_context)
         self.step = StepRunner(target, self.router, self.prefill, self.prefix_cache, self._decode)
@@ -183,7 +192,7 @@ class Engine:
         """Generate for one prompt, yielding text deltas as tokens are committed (keyword arguments of `generate`).
         The prompt and options are checked here, before the first delta is asked for."""
         call = self._start_call([prompt_or_messages], options)
-        return Stream(call, self._steps(call), self._decode)
+        return Stream(call, self._steps(call), self._decode, self._cancel)
 
     def session(self, system: str | None = None, **defaults: Any) -> Session:
         """A multi-turn conversation that keeps its KV cache and feeds the suffix cache turn after turn.
@@ -194,8 +203,9 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ a call
 
     def _start_call(self, prompts: Sequence[PromptLike], options: Mapping[str, Any]) -> CallState:
-        """A call's validated options, proposer and sequences (one per prompt); it holds nothing shared until it
-        begins (`_begin`), so a call dropped before its first step leaves nothing behind."""
+        """A call's validated options, proposer and sequences (one per prompt), in line for admission (`QueueFull`
+        if the line is full); it holds nothing shared until it begins (`_begin`), so a call dropped before its first
+        step leaves nothing behind but its place in line (`Stream.close` gives that up)."""
         with self.scheduler.lock:  # proposers load lazily
             params, proposer = resolve_options(options, self.proposers.get, self.num_speculative_tokens)
         seqs = [SequenceState(request_id=f"hs-{next(self._request_ids)}", tokens=ids, prompt_len=len(ids))
@@ -205,26 +215,46 @@ class Engine:
         if params.grammar is not None:
             compiled = self.grammars.compile(params.grammar)
             constraints = [self.grammars.constraint(compiled) for _ in seqs]
-        return CallState(seqs, None, proposer, params, rules, GenerationStats(), rows=list(range(len(seqs))),
+        call = CallState(seqs, None, proposer, params, rules, GenerationStats(), rows=list(range(len(seqs))),
                          constraints=constraints)
+        self.admission.enqueue(call, self.prefill.kv_bytes(call))
+        return call
 
     def _steps(self, call: CallState) -> Iterator[None]:
-        """Run a call: prefill and start its requests on the proposer, then decode steps (shared with the calls of
-        other threads) until every sequence finished; yields after each step."""
-        call.start = time.perf_counter()
+        """Run a call: wait for admission, prefill and start its requests on the proposer, then decode steps (shared
+        with the calls of other threads) until every sequence finished or the call is cancelled; yields after each
+        step."""
+        try:
+            queued = self.admission.wait(call)
+        except BaseException:
+            self.admission.leave(call)
+            raise
+        if queued is None:  # cancelled while it waited: it never ran
+            return
+        call.stats.queue_s = queued
         try:
             with self.scheduler.lock:
                 self._running.append(call)
                 self._begin(call)
-            while call.rows:
+            self.admission.hold(call, call.cache.nbytes)
+            while call.rows and not call.cancelled:
                 self.scheduler.join_step(call)
                 if call.error is not None:
                     raise call.error
                 yield
-        finally:  # also when a caller abandons its stream: its requests are aborted
+        finally:  # also when a caller abandons its stream: its requests are aborted, its place and KV freed
             with self.scheduler.lock:
                 self._running.remove(call)
                 self._end(call)
+                idle = not self._running
+            self.admission.leave(call)
+            if idle:
+                release_free_memory()
+
+    def _cancel(self, call: CallState) -> None:
+        """End a call from any thread: it leaves the line if it waits, the batch after its current step if it runs."""
+        call.cancelled = True
+        self.admission.cancel(call)
 
     def _begin(self, call: CallState) -> None:
         """Take the call's cache and run or schedule its prompts (`Prefill.begin`), then start each sequence on the
@@ -242,7 +272,7 @@ class Engine:
         done = all(s.finish_reason is not None for s in call.seqs)
         for rid in call.started:
             (call.proposer.finish_request if done else call.proposer.abort_request)(rid)
-        call.started = []
+        call.started, call.cache = [], None  # the prefix cache keeps what it stored of it
         call.stats.calls += 1
         call.stats.total_s += time.perf_counter() - call.start
         self.stats.add(call.stats)

@@ -1,9 +1,10 @@
 """Prefill: how a call's prompt gets into its KV cache.
 
 A call begins with the longest prefix of each prompt the prefix cache holds (`cache_for_prompts`). A single prompt's
-other tokens are left pending and run in the decode passes, `prefill_chunk` tokens per step: the calls decoding
-meanwhile wait a chunk's compute rather than the whole prompt's, and the last chunk goes with the call's first step
-(its weights read once for both). Positions another running call has already computed for the same tokens are
+other tokens are left pending and run in the decode passes, `prefill_chunk` prompt tokens per step, the oldest
+prompts first: the calls decoding meanwhile wait a chunk's compute rather than the whole prompt's, a burst of prompts
+finishes one after another, and a prompt's last chunk goes with the call's first step (its weights read once for
+both). Positions another running call has already computed for the same tokens are
 copied from its cache rather than run again (in-flight prefix sharing). A batch of prompts runs whole at once.
 
 A drafter reads the target's features at the prompt's last `drafter_context` positions: a pending prompt's passes
@@ -19,7 +20,7 @@ import torch
 from hybridspec.model.inputs import StepOutput
 from hybridspec.model.target import TargetModel
 from hybridspec.runtime.call import CallState
-from hybridspec.runtime.prefix_cache import PrefixCache, cache_for_prompts, common_prefix
+from hybridspec.runtime.prefix_cache import PrefixCache, cache_capacity, cache_for_prompts, common_prefix
 from hybridspec.speculators import TargetFeatures
 
 KV_HEADROOM_TOKENS = 64  # cache slots past prompt + max_new_tokens: the last step's draft fits without regrowth
@@ -49,8 +50,7 @@ class Prefill:
         """Take a cache holding each prompt's longest cached prefix, then run the rest now or leave it pending.
         Returns the target's features at each prompt's last positions when the proposer reads them now (None: it
         gets them later, `hand_features`, or reads none)."""
-        need = min(max(len(s.tokens) for s in call.seqs) + call.params.max_new_tokens + KV_HEADROOM_TOKENS,
-                   self.target.max_seq_len)
+        need = self.need(call)
         context = self.drafter_context if call.wants_target_features else 0
         call.cache, extends = cache_for_prompts(
             self.prefix_cache, self.target.new_cache, [s.tokens for s in call.seqs], need, self.target.max_seq_len,
@@ -78,19 +78,31 @@ class Prefill:
                             for _ in call.seqs]
         return features
 
+    def need(self, call: CallState) -> int:
+        """The cache slots a call's rows need: the longest prompt, the new tokens and the last step's draft."""
+        return min(max(len(s.tokens) for s in call.seqs) + call.params.max_new_tokens + KV_HEADROOM_TOKENS,
+                   self.target.max_seq_len)
+
+    def kv_bytes(self, call: CallState) -> int:
+        """The KV the call's cache will hold (`cache_for_prompts`' capacity, every row), for admission."""
+        capacity = cache_capacity(self.need(call), self.target.max_seq_len, self.prefix_cache is not None)
+        return len(call.seqs) * capacity * self.target.kv_bytes_per_token
+
     def share(self, call: CallState, stepping: list[CallState]) -> bool:
         """Before a step's pass: copy into `call`'s cache what running calls have computed of its pending prompt.
         Returns whether `call` runs in this pass (False: a call begun earlier runs, in this very pass, the position
         `call` would run next; it waits a step and copies it after)."""
         return call.pending_prompt is None or not self._share(call, stepping)
 
-    def chunk(self, call: CallState) -> PromptChunk:
+    def chunk(self, call: CallState, share: int) -> PromptChunk:
         """The pending prompt tokens `call` runs in this step's pass, taken off its pending prompt: all that are left
-        with its first step when they fit in one step's share (`prefill_chunk`; with a draft tree no more than the
-        target's tree_prompt_chunk), otherwise a chunk of that share alone."""
-        pending, share = call.pending_prompt, self.prefill_chunk
+        with its first step when they fit in its `share` of the step's prompt tokens (with a draft tree no more than
+        the target's tree_prompt_chunk), otherwise a chunk of that share alone (none: the call sits the step out)."""
+        pending = call.pending_prompt
         if pending is None:
             return PromptChunk([])
+        if share <= 0:
+            return PromptChunk([], decodes=False)
         if len(pending) <= (min(share, self.target.tree_prompt_chunk) if call.params.tree else share):
             chunk = PromptChunk(pending)
         else:

@@ -132,6 +132,11 @@ class PrefixCache:
         self.nbytes = 0
 
 
+def cache_capacity(need: int, max_len: int, prefix_caching: bool) -> int:
+    """The slots of a call's cache that needs `need`: KV_SLACK more under prefix caching, at most `max_len`."""
+    return min(need + int(need * KV_SLACK), max_len) if prefix_caching else need
+
+
 def cache_for_prompts(prefix_cache: PrefixCache | None, new_cache: Callable[[int, int], KVCache],
                       prompts: Sequence[Sequence[int]], need: int, max_len: int, owner: Hashable,
                       feature_tail: int = 0) -> tuple[KVCache, list[Hashable | None]]:
@@ -141,7 +146,7 @@ def cache_for_prompts(prefix_cache: PrefixCache | None, new_cache: Callable[[int
     (no copy unless it must grow). A proposer that reads the target's features needs them at the prompt's last
     `feature_tail` positions (0: it reads none): it gets them by running that much of the prompt, unless it continues
     the request it extends. new_cache(rows, capacity) makes an empty cache."""
-    capacity = need if prefix_cache is None else min(need + int(need * KV_SLACK), max_len)
+    capacity = cache_capacity(need, max_len, prefix_cache is not None)
     if prefix_cache is None:
         return new_cache(len(prompts), capacity), [None] * len(prompts)
     matches = [prefix_cache.match(prompt, owner) for prompt in prompts]

@@ -48,6 +48,7 @@ class GenerationStats:
     update_s: float = 0.0  # KV cache commit, proposer update, stop rules
     total_s: float = 0.0
     first_token_s: float = 0.0  # from the call until its first generated token was committed (time to first token)
+    queue_s: float = 0.0  # waiting for admission (part of total_s and first_token_s)
     by_source: dict[str, SourceStats] = field(default_factory=dict)
 
     @property

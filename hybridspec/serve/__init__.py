@@ -49,8 +49,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "ChatML tools template")
     parser.add_argument("--no-grammar-drafts", dest="grammar_drafts", action="store_false",
                         help="under a grammar (tools, response_format) do not draft the tokens it forces")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1, as for `hybridspec demo`; 0 = torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: the machine's physical cores)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                        help="requests running at once (vLLM's name; default 64); later ones wait in arrival order")
+    parser.add_argument("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES",
+                        help="KV the running requests may hold together, e.g. 8G (default: what keeps the server "
+                             "within about half of the machine's or container's memory)")
+    parser.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                        help="requests that may wait for a place (default 1024); past them the server answers 429")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(func=_main)
 
@@ -59,9 +66,9 @@ def _main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     import prometheus_client
-    import torch
     import uvicorn
 
+    from hybridspec.model.machine import set_threads
     from hybridspec.runtime.engine import PREFILL_CHUNK, Engine
     from hybridspec.runtime.prompts import load_chat_template
 
@@ -73,11 +80,16 @@ def _main(args: argparse.Namespace) -> int:
         chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--chat-template: {e}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    for flag in ("threads", "max_num_seqs", "max_waiting"):
+        value = getattr(args, flag)
+        if value is not None and value < (0 if flag == "max_waiting" else 1):
+            raise SystemExit(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'max_waiting' else 'positive'}")
+    threads = set_threads(args.threads)
     engine = Engine.from_pretrained(args.model, max_seq_len=args.max_model_len,
                                     prefix_cache_bytes=args.prefix_cache_bytes,
-                                    prefill_chunk=args.prefill_chunk or PREFILL_CHUNK, chat_template=chat_template)
+                                    prefill_chunk=args.prefill_chunk or PREFILL_CHUNK, chat_template=chat_template,
+                                    max_running_calls=args.max_num_seqs, kv_budget_bytes=args.kv_cache_memory,
+                                    max_waiting_calls=args.max_waiting)
     try:  # an unknown name fails here, at start, not at the first request
         engine.stream("x", speculate=args.speculate, max_new_tokens=1).close()
     except (ValueError, TypeError) as e:
@@ -86,6 +98,24 @@ def _main(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
     app = create_app(engine, served_model_name=name, speculate=args.speculate, max_tokens=args.max_tokens,
                      grammar_drafts=args.grammar_drafts)
-    print(f"hybridspec serve: {name} on http://{args.host}:{args.port}/v1 (speculate={args.speculate})", flush=True)
+    limits = engine.admission.limits
+    print(f"hybridspec serve: {name} on http://{args.host}:{args.port}/v1 (speculate={args.speculate}; "
+          f"{threads} threads; at most {limits.max_running} requests "
+          f"running in {limits.kv_budget_bytes / 2**30:.1f} GiB of KV, {limits.max_waiting} waiting)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _bytes(text: str) -> int:
+    """A size: bytes, or with a K / M / G / T suffix (powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, unit = text.strip().upper().removesuffix("B").removesuffix("I"), ""
+    if number and number[-1] in units:
+        number, unit = number[:-1], number[-1]
+    try:
+        value = int(float(number) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8G, 512M, 1073741824)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return value

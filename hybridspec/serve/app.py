@@ -6,7 +6,9 @@ batching) and each gets what it would get alone. Tools, tool_choice and response
 constrains the output with a grammar; a reply's `<tool_call>` blocks come back as OpenAI's `tool_calls` (streamed as
 `delta.tool_calls` once each call is complete). The engine blocks, so its calls run in worker threads, one step per
 thread hop while streaming: the event loop never waits on a step. A streaming client that goes away is cancelled at
-the next step (its engine stream is closed, its requests aborted, its batch slot freed).
+the next step, or leaves the line if it waits (its requests aborted, its place and KV freed). Past the engine's
+limits a request waits for a place; past its queue's, it is answered 429 (`rate_limit_exceeded`, with
+`Retry-After`).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybridspec.errors import ContextLengthExceeded, InvalidParameter
+from hybridspec.errors import ContextLengthExceeded, InvalidParameter, QueueFull
 from hybridspec.grammar.tool_calls import Event, ToolCallStreamParser, parse_tool_calls
 from hybridspec.serve.metrics import Metrics, finish_reason
 from hybridspec.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_response,
@@ -58,7 +60,8 @@ def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suf
     max_completion_tokens; grammar_drafts: under a grammar, draft the tokens it forces (`Engine.generate`). Metrics
     go to `registry` (default: a new one, this app's own)."""
     app = FastAPI(title="hybridspec", version=_version(), docs_url=None, redoc_url=None)
-    server = _Server(engine, served_model_name, speculate, max_tokens, Metrics(registry), grammar_drafts)
+    server = _Server(engine, served_model_name, speculate, max_tokens,
+                     Metrics(registry, getattr(engine, "admission", None)), grammar_drafts)
     app.state.server = server
     app.state.metrics = server.metrics
 
@@ -218,13 +221,16 @@ class _Server:
         except InvalidParameter as e:  # anything else the engine raises is the server's fault: a 500
             code = "context_length_exceeded" if isinstance(e, ContextLengthExceeded) else None
             raise APIError(str(e), self.field(e.param, endpoint, body), code=code) from None
+        except QueueFull as e:  # as OpenAI's rate limits answer
+            self.metrics.refused.inc()
+            raise APIError(str(e), None, 429, "rate_limit_exceeded", "requests",
+                           headers={"Retry-After": str(int(e.retry_after))}) from None
         ids = Ids(endpoint, self.model)
         calls_tools = isinstance(body, ChatCompletionRequest) and body.calls_tools()
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _SSE(self._events(endpoint, stream, ids, include_usage, calls_tools),
                         headers={"Cache-Control": "no-cache"})
-        self.metrics.running.inc()
         pump = _Pump(stream)
         try:
             async for _ in pump:
@@ -248,7 +254,6 @@ class _Server:
         `ToolCallStreamParser` sends them), the chunk with the finish reason, the usage chunk if asked for,
         `[DONE]`. Any way this generator ends before the engine call did cancels that call. (A response whose client
         is gone before its first byte never starts it: the engine call, never started, holds nothing.)"""
-        self.metrics.running.inc()
         ended = False
         pump = _Pump(stream)
         parser = ToolCallStreamParser() if calls_tools else None
@@ -307,8 +312,10 @@ class _Pump:
 
     def cancel(self) -> None:
         self._cancelled.set()
-        if self._thread is None:  # never started: nothing runs, nothing to end
+        if self._thread is None:  # never started: it gives up its place in line
             self.stream.close()
+        else:  # it leaves the line, or the batch at its next step, prompt chunks included
+            self.stream.cancel()
 
     def _run(self) -> None:
         try:

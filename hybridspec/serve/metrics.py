@@ -23,7 +23,10 @@ def finish_reason(engine_reason: str | None, tool_calls: bool = False) -> str:
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    """admission: the engine's (`hybridspec.runtime.admission.Admission`), whose state the gauges read when
+    scraped."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, admission=None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.http_requests = Counter("hybridspec:http_requests", "HTTP responses by endpoint and status code",
@@ -31,7 +34,16 @@ class Metrics:
         self.requests = Counter("hybridspec:requests", "Generation requests by endpoint and finish reason (stop, "
                                 "length, tool_calls; abort: the client went away; error: the engine failed)",
                                 ["endpoint", "finish_reason"], registry=r)
-        self.running = Gauge("hybridspec:num_requests_running", "Generation requests in the engine now", registry=r)
+        self.running = Gauge("hybridspec:num_requests_running", "Requests running in the engine now", registry=r)
+        self.waiting = Gauge("hybridspec:num_requests_waiting", "Requests waiting for a place to run", registry=r)
+        self.kv_usage = Gauge("hybridspec:kv_cache_usage_perc", "The running requests' KV over the KV budget (0-1)",
+                              registry=r)
+        if admission is not None:
+            self.running.set_function(lambda: admission.running)
+            self.waiting.set_function(lambda: admission.waiting)
+            self.kv_usage.set_function(lambda: admission.kv_bytes / admission.limits.kv_budget_bytes)
+        self.refused = Counter("hybridspec:requests_refused", "Requests answered 429: the queue was full",
+                               registry=r)
         self.prompt_tokens = Counter("hybridspec:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("hybridspec:generation_tokens", "Generated tokens of finished requests",
                                          registry=r)
@@ -43,6 +55,8 @@ class Metrics:
                               "its first generated token", buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("hybridspec:inter_token_latency_seconds", "Per generated token after the first: the "
                              "request's mean time per token after its first", buckets=ITL_BUCKETS, registry=r)
+        self.queue_time = Histogram("hybridspec:request_queue_time_seconds", "A request's time waiting for a place "
+                                    "to run", buckets=E2E_BUCKETS, registry=r)
         self.e2e = Histogram("hybridspec:e2e_request_latency_seconds", "A request's time in the engine",
                              buckets=E2E_BUCKETS, registry=r)
         source = ["source"]
@@ -61,7 +75,6 @@ class Metrics:
         """Count a request that left the engine with OpenAI's finish `reason` and its `GenerationResult` (the usage
         it returned, its stats), or with "abort" (the client went away) or "error" (the engine failed) and no result,
         which count nothing else."""
-        self.running.dec()
         self.requests.labels(endpoint, reason).inc()
         if result is None:
             return
@@ -76,6 +89,7 @@ class Metrics:
         for _ in range(n - 1):
             self.itl.observe((stats.total_s - stats.first_token_s) / (n - 1))
         self.e2e.observe(stats.total_s)
+        self.queue_time.observe(stats.queue_s)
         for name, s in stats.by_source.items():
             self.spec_won.labels(name).inc(s.won)
             self.spec_drafts.labels(name).inc(s.drafts)

@@ -23,18 +23,19 @@ class APIError(Exception):
     """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.message, self.param, self.status, self.code, self.type)
+        return error_response(self.message, self.param, self.status, self.code, self.type, self.headers)
 
 
 def error_response(message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                   type: str = "invalid_request_error") -> JSONResponse:
+                   type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(mode="json"), status_code=status)
+    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
 
 
 def param_path(loc: tuple | list) -> str | None:

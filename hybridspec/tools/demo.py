@@ -69,10 +69,10 @@ def run_demo(model: str = "smollm2", turns: int = 4, max_new_tokens: int = 96, t
              show: bool = False, out=sys.stdout) -> dict:
     import torch
 
+    from hybridspec.model.machine import set_threads
     from hybridspec.runtime.engine import Engine
 
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     print(f"loading {model} (converted to safetensors on first use) ...", file=out, flush=True)
     start = time.perf_counter()
     engine = Engine.from_pretrained(model)
@@ -112,9 +112,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--turns", type=int, default=len(OBSERVATIONS) + 1, choices=range(1, len(OBSERVATIONS) + 2),
                         metavar=f"1..{len(OBSERVATIONS) + 1}")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: decoding is bound by memory bandwidth, and on a busy "
-                             "machine more threads stall each other at every op; 0 = torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: the machine's physical cores)")
     parser.add_argument("--show", action="store_true", help="print the replies")
     parser.set_defaults(func=_main)
 
