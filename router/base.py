@@ -31,6 +31,8 @@ class Router(Protocol):
         ...
 
 
+# Optional: plan(proposals, contexts, other_tokens) -> proposals, the step's rows all at once with the prompt tokens
+# its pass runs beside (`CostGate.plan`); a router without it is called call by call.
 _MEMBERS = ("__call__", "observe", "expected_tokens", "rate", "step_ms")
 
 

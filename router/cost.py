@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -120,3 +120,55 @@ class DraftCost:
     def default(cls, kind: str) -> "DraftCost":
         """The built-in table of a drafter kind (P-EAGLE's for a kind without one)."""
         return cls(DEFAULT_DRAFT_MS.get(kind, DEFAULT_DRAFT_MS["peagle"]))
+
+
+# A batched step's pass besides attention, SmolLM2-135M fp32, 1 thread, this project's CPU (`measure_pass_cost` in
+# hybridspec.model.calibration, repeats=5): ms of a pass over n tokens in all, and what each further row adds.
+DEFAULT_PASS_TOKENS_MS: dict[int, float] = {
+    1: 63.1, 2: 69.9, 4: 100.9, 8: 109.4, 16: 142.2, 32: 226.6, 64: 368.7, 128: 643.9, 256: 1244.8}
+DEFAULT_PER_ROW_MS = 2.2
+
+
+class PassCost:
+    """What one pass of the target costs in ms when it verifies several rows' drafts (and runs prompt chunks):
+
+        T = tokens(N) + per_row * (rows - 1) + sum over rows of attention(context_r) * tokens_r
+
+    tokens(n): the products of n tokens in all (piecewise-linear in n); per_row: the work each further row adds;
+    attention(context): what one token at `context` costs more than at a short one (from the one-row verify-cost
+    tables by context: the slope of t(k) at that context less the products' slope)."""
+
+    def __init__(self, tokens_ms: Mapping[int, float], per_row_ms: float, attention_ms: Mapping[int, float]):
+        items = sorted((int(n), float(v)) for n, v in tokens_ms.items())
+        if not items or items[0][0] < 1 or any(v <= 0 for _, v in items) or per_row_ms < 0:
+            raise ValueError("a pass-cost table needs n >= 1 tokens, every cost > 0 ms and per_row_ms >= 0")
+        self.ns = np.array([n for n, _ in items], dtype=np.float64)
+        self.ms = np.maximum.accumulate(np.array([v for _, v in items], dtype=np.float64))  # more tokens never cheaper
+        self.per_row_ms = float(per_row_ms)
+        contexts = sorted(attention_ms.items()) or [(0, 0.0)]
+        self.contexts = np.array([c for c, _ in contexts], dtype=np.float64)
+        self.attention = np.array([max(0.0, a) for _, a in contexts], dtype=np.float64)
+
+    def tokens(self, n: float) -> float:
+        return float(piecewise_linear(self.ns, self.ms, n))
+
+    def attention_ms(self, context: float) -> float:
+        return float(piecewise_linear(self.contexts, self.attention, context)) if len(self.contexts) > 1 \
+            else float(self.attention[0])
+
+    def __call__(self, row_tokens: Sequence[int], contexts: Sequence[int], other_tokens: int = 0) -> float:
+        """The pass: row r verifies row_tokens[r] tokens at contexts[r]; other_tokens (prompt chunks) run beside."""
+        return (self.tokens(sum(row_tokens) + other_tokens) + self.per_row_ms * max(0, len(row_tokens) - 1)
+                + sum(self.attention_ms(c) * q for q, c in zip(row_tokens, contexts)))
+
+    @classmethod
+    def load(cls, measured: Mapping | None, by_context: Mapping[int, "VerifyCost"]) -> "PassCost":
+        """From this machine's measurement ({"tokens_ms", "per_row_ms"}, `measure_pass_cost`; None: the built-in
+        table) and the verify-cost tables by context, whose slopes give attention."""
+        tokens_ms = DEFAULT_PASS_TOKENS_MS if measured is None else measured["tokens_ms"]
+        per_row = DEFAULT_PER_ROW_MS if measured is None else float(measured["per_row_ms"])
+        products = piecewise_linear(np.array(sorted(map(int, tokens_ms)), dtype=np.float64),
+                                    np.array([float(tokens_ms[k]) for k in sorted(tokens_ms, key=int)]), [1.0, 17.0])
+        products_slope = float(products[1] - products[0]) / 16
+        attention = {c: float(cost(16) - cost(0)) / 16 - products_slope for c, cost in by_context.items()}
+        return cls({int(n): float(v) for n, v in tokens_ms.items()}, per_row, attention)

@@ -2,12 +2,14 @@
 calibrated acceptance (which also gives a draft's expected accepted tokens). Knows Proposals and costs, not models."""
 from __future__ import annotations
 
+import heapq
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from hybridspec.proposal import Proposal
-from hybridspec.router.cost import DEFAULT_VERIFY_MS_BY_CONTEXT, VerifyCost, piecewise_linear, read_cost_json
+from hybridspec.router.cost import (DEFAULT_VERIFY_MS_BY_CONTEXT, PassCost, VerifyCost, piecewise_linear,
+                                    read_cost_json)
 
 def verify_costs_by_context(source: Any = None) -> dict[int, VerifyCost]:
     """{context length: VerifyCost} from: None (the built-in tables); a `VerifyCost`, a {k: ms} table or the JSON of
@@ -47,6 +49,12 @@ class CostGate:
     `observe` counts, per proposal source and probability decile, how many verified nodes were accepted, and `trim`
     uses that rate, starting from the proposer's own value (a prior worth `prior_weight` observations) and following
     drifts (older counts decay by `decay` per observation).
+
+    A step of several rows (or with prompt chunks beside) is planned as a whole (`plan`): its draft tokens go to the
+    rows where they are expected to add the most tokens per ms of the pass (`PassCost`: the products of all its
+    tokens, each row's work and attention), as long as they raise the step's tokens per unit of time; under load a
+    draft token costs nearly a row's share of the pass, so few or none pay. `rate` and `step_ms` then answer for a row
+    of the last planned step (a hybrid weighs its drafter against that).
     """
 
     MAX_DRAFT = 256  # draft sizes the cost tables are tabulated for
@@ -62,6 +70,10 @@ class CostGate:
         self._relative = [np.maximum.accumulate([max(1.0, c.relative(k)) for k in range(self.MAX_DRAFT)])
                           for c in self.costs.values()]
         self._counts: dict[str, list[list[float]]] = {}  # source -> per decile [nodes seen, nodes accepted]
+        data = read_cost_json(verify_cost) if verify_cost is not None else None
+        measured = data.get("pass") if isinstance(data, Mapping) else None
+        self.pass_cost = PassCost.load(measured, self.costs)
+        self._load: tuple[float, float] | None = None  # the last planned step of several rows: (ms per row, N)
 
     def cost(self, k: int, context: int = 0) -> float:
         """t(k) / t(0), the pass in plain steps, at `context` tokens: interpolated between measured contexts."""
@@ -99,13 +111,66 @@ class CostGate:
 
     def rate(self, proposal: Proposal, context: int = 0) -> float:
         """Expected tokens per plain step's time of verifying the proposal as `trim` keeps it (1.0: nothing kept, a
-        plain step)."""
+        plain step); in a step of several rows, per the row's share of the pass (`step_ms`)."""
+        if self._load is not None:
+            return self._loaded_rate(proposal, context)
         keep, value = self._best(proposal, context)
         return value if keep else 1.0
 
     def step_ms(self, context: int = 0) -> float:
-        """A plain decoding step at `context` tokens, in ms (the unit of `cost`)."""
+        """A plain decoding step at `context` tokens, in ms (the unit of `cost`); in a step of several rows, a row's
+        share of the pass."""
+        if self._load is not None:
+            return self._load[0]
         return _interpolate(self._contexts, [float(c.ms[0]) for c in self.costs.values()], context)
+
+    def plan(self, proposals: Sequence[Proposal], contexts: Sequence[int], other_tokens: int = 0) -> list[Proposal]:
+        """Every row's draft of one step, planned together (see the class docstring); other_tokens: the prompt
+        tokens the pass runs beside. One row alone is trimmed as `trim` does."""
+        rows = len(proposals)
+        if rows <= 1 and not other_tokens:
+            self._load = None
+            return self(proposals, contexts)
+        cost = self.pass_cost
+        n = rows + other_tokens
+        ms = cost([1] * rows, contexts, other_tokens)
+        self._load = (ms / rows, n)
+        expected, base = float(rows), rows / ms
+        slope = (cost.tokens(n + 16) - cost.tokens(n)) / 16
+        # candidates: each row's nodes, most probable first (a prefix is a subtree), by tokens per marginal ms
+        paths = [self.calibrated_path_probs(p) for p in proposals]
+        orders = [sorted(range(len(p)), key=lambda i: (-path[i], i)) for p, path in zip(proposals, paths)]
+        attention = [cost.attention_ms(c) for c in contexts]
+        heap = [(-paths[r][order[0]] / (slope + attention[r]), r, 0) for r, order in enumerate(orders) if order]
+        heapq.heapify(heap)
+        taken, best, best_value = [], 0, base * self.min_gain
+        while heap:
+            _, r, j = heapq.heappop(heap)
+            g = paths[r][orders[r][j]]
+            ms += cost.tokens(n + 1) - cost.tokens(n) + attention[r]
+            n, expected = n + 1, expected + g
+            taken.append(r)
+            if expected / ms > best_value:
+                best, best_value = len(taken), expected / ms
+            if j + 1 < len(orders[r]):
+                heapq.heappush(heap, (-paths[r][orders[r][j + 1]] / (slope + attention[r]), r, j + 1))
+        counts = [0] * rows
+        for r in taken[:best]:
+            counts[r] += 1
+        return [p if k == len(p) else _subset(p, sorted(orders[r][:k])) for r, (p, k) in enumerate(zip(proposals,
+                                                                                                     counts))]
+
+    def _loaded_rate(self, proposal: Proposal, context: int) -> float:
+        """`rate` for a row of the last planned step: its share of the pass is the plain step, and each draft token
+        costs the products' marginal token and its attention."""
+        share, n = self._load
+        per_token = self.pass_cost.tokens(n + 1) - self.pass_cost.tokens(n) + self.pass_cost.attention_ms(context)
+        path = sorted(self.calibrated_path_probs(proposal), reverse=True)
+        best, expected = 1.0, 1.0
+        for m, g in enumerate(path, start=1):
+            expected += g
+            best = max(best, expected / (1 + m * per_token / share))
+        return best
 
     def _best(self, proposal: Proposal, context: int) -> tuple[list[int], float]:
         """The nodes worth verifying (most probable first) and their expected tokens per plain step's time."""

@@ -92,3 +92,57 @@ def test_verify_cost_tables_by_context(tmp_path):
     assert sorted(verify_costs_by_context(None)) == [512, 2048, 4096]
     with pytest.raises(ValueError, match="k = 0"):
         verify_costs_by_context({1: 2.0})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the step planned as a whole
+
+
+def linear_gate(per_token_ms: float = 5.0, base_ms: float = 50.0, per_row_ms: float = 2.0, flat_tokens: int = 1):
+    """A gate whose passes cost base + per_token per token past `flat_tokens` (and per_row per further row), at
+    every context alike."""
+    tokens = {n: base_ms + per_token_ms * max(0, n - flat_tokens) for n in (1, 2, 4, 8, 16, 64, 256)}
+    table = {k: tokens[1] + per_token_ms * max(0, k + 1 - flat_tokens) for k in (0, 16, 32)}
+    return CostGate({"by_context": [{"context": 512, "draft_tokens": list(table), "ms": list(table.values())}],
+                     "pass": {"tokens_ms": tokens, "per_row_ms": per_row_ms}}, calibrate=False, min_gain=1.0)
+
+
+def chain(probs):
+    return Proposal.chain(list(range(len(probs))), probs=probs)
+
+
+def throughput(gate: CostGate, kept: list[Proposal], contexts, other: int = 0) -> float:
+    expected = sum(1 + sum(p.probs or []) for p in kept)
+    return expected / gate.pass_cost([1 + len(p) for p in kept], contexts, other)
+
+
+def test_a_step_plan_is_the_best_split_of_draft_tokens_over_its_rows():
+    import itertools
+
+    gate = linear_gate()
+    proposals = [chain([0.95, 0.9, 0.6, 0.2]), chain([0.7, 0.3]), chain([0.99, 0.98, 0.97])]
+    contexts = [512] * 3
+    planned = gate.plan(proposals, contexts)
+    best = max(itertools.product(*(range(len(p) + 1) for p in proposals)),
+               key=lambda ks: throughput(gate, [chain(p.probs[:k]) for p, k in zip(proposals, ks)], contexts))
+    assert [len(p) for p in planned] == list(best)
+    assert all(p.token_ids == q.token_ids[:len(p)] for p, q in zip(planned, proposals))
+
+
+def test_under_load_drafts_shrink_and_vanish():
+    gate = linear_gate(per_token_ms=5.0, base_ms=20.0, per_row_ms=5.0)
+    draft = chain([0.9, 0.8, 0.5, 0.3])
+    sizes = {rows: sum(map(len, gate.plan([draft] * rows, [512] * rows))) / rows for rows in (1, 2, 8, 32)}
+    assert sizes[1] >= sizes[2] >= sizes[8] >= sizes[32]
+    assert sizes[1] > sizes[32]
+    assert all(len(p) == 0 for p in gate.plan([chain([0.4, 0.2])] * 32, [512] * 32))
+    # a row's share of a loaded pass is the plain step a hybrid weighs its drafter against
+    assert gate.step_ms(512) < linear_gate().step_ms(512)
+    assert gate.rate(draft, 512) < linear_gate().rate(draft, 512)
+
+
+def test_prompt_tokens_in_the_pass_make_drafts_cheap_and_one_row_alone_is_trimmed_as_ever():
+    gate = linear_gate(per_token_ms=20.0)
+    weak = chain([0.3, 0.2, 0.1])
+    assert gate.plan([weak], [512]) == [gate.trim(weak, 512)] and len(gate.trim(weak, 512)) == 0
+    assert len(gate.plan([weak], [512], other_tokens=256)[0]) == 3  # beside a prompt chunk they cost little

@@ -15,6 +15,9 @@ from typing import Any, Sequence
 
 import torch
 
+import numpy as np
+
+from hybridspec.model.inputs import StepInput
 from hybridspec.model.machine import keep_measured, measured_here
 from hybridspec.model.target import TargetModel
 
@@ -63,6 +66,44 @@ def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAU
             "model": target.config.name_or_path, "repeats": repeats}
 
 
+PASS_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PASS_ROWS = (1, 8, 32)
+
+
+def measure_pass_cost(target: TargetModel, tokens: Sequence[int] = PASS_TOKENS, rows: Sequence[int] = PASS_ROWS,
+                      context: int = 16, repeats: int = 3, seed: int = 0) -> dict:
+    """What a batched step's pass costs besides attention, for the router's batch plan (`router.cost.PassCost`):
+    "tokens_ms", a greedy pass over n tokens in all (one row, [last token] + n - 1 draft tokens, at a `context` too
+    short for attention to count) for each n; "per_row_ms", the work each further row adds (r one-row caches, as r
+    calls, one token each, against one row of r tokens). Medians of `repeats`, the sizes taking turns."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def cache():
+        c = target.new_cache(1, capacity=context + max(tokens) + 1)
+        c.lengths[:] = [context]
+        return c
+
+    one = cache()
+    many = [cache() for _ in range(max(rows))]
+    wall: dict[tuple[str, int], list[float]] = {}
+    for round_ in range(repeats + 1):
+        for kind, sizes in (("tokens", tokens), ("rows", rows)):
+            for n in sizes:
+                ids = torch.randint(0, target.vocab_size, (n,), generator=gen).tolist()
+                inputs = [StepInput(one, [ids[0]], [ids[1:]])] if kind == "tokens" else \
+                    [StepInput(c, [t], [[]]) for c, t in zip(many, ids)]
+                start = time.perf_counter()
+                target.step_many(inputs, argmax_only=True)
+                if round_:  # round 0 warms every shape up
+                    wall.setdefault((kind, n), []).append(1000 * (time.perf_counter() - start))
+    ms = {key: statistics.median(times) for key, times in wall.items()}
+    tokens_ms = {n: round(ms["tokens", n], 3) for n in tokens}
+    per_row = [(ms["rows", r] - float(np.interp(r, list(tokens), [tokens_ms[n] for n in tokens]))) / (r - 1)
+               for r in rows if r > 1]
+    return {"tokens_ms": tokens_ms, "per_row_ms": round(max(0.0, statistics.median(per_row)), 4) if per_row else 0.0,
+            "context": context, "threads": torch.get_num_threads(), "repeats": repeats}
+
+
 def _model_key(target: TargetModel) -> str:
     c = target.config
     return (f"{c.model_type} {target.num_layers} layers {target.hidden_size} hidden {target.num_heads}/"
@@ -72,21 +113,24 @@ def _model_key(target: TargetModel) -> str:
 
 def machine_verify_cost(target: TargetModel, *, contexts: Sequence[int] = AUTO_CONTEXTS, repeats: int = 3,
                         remeasure: bool = False, progress: bool = True) -> dict[str, Any]:
-    """This machine's verify-cost tables for `target` ({"by_context": [...]}, what `CostGate` reads): from the user
-    cache, else measured (about 10 s for SmolLM2 on a 2-core CPU; `progress` shows a bar) and stored there.
+    """This machine's verify-cost tables for `target` ({"by_context": [...], "pass": {...}}, what `CostGate` reads:
+    one row's pass by draft size at each context, and a batched pass by tokens and rows, `measure_pass_cost`): from
+    the user cache, else measured (about 20 s for SmolLM2 on a 2-core CPU; `progress` shows a bar) and stored there.
     Contexts past the model's length are left out. `hybridspec calibrate` measures again (remeasure=True)."""
     fits = [c for c in contexts if c + max(DEFAULT_COST_DRAFT_TOKENS) + 1 <= target.max_seq_len]
     contexts = fits or [max(1, target.max_seq_len - max(DEFAULT_COST_DRAFT_TOKENS) - 1)]
     model, stored = _model_key(target), measured_here(TABLES_FILE)
-    tables = stored.get(model)
-    if remeasure or tables is None or [t["context"] for t in tables] != list(contexts):
+    tables, passes = stored.get(model), stored.get(f"{model} pass")
+    if remeasure or tables is None or passes is None or [t["context"] for t in tables] != list(contexts):
         from tqdm.auto import tqdm
 
-        bar = tqdm(contexts, desc="measuring this machine's verification cost (once)", unit="context",
+        bar = tqdm([*contexts, "pass"], desc="measuring this machine's verification cost (once)", unit="table",
                    disable=None if progress else True, leave=False)
-        tables = [measure_verify_cost(target, context=c, repeats=repeats, prefill=False) for c in bar]
-        keep_measured(TABLES_FILE, {**stored, model: tables})
-    return {"by_context": tables}
+        measured = [measure_verify_cost(target, context=c, repeats=repeats, prefill=False) if c != "pass" else
+                    measure_pass_cost(target, repeats=repeats) for c in bar]
+        tables, passes = measured[:-1], measured[-1]
+        keep_measured(TABLES_FILE, {**stored, model: tables, f"{model} pass": passes})
+    return {"by_context": tables, "pass": passes}
 
 
 # positions a lazy drafter catches up before it drafts (64: the default drafter_context)

@@ -2,7 +2,8 @@
 
     steps = plan(calls)               # each call's part: its prompt chunk (positions shared by running calls copied)
     propose(steps)                    # every row's draft; a proposer drafts all the greedy rows it serves at once
-    steps = each(steps, route)        # the part of each draft its grammar allows and worth its verification cost
+    steps = each(steps, constrain)    # the part of each draft its grammar allows (and the tokens it forces)
+    route(steps)                      # the part worth its cost in this pass, planned for all rows at once
     verify(steps)                     # one pass over every row's last token + draft, and the prompt chunks
     each(steps, update)               # commit the accepted tokens, feed the proposer, retire finished rows
 
@@ -88,7 +89,8 @@ class StepRunner:
     def __call__(self, calls: list[CallState]) -> None:
         steps = self.plan(calls)
         self.propose([s for s in steps if s.chunk.decodes])
-        steps = each(steps, self.route, "propose_s")
+        steps = each(steps, self.constrain, "propose_s")
+        steps = self.route(steps)
         self.verify(steps)
         each(steps, self.update, "update_s")
 
@@ -139,16 +141,37 @@ class StepRunner:
                 step.proposals = [d for (owner, _), d in zip(rows, drafts) if owner is step]
                 step.call.stats.propose_s += time.perf_counter() - start
 
-    def route(self, step: CallStep) -> None:
-        """The part of each draft its grammar allows (`constrain`) and worth a verification pass (the router's cost
-        gate); then the grammar's masks for the pass."""
+    def route(self, steps: list[CallStep]) -> list[CallStep]:
+        """The part of every row's draft worth verifying in this pass: planned for the whole step where the router
+        plans steps (`CostGate.plan`: by the pass's cost over all its rows and prompt tokens), else call by call;
+        then each call's grammar masks. Returns the steps that go on (a router's failure ends the calls it routed)."""
+        decoding = [s for s in steps if s.chunk.decodes]
+        plan = getattr(self.router, "plan", None)
+        if plan is None or not decoding:
+            return each(steps, lambda s: self.take_route(s, None))
+        contexts = [len(s.call.seqs[i].tokens) for s in decoding for i in s.call.rows]
+        try:
+            routed = plan([p for s in decoding for p in s.proposals], contexts,
+                          sum(len(s.chunk.tokens) for s in steps))
+            if len(routed) != len(contexts):
+                raise ValueError(f"the router returned {len(routed)} proposals for {len(contexts)} sequences")
+        except Exception as e:  # noqa: BLE001 - the calls it planned for fail, the rest go on
+            for s in decoding:
+                s.call.fail(e)
+            return [s for s in steps if not s.chunk.decodes]
+        parts, start = {}, 0
+        for s in decoding:
+            parts[id(s)], start = routed[start:start + len(s.proposals)], start + len(s.proposals)
+        return each(steps, lambda s: self.take_route(s, parts.get(id(s))))
+
+    def take_route(self, step: CallStep, routed: list[Proposal] | None) -> None:
+        """A call's drafts as routed (None: route them now, the call alone); its grammar's masks for the pass."""
         call = step.call
         if not step.chunk.decodes:
             return
-        if call.constraints is not None:
-            self.constrain(step)
         proposals = step.proposals
-        routed = self.router(proposals, [len(call.seqs[i].tokens) for i in call.rows])
+        if routed is None:
+            routed = self.router(proposals, [len(call.seqs[i].tokens) for i in call.rows])
         if len(routed) != len(proposals):
             raise ValueError(f"the router returned {len(routed)} proposals for {len(proposals)} sequences")
         if call.params.temperature > 0:
@@ -167,6 +190,8 @@ class StepRunner:
         extended with the tokens the grammar forces (`grammar_drafts`, while speculating); a sampled one redrawn from
         the drafter's masked distributions (cutting it would skew the sample: `Constraint.redraw`)."""
         call, p = step.call, step.call.params
+        if not step.chunk.decodes or call.constraints is None:
+            return
         forced = p.grammar_drafts and call.proposer is not None
         checked, step.forced = [], []
         for i, proposal in zip(call.rows, step.proposals):
