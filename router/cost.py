@@ -163,9 +163,10 @@ class PassCost:
 
     @classmethod
     def load(cls, measured: Mapping | None, by_context: Mapping[int, "VerifyCost"]) -> "PassCost":
-        """From this machine's measurement ({"tokens_ms", "per_row_ms"}, `measure_pass_cost`; None: the built-in
-        table) and the verify-cost tables by context, whose slopes give attention."""
-        tokens_ms = DEFAULT_PASS_TOKENS_MS if measured is None else measured["tokens_ms"]
+        """From this machine's measurement ({"tokens", "tokens_ms", "per_row_ms"}, `measure_pass_cost`; None: the
+        built-in table) and the verify-cost tables by context, whose slopes give attention."""
+        tokens_ms = DEFAULT_PASS_TOKENS_MS if measured is None else \
+            dict(zip(map(int, measured["tokens"]), map(float, measured["tokens_ms"]), strict=True))
         per_row = DEFAULT_PER_ROW_MS if measured is None else float(measured["per_row_ms"])
         products = piecewise_linear(np.array(sorted(map(int, tokens_ms)), dtype=np.float64),
                                     np.array([float(tokens_ms[k]) for k in sorted(tokens_ms, key=int)]), [1.0, 17.0])

@@ -141,7 +141,7 @@ class CostGate:
         paths = [self.calibrated_path_probs(p) for p in proposals]
         orders = [sorted(range(len(p)), key=lambda i: (-path[i], i)) for p, path in zip(proposals, paths)]
         attention = [cost.attention_ms(c) for c in contexts]
-        heap = [(-paths[r][order[0]] / (slope + attention[r]), r, 0) for r, order in enumerate(orders) if order]
+        heap = [(-paths[r][order[0]] / max(slope + attention[r], 1e-6), r, 0) for r, order in enumerate(orders) if order]
         heapq.heapify(heap)
         taken, best, best_value = [], 0, base * self.min_gain
         while heap:
@@ -153,7 +153,7 @@ class CostGate:
             if expected / ms > best_value:
                 best, best_value = len(taken), expected / ms
             if j + 1 < len(orders[r]):
-                heapq.heappush(heap, (-paths[r][orders[r][j + 1]] / (slope + attention[r]), r, j + 1))
+                heapq.heappush(heap, (-paths[r][orders[r][j + 1]] / max(slope + attention[r], 1e-6), r, j + 1))
         counts = [0] * rows
         for r in taken[:best]:
             counts[r] += 1

@@ -104,7 +104,8 @@ def linear_gate(per_token_ms: float = 5.0, base_ms: float = 50.0, per_row_ms: fl
     tokens = {n: base_ms + per_token_ms * max(0, n - flat_tokens) for n in (1, 2, 4, 8, 16, 64, 256)}
     table = {k: tokens[1] + per_token_ms * max(0, k + 1 - flat_tokens) for k in (0, 16, 32)}
     return CostGate({"by_context": [{"context": 512, "draft_tokens": list(table), "ms": list(table.values())}],
-                     "pass": {"tokens_ms": tokens, "per_row_ms": per_row_ms}}, calibrate=False, min_gain=1.0)
+                     "pass": {"tokens": list(tokens), "tokens_ms": list(tokens.values()), "per_row_ms": per_row_ms}},
+                    calibrate=False, min_gain=1.0)
 
 
 def chain(probs):

@@ -231,6 +231,9 @@ def test_machine_verify_cost_is_measured_once_per_machine_and_model(target, tmp_
         return measure_verify_cost(target, (0, 1, 4), context=context, repeats=1, prefill=False)
 
     monkeypatch.setattr(calibration, "measure_verify_cost", quick)
+    measure_pass = calibration.measure_pass_cost
+    monkeypatch.setattr(calibration, "measure_pass_cost",
+                        lambda target, repeats: measure_pass(target, tokens=(1, 4, 16), rows=(1, 4), repeats=1))
     tables = calibration.machine_verify_cost(target, contexts=(64, 128, 4096), progress=False)
     assert measured == [64, 128]  # 4096 is past the tiny model's 512 positions
     assert [t["context"] for t in tables["by_context"]] == [64, 128]
@@ -240,6 +243,9 @@ def test_machine_verify_cost_is_measured_once_per_machine_and_model(target, tmp_
     first = tables["by_context"][0]
     ratios = [t / first["ms"][0] for t in first["ms"]]  # k = 0, 1, 4
     assert gate.cost(4, 64) == pytest.approx(max(1.0, ratios[1], ratios[2]), rel=1e-6)  # made non-decreasing
+    passes = tables["pass"]  # a batched pass by tokens and rows, which the gate plans steps of several rows with
+    assert passes["tokens"] == [1, 4, 16] and len(passes["tokens_ms"]) == 3 and passes["per_row_ms"] >= 0
+    assert gate.pass_cost.tokens(16) == pytest.approx(max(passes["tokens_ms"]))
     calibration.machine_verify_cost(target, contexts=(64, 128), remeasure=True, progress=False)
     assert measured == [64, 128, 64, 128]
 

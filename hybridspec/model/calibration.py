@@ -23,7 +23,7 @@ from hybridspec.model.target import TargetModel
 
 DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 AUTO_CONTEXTS = (512, 2048, 4096)  # as the built-in tables (router/cost.py)
-CALIBRATION_VERSION = 1  # bump when the measurement changes: cached tables of older versions are measured again
+CALIBRATION_VERSION = 2  # bump when the measurement changes: cached tables of older versions are measured again
 TABLES_FILE = f"verify_cost_v{CALIBRATION_VERSION}.json"  # in the user cache, per machine
 
 
@@ -73,7 +73,7 @@ PASS_ROWS = (1, 8, 32)
 def measure_pass_cost(target: TargetModel, tokens: Sequence[int] = PASS_TOKENS, rows: Sequence[int] = PASS_ROWS,
                       context: int = 16, repeats: int = 3, seed: int = 0) -> dict:
     """What a batched step's pass costs besides attention, for the router's batch plan (`router.cost.PassCost`):
-    "tokens_ms", a greedy pass over n tokens in all (one row, [last token] + n - 1 draft tokens, at a `context` too
+    "tokens_ms", a greedy pass over n tokens in all for each n of "tokens" (one row, [last token] + n - 1 draft tokens, at a `context` too
     short for attention to count) for each n; "per_row_ms", the work each further row adds (r one-row caches, as r
     calls, one token each, against one row of r tokens). Medians of `repeats`, the sizes taking turns."""
     gen = torch.Generator().manual_seed(seed)
@@ -97,10 +97,10 @@ def measure_pass_cost(target: TargetModel, tokens: Sequence[int] = PASS_TOKENS, 
                 if round_:  # round 0 warms every shape up
                     wall.setdefault((kind, n), []).append(1000 * (time.perf_counter() - start))
     ms = {key: statistics.median(times) for key, times in wall.items()}
-    tokens_ms = {n: round(ms["tokens", n], 3) for n in tokens}
-    per_row = [(ms["rows", r] - float(np.interp(r, list(tokens), [tokens_ms[n] for n in tokens]))) / (r - 1)
-               for r in rows if r > 1]
-    return {"tokens_ms": tokens_ms, "per_row_ms": round(max(0.0, statistics.median(per_row)), 4) if per_row else 0.0,
+    tokens_ms = [round(ms["tokens", n], 3) for n in tokens]
+    per_row = [(ms["rows", r] - float(np.interp(r, list(tokens), tokens_ms))) / (r - 1) for r in rows if r > 1]
+    return {"tokens": list(tokens), "tokens_ms": tokens_ms,
+            "per_row_ms": round(max(0.0, statistics.median(per_row)), 4) if per_row else 0.0,
             "context": context, "threads": torch.get_num_threads(), "repeats": repeats}
 
 
