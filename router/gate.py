@@ -140,20 +140,20 @@ class CostGate:
         # candidates: each row's nodes, most probable first (a prefix is a subtree), by tokens per marginal ms
         paths = [self.calibrated_path_probs(p) for p in proposals]
         orders = [sorted(range(len(p)), key=lambda i: (-path[i], i)) for p, path in zip(proposals, paths)]
-        attention = [cost.attention_ms(c) for c in contexts]
-        heap = [(-paths[r][order[0]] / max(slope + attention[r], 1e-6), r, 0) for r, order in enumerate(orders) if order]
+        per_token = [max(slope + cost.attention_ms(c), 1e-6) for c in contexts]  # a draft token's marginal ms
+        heap = [(-paths[r][order[0]] / per_token[r], r, 0) for r, order in enumerate(orders) if order]
         heapq.heapify(heap)
         taken, best, best_value = [], 0, base * self.min_gain
         while heap:
             _, r, j = heapq.heappop(heap)
             g = paths[r][orders[r][j]]
-            ms += cost.tokens(n + 1) - cost.tokens(n) + attention[r]
+            ms += cost.tokens(n + 1) - cost.tokens(n) + cost.attention_ms(contexts[r])
             n, expected = n + 1, expected + g
             taken.append(r)
             if expected / ms > best_value:
                 best, best_value = len(taken), expected / ms
             if j + 1 < len(orders[r]):
-                heapq.heappush(heap, (-paths[r][orders[r][j + 1]] / max(slope + attention[r], 1e-6), r, j + 1))
+                heapq.heappush(heap, (-paths[r][orders[r][j + 1]] / per_token[r], r, j + 1))
         counts = [0] * rows
         for r in taken[:best]:
             counts[r] += 1

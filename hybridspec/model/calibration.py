@@ -73,9 +73,10 @@ PASS_ROWS = (1, 8, 32)
 def measure_pass_cost(target: TargetModel, tokens: Sequence[int] = PASS_TOKENS, rows: Sequence[int] = PASS_ROWS,
                       context: int = 16, repeats: int = 3, seed: int = 0) -> dict:
     """What a batched step's pass costs besides attention, for the router's batch plan (`router.cost.PassCost`):
-    "tokens_ms", a greedy pass over n tokens in all for each n of "tokens" (one row, [last token] + n - 1 draft tokens, at a `context` too
-    short for attention to count) for each n; "per_row_ms", the work each further row adds (r one-row caches, as r
-    calls, one token each, against one row of r tokens). Medians of `repeats`, the sizes taking turns."""
+    "tokens_ms", a greedy pass over n tokens in all for each n of "tokens" (one row, [last token] + n - 1 draft
+    tokens, at a `context` too short for attention to count); "per_row_ms", the work each further row adds (r
+    one-row caches, as r calls, one token each, against one row of r tokens). Medians of `repeats`, the sizes taking
+    turns."""
     gen = torch.Generator().manual_seed(seed)
 
     def cache():
