@@ -7,6 +7,7 @@ server counted exactly that many, none answered 4xx/5xx), and the agent's re-sen
 and was drafted by the suffix cache (/metrics)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -32,12 +34,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`hybridspec serve` (SmolLM2, suffix speculation) as a subprocess on a free port."""
-    port, log_path = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
+@contextlib.contextmanager
+def serve(args: list[str], log_path: Path) -> Iterator[tuple[str, int]]:
+    """`hybridspec serve` with `args` as a subprocess on a free port, once /health answers: (its URL, its pid)."""
+    port = free_port()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(BIN / "hybridspec"), "serve", "--port", str(port)], stdout=log,
+        proc = subprocess.Popen([str(BIN / "hybridspec"), "serve", "--port", str(port), *args], stdout=log,
                                 stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -51,13 +53,20 @@ def server(tmp_path_factory):
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`hybridspec serve` (SmolLM2, suffix speculation) as a subprocess on a free port."""
+    with serve([], tmp_path_factory.mktemp("serve") / "serve.log") as (url, _):
+        yield url
 
 
 def metrics(url: str) -> dict[tuple, float]:

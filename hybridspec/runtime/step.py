@@ -3,7 +3,7 @@
     steps = plan(calls)               # each call's part: its prompt chunk (positions shared by running calls copied)
     propose(steps)                    # every row's draft; a proposer drafts all the greedy rows it serves at once
     steps = each(steps, constrain)    # the part of each draft its grammar allows (and the tokens it forces)
-    route(steps)                      # the part worth its cost in this pass, planned for all rows at once
+    steps = route(steps)              # the part worth its cost in this pass, planned for all rows at once
     verify(steps)                     # one pass over every row's last token + draft, and the prompt chunks
     each(steps, update)               # commit the accepted tokens, feed the proposer, retire finished rows
 
