@@ -268,3 +268,23 @@ def test_past_the_queue_the_server_answers_429_and_a_waiting_client_can_leave(bu
     assert after[("hybridspec:request_queue_time_seconds_count", ())] >= 1
     ok = httpx.post(server.url + CHAT, json={**body, "stream": False, "max_tokens": 4}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_serve_flags_are_checked_before_any_model_loads(capsys):
+    import argparse
+
+    from hybridspec.cli import main as cli_main
+    from hybridspec.serve import _bytes
+
+    assert _bytes("8G") == 8 << 30 and _bytes("512MiB") == 512 << 20 and _bytes("1024") == 1024
+    for bad in ("lots", "0", "-1G"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _bytes(bad)
+    for flag, value, message in (("--max-num-seqs", "0", "--max-num-seqs must be positive"),
+                                 ("--max-waiting", "-1", "--max-waiting must be >= 0"),
+                                 ("--threads", "0", "--threads must be positive")):
+        with pytest.raises(SystemExit, match=message):
+            cli_main(["serve", flag, value])
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", "--kv-cache-memory", "lots"])
+    assert e.value.code == 2 and "not a size" in capsys.readouterr().err
