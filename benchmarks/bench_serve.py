@@ -202,10 +202,15 @@ def parse_counters(text: str, names: re.Pattern = COUNTER_NAMES) -> dict[str, fl
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """after - before per counter, prefixes dropped (vLLM's and hybridspec's names line up), with derived figures:
-    acceptance (accepted / draft tokens), accepted_per_draft and queue_s (the mean queue time of the requests in
-    between)."""
-    out = {name.split(":", 1)[1].removesuffix("_total"): after[name] - before.get(name, 0.0) for name in after}
+    """after - before per counter, prefixes dropped (vLLM's and hybridspec's names line up), with `derived` figures."""
+    return derived({name.split(":", 1)[1].removesuffix("_total"): after[name] - before.get(name, 0.0)
+                    for name in after})
+
+
+def derived(deltas: dict[str, float]) -> dict[str, float]:
+    """`deltas` (counters over a replay, prefixes dropped) with the figures derived from them where they moved:
+    acceptance (accepted / draft tokens), accepted_per_draft and queue_s (the mean queue time of the requests)."""
+    out = dict(deltas)
     if out.get("spec_decode_num_draft_tokens"):
         out["acceptance"] = round(out.get("spec_decode_num_accepted_tokens", 0.0)
                                   / out["spec_decode_num_draft_tokens"], 4)

@@ -66,8 +66,8 @@ from pathlib import Path
 from typing import Any
 
 from agent_calls import SMOLLM2_CONTEXT, AgentCall, framework_dirs
-from bench_serve import (HYBRIDSPEC_CLI, VLLM_SERVER_ENV, Server, free_port, http_get, serve_argv, vllm_server_argv,
-                         vllm_server_env)
+from bench_serve import (HYBRIDSPEC_CLI, VLLM_SERVER_ENV, Server, derived, free_port, http_get, serve_argv,
+                         vllm_server_argv, vllm_server_env)
 from common import TRACES_DIR, VLLM_PYTHON
 from harness import (IDENTICAL, METHOD, OVERALL, TOK_S, VLLM_SPECULATIVE_CONFIGS, CallRecord, Column, MethodFailed,
                      add_level, add_ratio, best, level, number, print_table, print_targets, ratio_column, record,
@@ -348,15 +348,8 @@ def parse_counters(text: str) -> dict[str, float]:
 
 
 def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    """after - before per counter, with acceptance (accepted / draft tokens) and accepted_per_draft."""
-    out = {name: after[name] - before.get(name, 0.0) for name in after}
-    if out.get("spec_decode_num_draft_tokens"):
-        out["acceptance"] = round(out.get("spec_decode_num_accepted_tokens", 0.0)
-                                  / out["spec_decode_num_draft_tokens"], 4)
-    if out.get("spec_decode_num_drafts"):
-        out["accepted_per_draft"] = round(out.get("spec_decode_num_accepted_tokens", 0.0)
-                                          / out["spec_decode_num_drafts"], 3)
-    return out
+    """after - before per counter, with acceptance (accepted / draft tokens) and accepted_per_draft (`derived`)."""
+    return derived({name: after[name] - before.get(name, 0.0) for name in after})
 
 
 def server_command(method: Method, model: str, model_dir: Path, port: int, threads: int,
