@@ -37,7 +37,11 @@ setup(
     packages=packages,
     # the shipped recipes (ablations too), drafter checkpoints and chat templates; only these patterns: their folders
     # are data, not packages
-    package_data={"hybridspec.speculators": ["checkpoints/*/*", "recipes/*.yaml", "recipes/ablations/*.yaml"],
+    # (the heads in their compact form; the plain model.safetensors that `compact expand` writes beside them is not
+    # shipped: the runtime reads the compact file)
+    package_data={"hybridspec.speculators": ["checkpoints/*/config.json", "checkpoints/*/model.safetensors.q8",
+                                             "checkpoints/*/train_log.json", "recipes/*.yaml",
+                                             "recipes/ablations/*.yaml"],
                   "hybridspec.grammar": ["templates/*.jinja"]},
     include_package_data=False,
     ext_modules=[ext, attention],

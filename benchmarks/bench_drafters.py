@@ -30,7 +30,7 @@ import torch
 from common import REPO, machine_info, median_ms_each, write_json
 from hybridspec.speculators import (EagleConfig, LayerConfig, LSTMConfig, LSTMDrafter, TargetFeatures, TargetInfo,
                                     load_drafter)
-from hybridspec.speculators.formats import read_config
+from hybridspec.speculators.formats import read_config, weights_file
 from hybridspec.speculators.registry import drafter_kind
 from hybridspec.speculators.train import FeatureStore, load_recipe
 from hybridspec.speculators.train.data import load_target_head
@@ -159,7 +159,7 @@ def acceptance(kind: str) -> dict[str, dict] | None:
     log = ckpt / "train_log.json"
     if log.exists():
         result["train_seconds"] = json.loads(log.read_text()).get("train_seconds")
-    result["checkpoint_mb"] = round((ckpt / "model.safetensors").stat().st_size / 2**20, 2)
+    result["checkpoint_mb"] = round(weights_file(ckpt).stat().st_size / 2**20, 2)  # the compact file if shipped so
     return result
 
 

@@ -29,7 +29,6 @@ import collections
 import inspect
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from tqdm import tqdm
 from bench_e2e import chat_questions
 from common import REPO, VLLM_ENV, VLLM_PYTHON, WORKLOADS_DIR, machine_info, write_json
 from hybridspec.router import FunctionRouter
+from hybridspec.speculators.formats import expand_checkpoint
 
 # Both sides run the same head on the same prompts; they differ only in where the first draft starts (ours drafts the
 # first generated token too, vLLM drafts after sampling it in prefill), so acceptance lengths agree to ~1 step in 700.
@@ -213,10 +213,9 @@ def vllm_worker(drafter_dir: str, prompts: list[list[int]], max_tokens: int, k: 
 
 def vllm_checkpoint(drafter: Path, target_dir: Path, dst: Path) -> Path:
     """A copy of the drafter checkpoint (a concurrent retraining may rewrite the original) whose verifier is the local
-    target directory: vLLM serves the verifier the speculators config names, and there is no model hub here."""
-    dst.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(drafter / name, dst / name)
+    target directory: vLLM serves the verifier the speculators config names, and there is no model hub here. The copy
+    holds the plain bfloat16 model.safetensors vLLM reads (written from a compact head's model.safetensors.q8)."""
+    expand_checkpoint(drafter, into=dst)
     config = json.loads((dst / "config.json").read_text())
     config["speculators_config"]["verifier"]["name_or_path"] = str(target_dir)
     (dst / "config.json").write_text(json.dumps(config, indent=2))

@@ -9,6 +9,7 @@ import sys
 COMMANDS = {
     "calibrate": "hybridspec.model.calibration",
     "demo": "hybridspec.tools.demo",
+    "gpu-run": "hybridspec.tools.gpu_run",
     "replay": "hybridspec.agent_traces.cli",
     "serve": "hybridspec.serve",
     "train": "hybridspec.tools.train",

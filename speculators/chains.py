@@ -35,18 +35,22 @@ class ChainLayout:
         n = self.seq_id.numel()
         self.rank_in_depth = []
         for idx in self.origins:
-            rank = torch.full((n,), -1, dtype=torch.long)
-            rank[idx] = torch.arange(idx.numel())
+            rank = torch.full((n,), -1, dtype=torch.long, device=idx.device)
+            rank[idx] = torch.arange(idx.numel(), device=idx.device)
             self.rank_in_depth.append(rank)
 
     def prefix_mask(self, depth: int) -> Tensor:
         """[n_d, N]: element (i, depth) sees real slot j iff same sequence and j <= i."""
         origin = self.origins[depth]
-        j = torch.arange(self.seq_id.numel())
+        j = torch.arange(self.seq_id.numel(), device=self.seq_id.device)
         return (self.seq_id[origin][:, None] == self.seq_id[None, :]) & (j[None, :] <= origin[:, None])
 
     def element_positions(self, depth: int) -> Tensor:
         return self.positions[self.origins[depth]] + depth
+
+    def to(self, device: torch.device | str) -> "ChainLayout":
+        """The same layout on another device (built on the CPU, where its chains are sampled)."""
+        return ChainLayout(self.seq_id.to(device), self.positions.to(device), [o.to(device) for o in self.origins])
 
 
 def sample_chain_origins(valid_depth: Tensor, max_depth: int, keep_ratio: float = 0.7, min_ratio: float = 0.2,

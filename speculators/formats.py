@@ -15,15 +15,24 @@ LSTM: the Arctic speculator format (ArcticTraining's ArcticLSTMSpeculatorConfig,
 ArcticLSTMSpeculator): config.json with model_type "mlp_speculator", method "sum_lstm", input_hidden_dim,
 inner_dim/proj_dim/emb_dim (strings), vocab_size, n_predict, tie_weights, tie_lstm_embs, scale_input; weights
 forget_emb.0, projs.0, projs.1, cell_ln.0, state_ln.0, head.0 (tied heads are stored once).
+
+Compact form (`save_drafter(compact=True)`, the shipped heads): the same config.json beside model.safetensors.q8, the
+weights with 8-bit matrices (`quantize.py`), for a checkout and a wheel half the size; its name does not end in
+.safetensors, since vLLM loads every *.safetensors file of a checkpoint directory. Only this runtime reads it;
+`expand_checkpoint` writes the plain bfloat16 model.safetensors beside it (or into a copy) for vLLM, recording the
+compact file's hash, and `load_drafter` reads model.safetensors when present and current, else the compact file.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -32,9 +41,12 @@ from hybridspec.speculators.eagle import EagleBase, EagleConfig
 from hybridspec.speculators.features import TargetInfo, default_aux_layer_ids
 from hybridspec.speculators.layers import LayerConfig
 from hybridspec.speculators.lstm import LSTMConfig, LSTMDrafter
+from hybridspec.speculators.quantize import FORMAT as COMPACT_FORMAT
+from hybridspec.speculators.quantize import dequantize, quantize
 from hybridspec.speculators.registry import ARCTIC_FORMAT, DRAFTERS, SPECULATORS_FORMAT, kinds_in_format
 
 WEIGHTS = "model.safetensors"
+COMPACT_WEIGHTS = "model.safetensors.q8"
 CONFIG = "config.json"
 SPECULATORS_VERSION = "0.3.0"
 
@@ -55,14 +67,70 @@ def _weights(drafter: Drafter, dtype: torch.dtype | None, skip: Sequence[str] = 
     return out
 
 
-def _write(path: Path, config: dict[str, Any], weights: dict[str, Tensor]) -> None:
+def _write(path: Path, config: dict[str, Any], weights: dict[str, Tensor], compact: bool = False) -> None:
     path.mkdir(parents=True, exist_ok=True)
     # Write then rename, so an interrupted save never leaves a checkpoint that loads half-old, half-new.
-    tmp_weights, tmp_config = path / (WEIGHTS + ".tmp"), path / (CONFIG + ".tmp")
-    save_file(weights, str(tmp_weights), metadata={"format": "pt"})
+    name, other = (COMPACT_WEIGHTS, WEIGHTS) if compact else (WEIGHTS, COMPACT_WEIGHTS)
+    tmp_weights, tmp_config = path / (name + ".tmp"), path / (CONFIG + ".tmp")
+    metadata = {"format": "pt", **({"hybridspec_weights": COMPACT_FORMAT} if compact else {})}
+    save_file(quantize(weights) if compact else weights, str(tmp_weights), metadata=metadata)
     tmp_config.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp_weights, path / WEIGHTS)
+    (path / other).unlink(missing_ok=True)  # the other form's weights are the old ones now
+    os.replace(tmp_weights, path / name)
     os.replace(tmp_config, path / CONFIG)
+
+
+def _sha256(file: Path) -> str:
+    return hashlib.sha256(file.read_bytes()).hexdigest()
+
+
+def _expanded_from(file: Path) -> str | None:
+    with safe_open(str(file), "pt") as f:
+        return (f.metadata() or {}).get("expanded_from")
+
+
+def weights_file(path: str | os.PathLike) -> Path:
+    """The file `load_drafter` reads: model.safetensors, unless it was expanded from a compact file that has changed
+    since (then the compact file), else model.safetensors.q8."""
+    plain, compact = Path(path) / WEIGHTS, Path(path) / COMPACT_WEIGHTS
+    if plain.is_file():
+        source = _expanded_from(plain) if compact.is_file() else None
+        if source is None or source == _sha256(compact):
+            return plain
+    if compact.is_file():
+        return compact
+    raise FileNotFoundError(f"{path} holds no drafter weights ({WEIGHTS} or {COMPACT_WEIGHTS})")
+
+
+def read_weights(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The checkpoint's state dict as stored (dtype None) or with floating tensors in `dtype`; a compact file comes
+    back dequantized, equal to the model.safetensors `expand_checkpoint` writes from it."""
+    file = weights_file(path)
+    stored = load_file(str(file))
+    if file.name == COMPACT_WEIGHTS:
+        return dequantize(stored, dtype or torch.bfloat16)
+    return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in stored.items()}
+
+
+def expand_checkpoint(path: str | os.PathLike, into: str | os.PathLike | None = None) -> Path:
+    """The checkpoint as vLLM reads it: a plain bfloat16 model.safetensors written from the compact file, beside it
+    (into None) or in `into` with a copy of config.json. Returns the directory. A model.safetensors that is already
+    current is kept (into: copied); a checkpoint with no compact file is only copied."""
+    src = Path(path)
+    dst = Path(into) if into is not None else src
+    if dst != src:
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / CONFIG, dst / CONFIG)
+    file = weights_file(src)
+    if file.name == WEIGHTS:
+        if dst != src:
+            shutil.copy(file, dst / WEIGHTS)
+        return dst
+    weights = dequantize(load_file(str(file)), torch.bfloat16)
+    tmp = dst / (WEIGHTS + ".tmp")
+    save_file(weights, str(tmp), metadata={"format": "pt", "expanded_from": _sha256(file)})
+    os.replace(tmp, dst / WEIGHTS)
+    return dst
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -180,18 +248,19 @@ def _lstm_from_config(config: dict[str, Any]) -> LSTMConfig:
 
 def save_drafter(drafter: Drafter, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                  verifier_name_or_path: str = "", verifier_architectures: Sequence[str] = (),
-                 save_embeddings: bool = False) -> Path:
+                 save_embeddings: bool = False, compact: bool = False) -> Path:
     """Write `drafter` to the directory `path` in the format vLLM reads for its kind. dtype: cast floating weights
     (e.g. torch.bfloat16 for a smaller file; None keeps them). The shared target embedding is stored only when
-    save_embeddings (vLLM then uses it instead of the target's)."""
+    save_embeddings (vLLM then uses it instead of the target's). compact: write model.safetensors.q8 (8-bit matrices,
+    see quantize.py) instead of model.safetensors; vLLM needs `expand_checkpoint` first."""
     path = Path(path)
-    dtype_written = dtype or next(drafter.parameters()).dtype
+    dtype_written = torch.bfloat16 if compact else dtype or next(drafter.parameters()).dtype
     if isinstance(drafter, LSTMDrafter):
         config = lstm_config_dict(drafter, verifier_name_or_path, dtype_written)
-        _write(path, config, _weights(drafter, dtype))
+        _write(path, config, _weights(drafter, dtype), compact)
     elif isinstance(drafter, EagleBase):
         config = eagle_config_dict(drafter, verifier_name_or_path, verifier_architectures, dtype_written)
-        _write(path, config, _weights(drafter, dtype, skip=() if save_embeddings else ("embed_tokens.",)))
+        _write(path, config, _weights(drafter, dtype, skip=() if save_embeddings else ("embed_tokens.",)), compact)
     else:
         raise TypeError(f"no checkpoint format for {type(drafter).__name__}")
     return path
@@ -207,7 +276,8 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
 def load_drafter(path: str | os.PathLike, *, target: Any = None, embed_tokens: Tensor | None = None,
                  aux_layer_ids: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> Drafter:
-    """Load a P-EAGLE / EAGLE-3 (speculators format) or LSTM (Arctic format) drafter.
+    """Load a P-EAGLE / EAGLE-3 / FastEagle (speculators format) or LSTM (Arctic format) drafter, from its
+    model.safetensors or its compact model.safetensors.q8 (`weights_file`).
 
     target: the target's config (or a TargetInfo); when given, a drafter whose vocabulary, hidden size or aux layer
     ids do not fit it raises ValueError. aux_layer_ids: the layers the runtime captures, checked against the
@@ -215,7 +285,7 @@ def load_drafter(path: str | os.PathLike, *, target: Any = None, embed_tokens: T
     store their own.
     """
     config = read_config(path)
-    weights = load_file(str(Path(path) / WEIGHTS))
+    weights = read_weights(path)
     drafter: Drafter
     if "speculators_model_type" in config:
         if not config.get("eagle_aux_hidden_state_layer_ids") and target is not None:

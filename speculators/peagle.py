@@ -29,7 +29,7 @@ class PEagleDrafter(EagleBase):
 
     def _mask_slots(self, n: int) -> tuple[Tensor, Tensor]:
         hidden = self.fc(self.mask_hidden).expand(n, -1)
-        tokens = torch.full((n,), self.config.mask_token_id, dtype=torch.long)
+        tokens = torch.full((n,), self.config.mask_token_id, dtype=torch.long, device=hidden.device)
         return hidden, tokens
 
     @torch.inference_mode()

@@ -26,6 +26,7 @@ import torch
 
 from hybridspec.speculators import (Eagle3Drafter, EagleConfig, LayerConfig, PEagleDrafter, build_draft_vocab,
                                     default_aux_layer_ids, save_drafter)
+from hybridspec.speculators.formats import expand_checkpoint
 from hybridspec.tools.testing import tiny_llama, tiny_tokenizer
 
 from common import VLLM_ENV, VLLM_PYTHON
@@ -198,10 +199,8 @@ def vllm_results(tmp_path_factory, target):
     dirs: dict[str, Path] = {}
     expected: dict[str, dict] = {}
     for kind in VLLM_ARCHITECTURE:
-        shipped = tmp / f"shipped-{kind}"
-        shipped.mkdir()
-        for name in ("config.json", "model.safetensors"):
-            shutil.copy(SHIPPED / f"{kind}-smollm2" / name, shipped / name)
+        # a copy with the plain model.safetensors vLLM reads, expanded from the compact head
+        shipped = expand_checkpoint(SHIPPED / f"{kind}-smollm2", into=tmp / f"shipped-{kind}")
         dirs[f"shipped-{kind}"] = shipped
         shipped_eagle = shipped_config(json.loads((shipped / "config.json").read_text()))
         expected[f"shipped-{kind}"] = expected_facts(kind, shipped_eagle)

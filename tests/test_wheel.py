@@ -1,7 +1,8 @@
 """An installed wheel works on its own: built from an sdist of the working tree (so the sdist holds everything the
 build needs: the Cython sources, their includes, the attention kernel's header), installed into a fresh directory,
 imported from there with the checkout out of reach, it finds its shipped drafter heads, recipes and chat template as
-package data, and its P-EAGLE and FastEagle heads draft greedy output equal to the target's own."""
+package data (the heads in their compact form), and its P-EAGLE and FastEagle heads draft greedy output equal to the
+target's own."""
 from __future__ import annotations
 
 import ast
@@ -24,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("peagle", "fasteagle", "lstm", "eagle3")
 # top-level entries the build does not read (hidden ones are skipped too: git, the virtual environments)
 SKIP_TOP = {"build", "out", "shared", "tests", "benchmarks", "examples"}
-SKIP_ANY = ("__pycache__", "*.so", "*.html", "*.egg-info", "*.pyc")
+# model.safetensors: the shipped heads' plain weights, git-ignored (written beside their compact file for vLLM)
+SKIP_ANY = ("__pycache__", "*.so", "*.html", "*.egg-info", "*.pyc", "model.safetensors")
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -101,7 +103,8 @@ def test_wheel_holds_every_module_head_recipe_and_extension_once(built):
                for p in (src / "speculators/checkpoints").rglob("*") if p.is_file()}
     assert {n[len(ckpt):] for n in files if n.startswith(ckpt)} == shipped
     for kind in KINDS:
-        assert {f"{kind}-smollm2/{f}" for f in ("config.json", "model.safetensors")} <= shipped, kind
+        assert {f"{kind}-smollm2/{f}" for f in ("config.json", "model.safetensors.q8")} <= shipped, kind
+    assert not any(n.endswith("/model.safetensors") for n in files)  # the compact heads only
 
     recipes = "hybridspec/speculators/recipes/"
     expected_recipes = {p.relative_to(src / "speculators/recipes").as_posix()

@@ -35,6 +35,9 @@ class Batch:
     def __len__(self) -> int:
         return self.next_tokens.numel()
 
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(**{f: getattr(self, f).to(device) for f in self.__dataclass_fields__})
+
 
 def first_slot(span: tuple[int, int, int], max_slots: int, max_prompt_slots: int | None = None) -> int:
     """The first slot a batch keeps of a sequence (start, end, response start): at most its last max_slots slots (the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,7 +26,7 @@ from tqdm.auto import tqdm
 
 from hybridspec.speculators.features import default_aux_layer_ids
 from hybridspec.speculators.train.recipe import Recipe
-from hybridspec.speculators.train.text import (SPLITS, NotGeneratedError, ResponseCache, generate_responses,
+from hybridspec.speculators.train.text import (SPLITS, Item, NotGeneratedError, ResponseCache, generate_responses,
                                                load_items, target_fingerprint, write_self_instruct)
 
 
@@ -53,14 +54,31 @@ def _response_ids(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
 @torch.inference_mode()
 def target_features(model: Any, tokens: list[int], aux_layer_ids: Sequence[int], top_k: int) -> dict[str, Tensor]:
     """The target's aux hidden states, final hidden state and top-k next-token logits at every position."""
-    ids = torch.tensor([tokens])
-    out = model.base_model(input_ids=ids, output_hidden_states=True)
-    hidden = out.hidden_states
-    final = hidden[-1][0]
-    logits = model.get_output_embeddings()(final)
-    values, indices = torch.topk(logits.float(), top_k, dim=-1)
-    return {"aux": torch.cat([hidden[i][0] for i in aux_layer_ids], dim=-1).half(), "final": final.half(),
-            "topk_ids": indices.int(), "topk_logits": values.half()}
+    return target_features_many(model, [tokens], aux_layer_ids, top_k)[0]
+
+
+@torch.inference_mode()
+def target_features_many(model: Any, sequences: list[list[int]], aux_layer_ids: Sequence[int], top_k: int,
+                         max_batch_tokens: int = 16384) -> list[dict[str, Tensor]]:
+    """`target_features` of several sequences, on the CPU. On the CPU one sequence per pass; on an accelerator
+    several per pass, padded on the right to the longest (causal attention: no position sees the padding after it),
+    up to max_batch_tokens padded tokens."""
+    device = model.get_output_embeddings().weight.device
+    per_pass = 1 if device.type == "cpu" else max(1, max_batch_tokens // max(len(s) for s in sequences))
+    out = []
+    for start in range(0, len(sequences), per_pass):
+        group = sequences[start: start + per_pass]
+        width = max(len(s) for s in group)
+        ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in group], device=device)
+        hidden = model.base_model(input_ids=ids, output_hidden_states=True).hidden_states
+        logits = model.get_output_embeddings()(hidden[-1])
+        values, indices = torch.topk(logits.float(), top_k, dim=-1)
+        aux = torch.cat([hidden[i] for i in aux_layer_ids], dim=-1).half()
+        for row, s in enumerate(group):
+            n = len(s)
+            out.append({"aux": aux[row, :n].cpu(), "final": hidden[-1][row, :n].half().cpu(),
+                        "topk_ids": indices[row, :n].int().cpu(), "topk_logits": values[row, :n].half().cpu()})
+    return out
 
 
 def _save_atomic(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -77,12 +95,21 @@ def target_meta(model: Any, tokenizer: Any, aux_layer_ids: Sequence[int]) -> dic
             "config": cfg.to_dict()}
 
 
-def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = True, *, engine: Any = None) -> Path:
+def response_cache(recipe: Recipe, fingerprint: str) -> ResponseCache:
+    """The target's greedy responses already generated for this recipe's data settings (by prompt ids)."""
+    return ResponseCache(recipe.generated_dir() / f"responses-{fingerprint}-{recipe.data.max_new_tokens}.jsonl")
+
+
+def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = True, *, engine: Any = None,
+                   deadline: float | None = None, items: dict[str, list[Item]] | None = None) -> Path:
     """Compute (or finish computing) the recipe's feature cache; returns its directory.
 
     engine: what writes the target's responses when a source is in generate mode: `generate(prompts, **options)`
     returning results with `token_ids`, and `tokenizer` (the runtime's `Engine` over `model`, which the caller wires:
-    the training library does not import the runtime).
+    the training library does not import the runtime). deadline (time.monotonic()): stop cleanly, between batches of
+    self-instruct requests and between shards, once it has passed and each split has a shard; the next call resumes.
+    items: the sequences of each split instead of `load_items(recipe)` (the same lists, in the same order, on every call
+    that resumes the cache: a shard is found by its index).
     """
     root = recipe.feature_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -100,29 +127,32 @@ def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = 
         meta_file.write_text(json.dumps(meta, indent=1))
     head_file = root / "target_head.safetensors"
     if not head_file.exists():
-        embed = model.get_input_embeddings().weight.detach().float()
-        head = model.get_output_embeddings().weight.detach().float()
+        embed = model.get_input_embeddings().weight.detach().float().cpu()
+        head = model.get_output_embeddings().weight.detach().float().cpu()
         tensors = {"embed_tokens": embed} if head.data_ptr() == embed.data_ptr() else {"embed_tokens": embed,
                                                                                       "lm_head": head}
         _save_atomic(tensors, head_file)
 
     spec = recipe.data
     responses_cache = None  # only generate-mode items (response None) look into it
-    if any(s.mode == "generate" for s in spec.sources):
+    if any(s.mode == "generate" for s in spec.sources) or any(
+            i.response is None for split in (items or {}).values() for i in split):
         if engine is None:
             raise ValueError("the recipe has generate-mode sources: pass engine= (e.g. hybridspec's Engine over the "
                              "target) to write the target's responses")
         fingerprint = target_fingerprint(model)
-        responses_cache = ResponseCache(recipe.generated_dir() / f"responses-{fingerprint}-{spec.max_new_tokens}.jsonl")
+        responses_cache = response_cache(recipe, fingerprint)
         for source in spec.sources:
             if source.kind == "self_instruct":
-                write_self_instruct(recipe, source, engine, fingerprint, progress)
-    items = load_items(recipe)
+                write_self_instruct(recipe, source, engine, fingerprint, progress, deadline)
+    items = load_items(recipe) if items is None else items
     for split in SPLITS:
         chunks = [items[split][i: i + spec.shard_size] for i in range(0, len(items[split]), spec.shard_size)]
         todo = [(i, c) for i, c in enumerate(chunks) if not (root / f"{split}-{i:05d}.safetensors").exists()]
         bar = tqdm(total=sum(len(c) for _, c in todo), desc=f"features ({split})", unit="seq", disable=not progress)
         for index, chunk in todo:
+            if deadline is not None and time.monotonic() >= deadline and any(root.glob(f"{split}-*.safetensors")):
+                break
             prompts = [_prompt_ids(tokenizer, item.prompt, spec.max_prompt_tokens) for item in chunk]
             responses: list[list[int] | None] = [
                 _response_ids(tokenizer, item.response, spec.max_text_tokens) if item.response is not None else None
@@ -138,11 +168,12 @@ def build_features(recipe: Recipe, model: Any, tokenizer: Any, progress: bool = 
                 for j, r in zip(batch, generated):
                     responses[j] = r
             parts, starts, sources = [], [], []
-            for item, prompt, response in zip(chunk, prompts, responses):
-                bar.update(1)
-                if len(response) < 2:  # nothing a drafter could learn from
-                    continue
-                parts.append(target_features(model, prompt + response, aux_ids, spec.top_k))
+            kept = [(item, prompt, response) for item, prompt, response in zip(chunk, prompts, responses)
+                    if len(response) >= 2]  # shorter: nothing a drafter could learn from
+            features = target_features_many(model, [p + r for _, p, r in kept], aux_ids, spec.top_k) if kept else []
+            bar.update(len(chunk))
+            for (item, prompt, response), feats in zip(kept, features):
+                parts.append(feats)
                 parts[-1]["tokens"] = torch.tensor(prompt + response, dtype=torch.int32)
                 starts.append(len(prompt))
                 sources.append(item.source)

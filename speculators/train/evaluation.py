@@ -84,17 +84,19 @@ def evaluate_acceptance(drafter: Any, store: FeatureStore, ks: list[int], indice
             groups.append(group)
             group, size = [], 0
     groups += [group] if group else []
+    device = next(drafter.parameters()).device  # batches are built on the CPU, run where the drafter is
     for group in groups:
         # whole sequences: the walk needs every slot of a response
         batch = make_batch(store, group, 1 << 30, max_k)
         layout = ChainLayout(batch.seq_id, batch.positions, full_chain_origins(batch.valid_depth, max_k))
+        run_batch, run_layout = (batch, layout) if device.type == "cpu" else (batch.to(device), layout.to(device))
         correct = torch.zeros(len(batch), max_k, dtype=torch.bool)
         runner_up = torch.zeros(len(batch), max_k, dtype=torch.bool)
-        for d, (lg, origins) in enumerate(zip(chain_logits(drafter, batch, layout), layout.origins)):
-            hit = predicted_ids(drafter, lg) == batch.target_top1[origins + d]
+        for d, (lg, origins) in enumerate(zip(chain_logits(drafter, run_batch, run_layout), layout.origins)):
+            hit = (predicted_ids(drafter, lg) == run_batch.target_top1[run_layout.origins[d] + d]).cpu()
             correct[origins, d] = hit
             if tree_width > 1:
-                top = as_target_ids(drafter, lg.topk(tree_width, dim=-1).indices)  # [n, width], greedy token first
+                top = as_target_ids(drafter, lg.topk(tree_width, dim=-1).indices).cpu()  # [n, width], greedy first
                 runner_up[origins, d] = (top[:, 1:] == batch.target_top1[origins + d][:, None]).any(1)
             counted = batch.loss_mask[origins + d]
             depth_correct[d] += (hit & counted).sum()

@@ -120,6 +120,7 @@ class OutputSpec:
     state_dir: str | None = None        # resumable state; default: <cache>/train/<recipe hash>
     resume: bool = True
     verifier: str | None = None         # the target's name recorded in the checkpoint (e.g. a hub id); default: target
+    compact: bool = False               # 8-bit model.safetensors.q8 (speculators/quantize.py), as the shipped heads
 
 
 @dataclass

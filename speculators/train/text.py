@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -160,7 +161,7 @@ def target_fingerprint(model: Any) -> str:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     h = hashlib.sha1(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
     for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
-        h.update(weight.detach().float().contiguous().numpy().tobytes())
+        h.update(weight.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -174,9 +175,10 @@ def request_header(tokenizer: Any) -> list[int]:
 
 
 def write_self_instruct(recipe: Recipe, source: PromptSource, engine: Any, fingerprint: str,
-                        progress: bool = True) -> Path:
+                        progress: bool = True, deadline: float | None = None) -> Path:
     """Have the target write `source.max_items` distinct user requests (sampled at temperature 1, top-p 0.95, from
-    its chat template's user-turn header; kept only when it ended the turn itself). Resumable per batch."""
+    its chat template's user-turn header; kept only when it ended the turn itself). Resumable per batch. Past
+    `deadline` (time.monotonic()) it stops after the batch in hand and keeps the requests written so far."""
     path = self_instruct_file(recipe, source)
     if path.exists() and json.loads(path.read_text().split("\n", 1)[0]).get("fingerprint") == fingerprint:
         return path
@@ -196,6 +198,8 @@ def write_self_instruct(recipe: Recipe, source: PromptSource, engine: Any, finge
                disable=not progress)
     batch = max(batches, default=-1) + 1
     while len(requests) < wanted:
+        if requests and deadline is not None and time.monotonic() >= deadline:
+            break
         if batch >= 4 * math.ceil(wanted / size) + 4:
             raise RuntimeError(f"the target wrote only {len(requests)} distinct finished requests of {wanted} in "
                                f"{batch} batches; lower max_items")

@@ -4,6 +4,7 @@ checkpoints.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -73,11 +74,13 @@ def init_from_target(drafter: Any, target_layers: Sequence[Mapping[str, Tensor]]
 
 class Trainer:
     """Trains a recipe's drafter on its feature cache. target_layers: the target's last decoder layers' state dicts,
-    for architecture.layers_from_target (`hybridspec train` loads them)."""
+    for architecture.layers_from_target (`hybridspec train` loads them). device: where the drafter trains (batches
+    and chains are built on the CPU and moved there)."""
 
     def __init__(self, recipe: Recipe, feature_dir: str | os.PathLike, progress: bool = True,
-                 target_layers: Sequence[Mapping[str, Tensor]] | None = None) -> None:
-        self.recipe, self.progress = recipe, progress
+                 target_layers: Sequence[Mapping[str, Tensor]] | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.recipe, self.progress, self.device = recipe, progress, torch.device(device)
         t = recipe.training
         torch.manual_seed(t.seed)
         self.train = FeatureStore(feature_dir, "train")
@@ -107,7 +110,10 @@ class Trainer:
                                  "`hybridspec train` passes them)")
             self.layers_copied = init_from_target(self.drafter, target_layers)
         weights = torch.tensor(t.depth_weights or [1.0] * t.max_depth)
-        self.depth_weights = weights / weights.sum()
+        self.depth_weights = (weights / weights.sum()).to(self.device)
+        self.drafter.to(self.device)
+        if self.is_eagle:
+            self.draft_head = self.draft_head.to(self.device)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
         self.generator = torch.Generator().manual_seed(t.seed)
@@ -159,7 +165,8 @@ class Trainer:
             origins = full_chain_origins(batch.valid_depth, t.max_depth, trained)
         if self.is_eagle:
             origins[0] = slots
-        return ChainLayout(seq_id=batch.seq_id, positions=batch.positions, origins=origins)
+        layout = ChainLayout(seq_id=batch.seq_id, positions=batch.positions, origins=origins)
+        return layout if self.device.type == "cpu" else layout.to(self.device)
 
     # -- loss ---------------------------------------------------------------------------------------------------------
 
@@ -169,6 +176,7 @@ class Trainer:
         against the target's final hidden state (FastEagle)."""
         t = self.recipe.training
         layout = self.layout(batch, t.sample_chains)
+        batch = batch if self.device.type == "cpu" else batch.to(self.device)
         hidden = None
         if t.feature_weight:
             hidden = self.drafter.chain_hidden(batch.aux, batch.next_tokens, layout)
@@ -256,9 +264,10 @@ class Trainer:
 
     # -- the run ------------------------------------------------------------------------------------------------------
 
-    def run(self, max_steps: int | None = None) -> dict[str, Any]:
-        """Train to recipe.training.steps (or stop after max_steps more, e.g. to test resumption), evaluating and
-        saving periodically; on completion write the checkpoint and train_log.json to the output directory."""
+    def run(self, max_steps: int | None = None, deadline: float | None = None) -> dict[str, Any]:
+        """Train to recipe.training.steps (or stop after max_steps more, e.g. to test resumption, or once
+        time.monotonic() passes deadline), evaluating and saving periodically; on completion write the checkpoint and
+        train_log.json to the output directory."""
         t = self.recipe.training
         torch.set_num_threads(t.threads)
         if self.recipe.output.resume:
@@ -268,6 +277,12 @@ class Trainer:
         since_save = time.perf_counter()
         final_eval = None  # the last step's evaluation, when this process ran it
         while self.step < stop:
+            if deadline is not None and time.monotonic() >= deadline:
+                stop = self.step  # stopped by the deadline: what was trained is saved below
+                self.elapsed += time.perf_counter() - since_save
+                since_save = time.perf_counter()
+                self.save_state()
+                break
             metrics = self.train_step()
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc0']:.2f}")
@@ -295,9 +310,10 @@ class Trainer:
     def write_output(self, final_eval: dict[str, Any]) -> Path:
         out = self.recipe.output_dir()
         dtype = getattr(torch, self.recipe.output.dtype)
-        save_drafter(self.drafter, out, dtype=dtype,
+        drafter = self.drafter if self.device.type == "cpu" else copy.deepcopy(self.drafter).to("cpu")
+        save_drafter(drafter, out, dtype=dtype,
                      verifier_name_or_path=self.recipe.output.verifier or self.recipe.target,
-                     verifier_architectures=self.meta.get("architectures", []))
+                     verifier_architectures=self.meta.get("architectures", []), compact=self.recipe.output.compact)
         log = {"drafter": self.recipe.drafter, "target": self.recipe.target, "steps": self.step,
                "train_seconds": round(self.elapsed, 1), "train_sequences": len(self.pool),
                "train_tokens": self.train_tokens, "heldout_sequences": len(self.heldout),
