@@ -274,12 +274,12 @@ def test_serve_flags_are_checked_before_any_model_loads(capsys):
     import argparse
 
     from hybridspec.cli import main as cli_main
-    from hybridspec.serve import _bytes
+    from hybridspec.serve import parse_size
 
-    assert _bytes("8G") == 8 << 30 and _bytes("512MiB") == 512 << 20 and _bytes("1024") == 1024
+    assert parse_size("8G") == 8 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("1024") == 1024
     for bad in ("lots", "0", "-1G"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _bytes(bad)
+            parse_size(bad)
     for flag, value, message in (("--max-num-seqs", "0", "--max-num-seqs must be positive"),
                                  ("--max-waiting", "-1", "--max-waiting must be >= 0"),
                                  ("--threads", "0", "--threads must be positive")):

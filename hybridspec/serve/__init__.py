@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="torch CPU threads (default: the machine's physical cores)")
     parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                         help="requests running at once (vLLM's name; default 64); later ones wait in arrival order")
-    parser.add_argument("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES",
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
                         help="KV the running requests may hold together, e.g. 8G (default: what keeps the server "
                              "within about half of the machine's or container's memory)")
     parser.add_argument("--max-waiting", type=int, default=None, metavar="N",
@@ -106,7 +106,7 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bytes(text: str) -> int:
+def parse_size(text: str) -> int:
     """A size: bytes, or with a K / M / G / T suffix (powers of 1024)."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     number, unit = text.strip().upper().removesuffix("B").removesuffix("I"), ""
