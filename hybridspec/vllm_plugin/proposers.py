@@ -11,6 +11,7 @@ from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 from hybridspec.proposal import Proposal
 from hybridspec.router import CostGate, choose_draft
 from hybridspec.vllm_plugin.config import ENV_SWITCH, HYBRID_METHODS, PluginError, announce
+from hybridspec.vllm_plugin.fasteagle import ARCHITECTURE as FASTEAGLE_ARCHITECTURE
 from hybridspec.vllm_plugin.requests import new_requests
 
 
@@ -63,7 +64,9 @@ class HybridspecHybridProposer(EagleProposer):
         if not self.trims:
             self.hybridspec_requests.gate = CostGate()
         self.gate = self.hybridspec_requests.gate
-        self.drafter_source = "peagle" if spec.parallel_drafting else spec.method
+        architectures = getattr(spec.draft_model_config.hf_config, "architectures", None) or []
+        self.drafter_source = ("fasteagle" if FASTEAGLE_ARCHITECTURE in architectures
+                               else "peagle" if spec.parallel_drafting else spec.method)
         self.chosen: dict[str, int] = {"suffix": 0, self.drafter_source: 0}
         self._batch: Any = None
         self._requests: dict | None = None
