@@ -6,7 +6,7 @@ Llama config of the drafter's layers, vocab_size = the target's), `draft_vocab_s
 `eagle_aux_hidden_state_layer_ids`, `norm_before_residual` (written explicitly: vLLM's default differs between
 eagle3 (True) and peagle (False)), `mask_token_id` (P-EAGLE, required by vLLM), `independent_layers` (FastEagle: true
 when every layer reads the fused features, the no-cascade ablation; num_hidden_layers is its number of draft
-positions; vLLM 0.32 has no model class for it) and `speculators_config` (proposal
+positions; vLLM runs it through hybridspec's plugin, HYBRIDSPEC_VLLM=fasteagle) and `speculators_config` (proposal
 method with speculative_tokens, verifier); weights in model.safetensors named fc.weight, layers.N.*, norm.weight,
 lm_head.weight, d2t (offsets: target id = i + d2t[i]), t2d (bool mask), mask_hidden ([1, 3H], P-EAGLE). The input
 embedding is the target's and is not stored (vLLM shares it when `embed_tokens` is absent).
