@@ -13,28 +13,13 @@ import argparse
 from importlib import resources
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
-
-from hybridspec.speculators.formats import COMPACT_WEIGHTS, CONFIG, WEIGHTS, expand_checkpoint
-from hybridspec.speculators.quantize import FORMAT, quantize
+from hybridspec.speculators.formats import COMPACT_WEIGHTS, CONFIG, WEIGHTS, compress_checkpoint, expand_checkpoint
 
 
 def shipped_dirs() -> list[Path]:
     """The directories of the heads shipped as package data (a checkout, an editable install or a wheel)."""
     root = Path(str(resources.files("hybridspec.speculators") / "checkpoints"))
     return sorted(p for p in root.iterdir() if (p / CONFIG).is_file()) if root.is_dir() else []
-
-
-def compress_checkpoint(path: str | Path) -> Path:
-    """Rewrite the plain checkpoint at `path` (config.json + model.safetensors) in its compact form: writes
-    model.safetensors.q8 and removes model.safetensors. Returns the compact file."""
-    path = Path(path)
-    weights = load_file(str(path / WEIGHTS))
-    tmp = path / (COMPACT_WEIGHTS + ".tmp")
-    save_file(quantize(weights), str(tmp), metadata={"format": "pt", "hybridspec_weights": FORMAT})
-    tmp.replace(path / COMPACT_WEIGHTS)
-    (path / WEIGHTS).unlink()
-    return path / COMPACT_WEIGHTS
 
 
 def main(argv: list[str] | None = None) -> int:

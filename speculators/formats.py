@@ -126,11 +126,19 @@ def expand_checkpoint(path: str | os.PathLike, into: str | os.PathLike | None = 
         if dst != src:
             shutil.copy(file, dst / WEIGHTS)
         return dst
-    weights = dequantize(load_file(str(file)), torch.bfloat16)
+    weights = read_weights(src)
     tmp = dst / (WEIGHTS + ".tmp")
     save_file(weights, str(tmp), metadata={"format": "pt", "expanded_from": _sha256(file)})
     os.replace(tmp, dst / WEIGHTS)
     return dst
+
+
+def compress_checkpoint(path: str | os.PathLike) -> Path:
+    """Rewrite the plain checkpoint at `path` in its compact form: writes model.safetensors.q8 and removes
+    model.safetensors. Returns the compact file."""
+    path = Path(path)
+    _write(path, read_config(path), load_file(str(path / WEIGHTS)), compact=True)
+    return path / COMPACT_WEIGHTS
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hybridspec.speculators import TargetFeatures, load_drafter, save_drafter
-from hybridspec.speculators.compact import compress_checkpoint, main, shipped_dirs
-from hybridspec.speculators.formats import COMPACT_WEIGHTS, WEIGHTS, expand_checkpoint, read_weights, weights_file
+from hybridspec.speculators.compact import main, shipped_dirs
+from hybridspec.speculators.formats import (COMPACT_WEIGHTS, WEIGHTS, compress_checkpoint, expand_checkpoint,
+                                           read_weights, weights_file)
 from hybridspec.speculators.quantize import FORMAT, QUANT, SCALE, dequantize, quantize, quantize_rows
 
 from test_speculators import KINDS, K, make_drafter
