@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from agent_calls import load_agent_calls
-    from bench_vllm_plugin import GATED, METHODS, VLLM_ENV, method_config, vllm_peagle
+    from bench_vllm_plugin import FASTEAGLE, GATED, METHODS, VLLM_ENV, method_config, vllm_head, vllm_peagle
     from common import machine_info, write_json
     from hybridspec.model.loading import resolve_model
 
@@ -293,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     first_calls = None
     with tempfile.TemporaryDirectory(prefix="profile_vllm_step-") as tmp:
         peagle, peagle_k = vllm_peagle(model, Path(tmp) / "peagle")
+        fasteagle = vllm_head(FASTEAGLE, model, Path(tmp) / "fasteagle") if "hybridspec-fasteagle" in methods else None
         for name in methods:
-            spec, env = method_config(name, args.num_speculative_tokens, peagle, peagle_k)
+            spec, env = method_config(name, args.num_speculative_tokens, peagle, peagle_k, fasteagle)
             config = Path(tmp) / f"{name}.json"
             config.write_text(json.dumps({"model": str(model), "max_model_len": max_model_len, "threads": args.threads,
                                           "speculative_config": spec, "trajectories": trajectories,

@@ -288,3 +288,34 @@ def test_serve_flags_are_checked_before_any_model_loads(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["serve", "--kv-cache-memory", "lots"])
     assert e.value.code == 2 and "not a size" in capsys.readouterr().err
+
+
+_ARENAS = """
+import ctypes, sys, threading
+from hybridspec.model.machine import limit_allocator_arenas
+if sys.argv[1] == "limit":
+    assert limit_allocator_arenas(2)
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+barrier = threading.Barrier(8)
+def work():
+    barrier.wait()  # all eight threads allocate while the others are alive
+    libc.free(libc.malloc(1 << 16))
+    barrier.wait()
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+libc.malloc_stats()  # one "Arena N:" block per arena, on stderr
+"""
+
+
+def test_the_allocator_limit_keeps_new_threads_to_two_arenas():
+    import subprocess
+    import sys
+
+    def arenas(mode: str) -> int:
+        run = subprocess.run([sys.executable, "-c", _ARENAS, mode], capture_output=True, text=True, check=True)
+        return run.stderr.count("Arena ")
+
+    assert arenas("limit") <= 2 < arenas("default")

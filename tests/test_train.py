@@ -94,7 +94,8 @@ def test_shipped_recipes_load():
 
 
 def test_fasteagle_ablation_recipes_change_one_setting_each():
-    """The paper's ablations: each recipe differs from the base one in one setting, on the same data and budget."""
+    """The paper's ablations and the data levers: each recipe differs from the base one in one setting, on the same
+    budget (and, but for a data lever, the same data)."""
     ablations = {p.stem: load_recipe(p) for p in (RECIPES / "ablations").glob("fasteagle-*.yaml")}
     base = dataclasses.asdict(ablations.pop("fasteagle-base"))
     shipped = load_recipe(RECIPES / "fasteagle-smollm2.yaml")
@@ -103,10 +104,11 @@ def test_fasteagle_ablation_recipes_change_one_setting_each():
                "fasteagle-no-feature-loss": ("training", "feature_weight"),
                "fasteagle-data-25": ("training", "train_fraction"), "fasteagle-data-50": ("training", "train_fraction"),
                "fasteagle-layers-from-target": ("architecture", "layers_from_target"),
-               "fasteagle-vocab-8192": ("architecture", "draft_vocab_size")}
+               "fasteagle-vocab-8192": ("architecture", "draft_vocab_size"),
+               "fasteagle-agent-text": ("data", "sources")}
     assert set(ablations) == set(changed)
     for name, recipe in ablations.items():
-        assert recipe.feature_dir() == shipped.feature_dir()
+        assert (recipe.feature_dir() == shipped.feature_dir()) == (changed[name][0] != "data")
         other = dataclasses.asdict(recipe)
         section, key = changed[name]
         assert other[section][key] != base[section][key]

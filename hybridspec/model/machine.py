@@ -138,6 +138,22 @@ def release_free_memory() -> None:
         pass
 
 
+def limit_allocator_arenas(count: int = 2) -> bool:
+    """Keep glibc's allocator to `count` arenas for the threads created after this call (a no-op elsewhere).
+
+    A server's step runs on whichever request thread holds the scheduler's lock; by default glibc gives busy threads
+    arenas of their own (up to 8 per core), each keeping the free pages of the steps it served, so a long burst grows
+    resident memory past the KV budget. Only one step runs at a time, so few arenas cost no contention. Returns whether
+    the allocator took the setting."""
+    try:
+        import ctypes
+
+        M_ARENA_MAX = -8  # glibc's malloc.h
+        return ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, count) == 1
+    except (OSError, AttributeError):
+        return False
+
+
 def set_threads(threads: int | None = None) -> int:
     """Run torch's CPU work on `threads` threads (None: this machine's physical cores, `physical_cores`); returns the
     count."""

@@ -68,7 +68,7 @@ def _main(args: argparse.Namespace) -> int:
     import prometheus_client
     import uvicorn
 
-    from hybridspec.model.machine import set_threads
+    from hybridspec.model.machine import limit_allocator_arenas, set_threads
     from hybridspec.runtime.engine import PREFILL_CHUNK, Engine
     from hybridspec.runtime.prompts import load_chat_template
 
@@ -85,6 +85,7 @@ def _main(args: argparse.Namespace) -> int:
         if value is not None and value < (0 if flag == "max_waiting" else 1):
             raise SystemExit(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'max_waiting' else 'positive'}")
     threads = set_threads(args.threads)
+    limit_allocator_arenas()  # before uvicorn's request threads exist
     engine = Engine.from_pretrained(args.model, max_seq_len=args.max_model_len,
                                     prefix_cache_bytes=args.prefix_cache_bytes,
                                     prefill_chunk=args.prefill_chunk or PREFILL_CHUNK, chat_template=chat_template,
