@@ -395,14 +395,10 @@ def test_a_prompt_copies_what_a_running_call_ran_of_the_same_tokens(tiny_model, 
     assert b.result.stats.cached_tokens == len(system)
 
 
-def test_a_call_waits_for_an_earlier_call_running_the_same_prompt_tokens(tiny_model, tiny_tokenizer, uncached):
-    """Two calls with a long shared prompt prefix that begin together: the later one skips the passes in which the
-    earlier one runs the shared positions and copies them after; the shared tokens run once."""
-    engine = make_engine(tiny_model, tiny_tokenizer, prefill_chunk=8)
-    rng = random.Random(12)
-    system = tokens(rng, 40)
-    prompts = [system + tokens(rng, 5), system + tokens(rng, 9)]
-    calls = [engine._start_call([p], dict(max_new_tokens=6, speculate="none")) for p in prompts]
+def step_together(engine: Engine, uncached: Engine, prompts: list[list[int]], speculate: str):
+    """Begin a call per prompt at once (in this order) and step them together to the end, each pass's parts recorded
+    as (prompt tokens, step rows); asserts every call's output is its prompt's alone. Returns the calls and passes."""
+    calls = [engine._start_call([p], dict(max_new_tokens=6, speculate=speculate)) for p in prompts]
     for call in calls:
         call.start = 0.0
         engine._running.append(call)
@@ -411,7 +407,7 @@ def test_a_call_waits_for_an_earlier_call_running_the_same_prompt_tokens(tiny_mo
     step_many = engine.target.step_many
 
     def recording(inputs, **kwargs):
-        passes.append([len(i.prompt) for i in inputs])
+        passes.append([(len(i.prompt), len(i.last_tokens)) for i in inputs])
         return step_many(inputs, **kwargs)
 
     engine.target.step_many = recording
@@ -422,11 +418,61 @@ def test_a_call_waits_for_an_earlier_call_running_the_same_prompt_tokens(tiny_mo
         engine._end(call)
     for call, prompt in zip(calls, prompts):
         assert call.results(engine._decode)[0].token_ids == uncached.generate(
-            prompt, max_new_tokens=6, speculate="none").token_ids
+            prompt, max_new_tokens=6, speculate=speculate).token_ids
+    return calls, passes
+
+
+def test_a_call_waits_for_an_earlier_call_running_the_same_prompt_tokens(tiny_model, tiny_tokenizer, uncached):
+    """Two calls with a long shared prompt prefix that begin together: the later one skips the passes in which the
+    earlier one runs the shared positions and copies them after; the shared tokens run once."""
+    engine = make_engine(tiny_model, tiny_tokenizer, prefill_chunk=8)
+    rng = random.Random(12)
+    system = tokens(rng, 40)
+    prompts = [system + tokens(rng, 5), system + tokens(rng, 9)]
+    calls, passes = step_together(engine, uncached, prompts, "none")
+    passes = [[prompt for prompt, _ in parts] for parts in passes]
     assert passes[0] == [8]  # the later call waited while the earlier one ran the first shared chunk
     ran = sum(n for pass_ in passes for n in pass_)
     assert ran == sum(len(p) - 1 for p in prompts) - len(system)  # the shared positions ran once
     assert calls[1].stats.cached_tokens == len(system)
+
+
+class Pending:
+    """A stand-in call for `Prefill.allot`: its pending prompt only (identity, not equality, tells calls apart)."""
+
+    def __init__(self, pending: int | None) -> None:
+        self.pending_prompt = None if pending is None else [7] * pending
+
+
+@pytest.mark.parametrize("pending, expected", [
+    ([100], [16]),  # alone: the whole step's share
+    ([100, 3, 300], [8, 3, 5]),  # the oldest half, the shortest next, the rest to the next shortest
+    ([5, 100], [5, 11]),  # an oldest prompt that needs less leaves the rest to the others
+    ([100, 2, None], [14, 2, 0]),  # what the others leave goes back to the oldest; a decoding call gets none
+    ([40, 40, 40], [8, 8, 0]),  # equal prompts: the older first
+    ([None, None], [0, 0]),
+])
+def test_a_step_s_prompt_tokens_go_half_to_the_oldest_then_shortest_first(pending, expected):
+    from hybridspec.runtime.prefill import Prefill
+
+    calls = [Pending(n) for n in pending]
+    prefill = Prefill(None, None, list(calls), prefill_chunk=16, drafter_context=0)
+    assert prefill.allot(calls) == expected
+    assert prefill.allot(calls[::-1]) == expected[::-1]  # the running order decides, not the step's
+    prefill.running.reverse()
+    assert sum(prefill.allot(calls)) == min(16, sum(n or 0 for n in pending))
+
+
+def test_a_short_prompt_does_not_wait_for_a_long_cold_one(tiny_model, tiny_tokenizer, uncached):
+    """An agent's next call (a few uncached tokens) that arrives behind a long cold prompt decodes from the first
+    pass, while the long prompt goes on taking most of each step's prompt tokens; outputs are each call's alone."""
+    engine = make_engine(tiny_model, tiny_tokenizer, prefill_chunk=8)
+    rng = random.Random(13)
+    prompts = [tokens(rng, 81), tokens(rng, 4)]
+    _, passes = step_together(engine, uncached, prompts, "suffix")
+    assert sorted(passes[0]) == [(3, 1), (5, 0)]  # the short prompt and its first step; 5 of the long one's 80
+    assert all(sum(p for p, _ in parts) <= 8 for parts in passes)
+    assert sum(p for parts in passes for p, _ in parts) == 80 + 3
 
 
 def test_calls_take_turns_step_by_step(tiny_model, tiny_tokenizer):

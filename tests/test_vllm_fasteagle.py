@@ -6,6 +6,9 @@ vLLM's without speculation (each prompt alone and all four in one batch), vLLM's
 draft tokens, the head also runs when the checkpoint itself is served (`vllm serve FASTEAGLE_DIR`: method
 "fasteagle" read as eagle3 with parallel drafting), and vLLM's drafts are our Engine's: on the same prompts, the
 verification steps vLLM took are the ones our Engine took with the same head (same start, as many accepted).
+A second subprocess runs the hybrid with the head (HYBRIDSPEC_VLLM=hybrid,fasteagle): greedy outputs equal vLLM's
+without speculation, the router chose between the head's drafts and the suffix cache's, and every suffix draft is the
+one a fresh SuffixCache proposes from the same token history.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import pytest
 from hybridspec.vllm_plugin import requested_modes
 from hybridspec.vllm_plugin.fasteagle import ARCHITECTURE, update_fasteagle, with_fasteagle_method, with_fasteagle_type
 
-from test_vllm_plugin import agent_and_chat_prompts, needs_vllm, run_vllm
+from test_vllm_plugin import (agent_and_chat_prompts, life_cycle, needs_vllm, read_events,
+                              replay_through_fresh_cache, run_vllm)
 
 ROOT = Path(__file__).resolve().parents[1]
 FASTEAGLE = ROOT / "speculators" / "checkpoints" / "fasteagle-smollm2"
@@ -171,3 +175,33 @@ def test_vllm_takes_the_steps_our_engine_takes_with_the_same_head(fasteagle_runs
     vllm_al = Acceptance.concat(vllm_all, k).mean_acceptance_length
     ours_al = Acceptance.concat(ours_all, k).mean_acceptance_length
     assert vllm_al == pytest.approx(ours_al, rel=0.05), (vllm_al, ours_al)
+
+
+@pytest.fixture(scope="module")
+def hybrid_fasteagle_run(fasteagle_runs, tmp_path_factory):
+    """The hybrid drafting with the FastEagle head (vLLM's eagle3 method with parallel drafting), batches as
+    `fasteagle_runs`', its plugin events recorded."""
+    head, k, prompts, _ = fasteagle_runs
+    work = tmp_path_factory.mktemp("vllm_hybrid_fasteagle")
+    batches = [[{"prompt": p, "max_tokens": MAX_TOKENS}] for p in prompts] \
+        + [[{"prompt": p, "max_tokens": MAX_TOKENS} for p in prompts]]
+    runs = [{"name": "hybrid", "batches": batches, "record": str(work / "rec"),
+             "speculative_config": {"method": "eagle3", "model": str(head), "num_speculative_tokens": k,
+                                    "parallel_drafting": True}}]
+    results = run_vllm(runs, work, {"HYBRIDSPEC_VLLM": "hybrid,fasteagle"})
+    return work, batches, results["hybrid"]
+
+
+@needs_vllm
+def test_the_hybrid_drafts_with_fasteagle_in_vllm_losslessly(fasteagle_runs, hybrid_fasteagle_run):
+    plain = fasteagle_runs[3]["none"]["outputs"][:-1]  # each prompt alone, then all four in one batch
+    work, batches, hybrid = hybrid_fasteagle_run
+    assert hybrid["outputs"] == plain
+    recordings = read_events(work / "rec")
+    assert len(recordings) == 1  # one proposer (in-process engine core)
+    chosen = [e["source"] for e in recordings[0] if e["event"] == "chosen"]
+    assert set(chosen) == {"suffix", "fasteagle"}, sorted(set(chosen))  # the head's drafts, and some suffix ones
+    counts = replay_through_fresh_cache(recordings[0])
+    assert counts["steps"] > 20 and counts["chosen_suffix"] == chosen.count("suffix")
+    cycles = life_cycle(recordings[0])
+    assert cycles["start"] == sum(len(b) for b in batches) and cycles["restart"] == 0

@@ -46,7 +46,7 @@ from hybridspec.speculators.registry import DRAFTER_KINDS
 __all__ = ["Engine", "GenerateOptions", "GenerationResult", "GenerationStats", "Session", "Stream", "DRAFTER_KINDS",
            "SPECULATE_CHOICES"]
 
-# Prompt tokens a decode step runs (chunked prefill; the oldest pending prompts first), in the pass of the other calls'
+# Prompt tokens a decode step runs (chunked prefill; `Prefill.allot` shares them), in the pass of the other calls'
 # steps: they wait a step of about this many tokens' compute rather than a whole prompt's; 512 ran
 # fastest at four agents on this CPU (BENCHMARKS.md, the chunk size sweep).
 PREFILL_CHUNK = 512
@@ -73,9 +73,10 @@ class Engine:
 
     One Engine may serve several threads (`hybridspec.runtime.scheduler`): each call's decode steps join those of the
     calls decoding then, and one pass of the target verifies every sequence's draft. A single prompt's uncached
-    tokens run in those passes too, `prefill_chunk` prompt tokens per step, oldest prompt first (its last chunk with
-    its first step), so the others go on decoding while it prefills (chunked prefill); the positions another running
-    call has run of the same tokens are copied from that call (in-flight prefix sharing): `hybridspec.runtime.prefill`.
+    tokens run in those passes too, `prefill_chunk` prompt tokens per step, half to the oldest prompt and the rest
+    shortest first (its last chunk with its first step), so the others go on decoding while it prefills (chunked
+    prefill); the positions another running call has run of the same tokens are copied from that call (in-flight
+    prefix sharing): `hybridspec.runtime.prefill`.
     """
 
     def __init__(self, target: TargetModel, tokenizer: Any, *, verify_cost: Any = "auto",

@@ -1,9 +1,11 @@
 """Prefill: how a call's prompt gets into its KV cache.
 
 A call begins with the longest prefix of each prompt the prefix cache holds (`cache_for_prompts`). A single prompt's
-other tokens are left pending and run in the decode passes, `prefill_chunk` prompt tokens per step, the oldest
-prompts first: the calls decoding meanwhile wait a chunk's compute rather than the whole prompt's, a burst of prompts
-finishes one after another, and a prompt's last chunk goes with the call's first step (its weights read once for
+other tokens are left pending and run in the decode passes, `prefill_chunk` prompt tokens per step (`allot`): the
+oldest prompt at least half of them, the rest to the shortest pending prompts first. The calls decoding meanwhile
+wait a chunk's compute rather than the whole prompt's; a burst of cold prompts finishes one after another; an agent's
+next call, its conversation mostly cached, gets its first token within a step or two instead of after every cold
+prompt that arrived before it; and a prompt's last chunk goes with the call's first step (its weights read once for
 both). Positions another running call has already computed for the same tokens are
 copied from its cache rather than run again (in-flight prefix sharing). A batch of prompts runs whole at once.
 
@@ -93,6 +95,26 @@ class Prefill:
         Returns whether `call` runs in this pass (False: a call begun earlier runs, in this very pass, the position
         `call` would run next; it waits a step and copies it after)."""
         return call.pending_prompt is None or not self._share(call, stepping)
+
+    def allot(self, calls: list[CallState]) -> list[int]:
+        """Each call's share of a step's `prefill_chunk` prompt tokens (0 for a call with no pending prompt): the oldest
+        pending prompt takes up to half first, so that none waits for ever; the shortest pending prompts then take
+        what they need (an agent's next call is a few hundred uncached tokens behind thousands of cached ones: it
+        starts decoding at once rather than after every cold prompt ahead of it; shortest first also minimises the
+        mean wait); whatever is left goes back to the oldest."""
+        pending = sorted((i for i, c in enumerate(calls) if c.pending_prompt is not None),
+                         key=lambda i: self.running.index(calls[i]))
+        shares = [0] * len(calls)
+        if not pending:
+            return shares
+        oldest, left = pending[0], self.prefill_chunk
+        shares[oldest] = min(len(calls[oldest].pending_prompt), left if len(pending) == 1 else left // 2)
+        left -= shares[oldest]
+        for i in sorted(pending[1:], key=lambda i: len(calls[i].pending_prompt)):  # stable: the oldest of equals
+            shares[i] = min(len(calls[i].pending_prompt), left)
+            left -= shares[i]
+        shares[oldest] += min(len(calls[oldest].pending_prompt) - shares[oldest], left)
+        return shares
 
     def chunk(self, call: CallState, share: int) -> PromptChunk:
         """The pending prompt tokens `call` runs in this step's pass, taken off its pending prompt: all that are left

@@ -97,14 +97,12 @@ class StepRunner:
     def plan(self, calls: list[CallState]) -> list[CallStep]:
         """Each call's part of the step: first every call copies what running calls computed of its pending prompt
         (a call waits a step while one begun earlier runs those positions in this very pass), then the prompts take
-        the step's share of prompt tokens oldest first (`Prefill.chunk`): a burst of cold prompts finishes one after
-        another, each as soon as it can, rather than all together at the end. A call whose prompt got no share sits
-        the step out."""
+        the step's prompt tokens (`Prefill.allot`: half to the oldest, the rest shortest first): a burst of cold
+        prompts finishes one after another rather than all together at the end, and a short one does not wait for
+        them. A call whose prompt got no share sits the step out."""
         steps = each([CallStep(c) for c in calls], lambda s: self.prefill.share(s.call, calls))
-        share = self.prefill.prefill_chunk
-        for step in sorted(steps, key=lambda s: self.prefill.running.index(s.call)):
+        for step, share in zip(steps, self.prefill.allot([s.call for s in steps])):
             step.chunk = self.prefill.chunk(step.call, share)
-            share -= len(step.chunk.tokens)
         return [s for s in steps if s.chunk.decodes or s.chunk.tokens]
 
     def propose(self, steps: list[CallStep]) -> None:
