@@ -1,5 +1,5 @@
 """The attention of a decode or verification step on this CPU: hybridspec's kernel (`hybridspec/attention_kernel.h`)
-against PyTorch's flash attention, which the target ran before it (and still runs for prompt chunks).
+against PyTorch's flash attention, which the target ran before it (prompt chunks: `bench_prefill.py`).
 
 One step of a SmolLM2-shaped model (30 layers, 3 KV heads of 64 dims, 3 query heads per KV head, float32): for
 each context length and number of step queries q (1: a plain step; more: a draft of q - 1 tokens, a chain), the ms

@@ -94,8 +94,8 @@ def test_target_steps_are_the_same_with_the_kernel_and_without(tiny_model):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (20, 33, 9)]
     with_kernel, without = TargetModel(tiny_model), TargetModel(tiny_model)
-    assert with_kernel.attention.step_kernel
-    without.attention.step_kernel = False
+    assert with_kernel.attention.kernel
+    without.attention.kernel = False
     outputs = []
     for model in (with_kernel, without):
         batch, one = model.new_cache(2, 128), model.new_cache(1, 128)
@@ -123,3 +123,52 @@ def test_bench_attention_writes_its_table(tmp_path, capsys):
         assert r["speedup"] == pytest.approx(r["flash_ms"] / r["kernel_ms"], rel=0.1)
         assert r["bound_ms"] == pytest.approx(2 * 2 * 3 * (r["context"] + r["queries"]) * 64 * 4 / 10e6, abs=1e-3)
     assert "kernel ms" in capsys.readouterr().out
+
+
+def run_prompt_kernel(q, keys, values, start, workers=1):
+    """q [B, H * group, nq, D] at positions start.. (its keys already in the cache); keys/values [B, H, capacity, D]."""
+    from hybridspec.model import attention as module
+
+    with_threads = torch.get_num_threads()
+    torch.set_num_threads(workers)
+    try:
+        return module._prompt_kernel(q, keys, values, start, keys.shape[1])
+    finally:
+        torch.set_num_threads(with_threads)
+
+
+def prompt_reference(q, keys, values, start):
+    b, heads, nq, d = q.shape
+    kv_heads = keys.shape[1]
+    n = start + nq
+    mask = torch.ones(nq, n, dtype=torch.bool).tril(start)  # query i sees keys [0, start + i]
+    k = keys[:, :, :n].repeat_interleave(heads // kv_heads, dim=1)
+    v = values[:, :, :n].repeat_interleave(heads // kv_heads, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7])
+def test_the_prompt_kernel_is_causal_attention_after_the_cache(dim, group):
+    """A prompt chunk of nq queries after `start` cached tokens, each query seeing the cache and the chunk up to
+    itself: chunks around the kernel's tiles of 16 queries and blocks of 128 keys, a batch, every head size, and
+    1 to 7 query heads per KV head (its micro-tiles take 3 heads at a time)."""
+    gen = torch.Generator().manual_seed(dim * 10 + group)
+    kv_heads = 2
+    for start, nq in ((0, 1), (0, 16), (5, 17), (0, 130), (120, 9), (255, 40), (300, 200)):
+        keys = torch.randn(2, kv_heads, start + nq + 7, dim, generator=gen)
+        values = torch.randn(2, kv_heads, start + nq + 7, dim, generator=gen)
+        q = torch.randn(2, kv_heads * group, nq, dim, generator=gen)
+        torch.testing.assert_close(run_prompt_kernel(q, keys, values, start), prompt_reference(q, keys, values, start),
+                                   atol=3e-6, rtol=3e-5, msg=f"start {start}, {nq} queries")
+
+
+def test_the_prompt_kernel_gives_the_same_bits_on_any_number_of_threads():
+    """Each tile of 16 queries is computed alone, whichever thread runs it: a prompt's cache does not depend on the
+    machine's thread count."""
+    gen = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(1, 3, 700, 64, generator=gen), torch.randn(1, 3, 700, 64, generator=gen)
+    q = torch.randn(1, 9, 300, 64, generator=gen)
+    one = run_prompt_kernel(q, keys, values, 390, workers=1)
+    for workers in (2, 3):
+        assert torch.equal(run_prompt_kernel(q, keys, values, 390, workers=workers), one)

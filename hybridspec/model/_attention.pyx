@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The CPU attention kernel of decode and verification steps (`attention_kernel.h`), on raw pointers of tensors the
-caller checked (`hybridspec.model.attention`): a thin layer, the GIL released while it runs."""
+"""The CPU attention kernels of decode and verification steps and of prompt chunks (`attention_kernel.h`), on raw
+pointers of tensors the caller checked (`hybridspec.model.attention`): a thin layer, the GIL released while they run."""
 from libc.stdint cimport int64_t, uint8_t, uintptr_t
 
 
@@ -9,6 +9,10 @@ cdef extern from "attention_kernel.h" nogil:
     int hs_decode_attention(const float *q, const float *keys, const float *values, float *out, float *scores,
                              int batch, int kv_heads, int rows, int dim, int nq, const int64_t *prefix,
                              const uint8_t *see, long batch_stride, long head_stride, long key_stride, float scale)
+    int hs_prefill_attention(const float *q, const float *keys, const float *values, float *out, float *scratch,
+                             int kv_heads, int group, int nq, int dim, int start, int tile_begin, int tile_end,
+                             long batch_stride, long head_stride, long key_stride, float scale)
+    int PF_QUERIES, PF_KEYS
 
 
 def supported() -> bool:
@@ -25,4 +29,20 @@ def decode_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t ou
         done = hs_decode_attention(<const float *>q, <const float *>keys, <const float *>values, <float *>out,
                                    <float *>scores, batch, kv_heads, rows, dim, nq, <const int64_t *>prefix,
                                    <const uint8_t *>see, batch_stride, head_stride, key_stride, scale)
+    return bool(done)
+
+
+TILE_QUERIES, TILE_KEYS = PF_QUERIES, PF_KEYS  # a prompt tile's queries; the keys of one block
+
+
+def prefill_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t out, uintptr_t scratch, int kv_heads,
+                      int group, int nq, int dim, int start, int tile_begin, int tile_end, long batch_stride,
+                      long head_stride, long key_stride, float scale) -> bool:
+    """Tiles [tile_begin, tile_end) of a prompt chunk's causal attention (`hs_prefill_attention`); False: head_dim is
+    not one the kernel has."""
+    cdef int done
+    with nogil:
+        done = hs_prefill_attention(<const float *>q, <const float *>keys, <const float *>values, <float *>out,
+                                    <float *>scratch, kv_heads, group, nq, dim, start, tile_begin, tile_end,
+                                    batch_stride, head_stride, key_stride, scale)
     return bool(done)

@@ -2,12 +2,14 @@
 multiplication per pair of dimensions), then where each input's key and value go in the KV cache and which keys it
 sees, and the attention itself by the fastest route for the inputs at hand. A decode or verification step (a few
 queries per row, chains, trees and rows of different lengths) runs the AVX-512 kernel `hybridspec.model._attention`
-on a CPU that has it; a prompt chunk attends to the cached prefix and causally to itself by PyTorch's CPU flash
-attention, in two mask-free parts merged by their log-sum-exps; anything else (another device, no kernel) attends
-under one boolean or additive mask.
+on a CPU that has it; a prompt chunk attends to the cached prefix and causally to itself by the same module's flash
+kernel for prompts (its tiles split over torch's threads), or without it by PyTorch's CPU flash attention in two
+mask-free parts merged by their log-sum-exps; anything else (another device, no kernel) attends under one boolean or
+additive mask.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +19,10 @@ from hybridspec.model.kv_cache import KVCache
 
 # PyTorch's CPU flash attention, which also returns the log-sum-exp of each query's scores (GQA without repeats).
 FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-try:  # the attention kernel of decode and verification steps on a CPU (built with the package; AVX-512 CPUs)
-    from hybridspec.model import _attention as _step_attention
+try:  # the attention kernels of steps and prompt chunks on a CPU (built with the package; AVX-512 CPUs)
+    from hybridspec.model import _attention as _kernels
 except ImportError:  # pragma: no cover - a build without it: PyTorch's attention throughout
-    _step_attention = None
+    _kernels = None
 # The most step inputs per cache that attend by the kernel. It reads every key once for all of a step's queries, which
 # wins while they are few; flash attention, built for many query rows, is faster only for long prompt chunks
 # (`benchmarks/bench_attention.py` measures both by number of queries).
@@ -69,6 +71,38 @@ def _prefix_then_causal(query: torch.Tensor, prefix_keys: torch.Tensor, prefix_v
     return merged.to(query.dtype)
 
 
+_prompt_threads: ThreadPoolExecutor | None = None
+
+
+def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                   num_kv_heads: int) -> torch.Tensor:
+    """Attention of a prompt chunk by the kernel (`hs_prefill_attention`): query [b, heads, q, D] at positions
+    start.., each seeing the cache up to itself (its own keys already written there; keys [b, kv_heads, capacity, D]).
+    On several torch threads, its tiles (16 queries of a KV head) are split among them: the kernel releases the GIL."""
+    global _prompt_threads
+    bsz, heads, q, dim = query.shape
+    group = heads // num_kv_heads
+    folded = query.reshape(bsz, num_kv_heads, group * q, dim).contiguous()
+    out = torch.empty_like(folded)
+    tiles = bsz * num_kv_heads * -(-q // _kernels.TILE_QUERIES)
+    workers = min(torch.get_num_threads(), tiles)
+    scratch = torch.empty(workers, 16 * group * (2 * dim + _kernels.TILE_KEYS + 2))
+
+    def run(worker: int) -> bool:
+        return _kernels.prefill_attention(
+            folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scratch[worker].data_ptr(),
+            num_kv_heads, group, q, dim, start, tiles * worker // workers, tiles * (worker + 1) // workers,
+            keys.stride(0), keys.stride(1), keys.stride(2), dim ** -0.5)
+
+    if workers == 1:
+        run(0)
+    else:
+        if _prompt_threads is None or _prompt_threads._max_workers < workers:
+            _prompt_threads = ThreadPoolExecutor(workers, thread_name_prefix="hybridspec-prompt-attention")
+        list(_prompt_threads.map(run, range(workers)))
+    return out.view(bsz, heads, q, dim)
+
+
 @dataclass
 class AttentionPlan:
     """How one cache's rows of a forward pass attend: their slots in the cache, their mask over it."""
@@ -88,8 +122,9 @@ class AttentionPlan:
 class Attention:
     """The attention of one model's passes: `plan` a cache's rows once per pass, then `attend` in every layer.
 
-    cpu_flash: prompt chunks attend by PyTorch's CPU flash attention in mask-free parts (on a CPU that has it).
-    step_kernel: steps attend by the AVX-512 kernel (float32 on a CPU that has it, head sizes it was built for).
+    cpu_flash: prompt chunks attend in mask-free parts (on a CPU that has PyTorch's CPU flash attention).
+    kernel: steps and prompt chunks attend by the AVX-512 kernels (float32 on a CPU that has them, head sizes they
+    were built for); without them prompt chunks attend by PyTorch's CPU flash attention.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -97,8 +132,8 @@ class Attention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device, self.max_seq_len = dtype, device, max_seq_len
         self.cpu_flash = FLASH_CPU is not None and device.type == "cpu"
-        self.step_kernel = (_step_attention is not None and device.type == "cpu" and dtype == torch.float32
-                            and head_dim in (16, 32, 64, 128) and _step_attention.supported())
+        self.kernel = (_kernels is not None and device.type == "cpu" and dtype == torch.float32
+                            and head_dim in (16, 32, 64, 128) and _kernels.supported())
 
     def plan(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, causal: bool,
              causal_rows: int = 0) -> AttentionPlan:
@@ -114,7 +149,7 @@ class Attention:
         same_length = all(n == cache.lengths[0] for n in cache.lengths)
         causal_chunk = causal and same_length and self.cpu_flash
         group = self.num_heads // self.num_kv_heads
-        if not causal_chunk and self.step_kernel and q - causal_rows <= STEP_KERNEL_MAX_QUERIES:
+        if not causal_chunk and self.kernel and q - causal_rows <= STEP_KERNEL_MAX_QUERIES:
             steps = q - causal_rows
             see = tree_mask[:, causal_rows:, causal_rows:].to(torch.uint8).contiguous()
             scores = torch.empty(group * steps * (kv_len + 16), dtype=torch.float32)
@@ -150,13 +185,20 @@ class Attention:
             values[row_ids, :, plan.slots] = value.transpose(1, 2)
         start = plan.start
         if plan.causal_chunk:
-            return _prefix_then_causal(query, keys[:, :, :start], values[:, :, :start], key, value)
+            return self._attend_prompt(query, keys, values, start, key, value)
         if plan.causal_rows:  # a prompt chunk, then a draft tree that sees all of it
             n = plan.causal_rows
-            chunk = _prefix_then_causal(query[:, :, :n], keys[:, :, :start], values[:, :, :start], key[:, :, :n],
-                                        value[:, :, :n])
+            chunk = self._attend_prompt(query[:, :, :n], keys, values, start, key[:, :, :n], value[:, :, :n])
             return torch.cat([chunk, self._attend_masked(plan, keys, values, query[:, :, n:])], dim=2)
         return self._attend_masked(plan, keys, values, query)
+
+    def _attend_prompt(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                       key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk's attention (query [b, heads, q, D] at positions start..): the cache's first `start` keys
+        and causally its own (key, value), already written to the cache after them."""
+        if self.kernel:
+            return _prompt_kernel(query, keys, values, start, self.num_kv_heads)
+        return _prefix_then_causal(query, keys[:, :, :start], values[:, :, :start], key, value)
 
     def _attend_masked(self, plan: AttentionPlan, keys: torch.Tensor, values: torch.Tensor,
                        query: torch.Tensor) -> torch.Tensor:
@@ -168,7 +210,7 @@ class Attention:
         if plan.kernel is not None:
             prefix, see, scores = plan.kernel
             folded, out = folded.contiguous(), torch.empty_like(folded)
-            _step_attention.decode_attention(
+            _kernels.decode_attention(
                 folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scores.data_ptr(), bsz,
                 self.num_kv_heads, folded.shape[2], head_dim, q, prefix.data_ptr(), see.data_ptr(), keys.stride(0),
                 keys.stride(1), keys.stride(2), head_dim ** -0.5)

@@ -1,4 +1,5 @@
-/* Attention of a decode or verification step on a CPU: a few query rows per KV head over a long KV cache.
+/* Attention of a decode or verification step on a CPU: a few query rows per KV head over a long KV cache (and, at
+   the end of this file, of a prompt chunk: many consecutive queries, causal).
 
    Why not PyTorch's flash attention: it is built for many query rows; with the 3-30 folded rows of a step it reads
    each key at a fraction of the memory's speed (SmolLM2, 2,048 tokens of context: ~10 ms per step for one row,
@@ -173,4 +174,149 @@ HS_TARGET static int hs_decode_attention(const float *q, const float *keys, cons
         case 128: HS_HEADS(8) return 1;
         default: return 0;
     }
+}
+
+/* Attention of a prompt chunk: nq consecutive queries at positions start .. start + nq - 1, query i seeing keys
+   [0, start + i]. Flash attention on tiles of 16 queries: a tile holds the 16 queries of every head that shares the
+   KV head, transposed so that one vector is one head's 16 queries (the running maximum, sum and causal mask of 16
+   rows are then one vector each, with no reduction across lanes), and runs over blocks of PF_KEYS keys, reading each
+   key and value once per tile. A tile stops at its last query's keys: no work above the causal diagonal but its own
+   corner (PyTorch's CPU flash attention computes whole 512-key blocks there: for a 512-token chunk's own keys, twice
+   the work).
+
+   Layout: q and out [batch, kv_heads, group * nq, head_dim] contiguous, row g * nq + i is query i of head g of the KV
+   head; keys and values as in hs_decode_attention, the chunk's own keys already at start .. start + nq - 1. */
+#define PF_QUERIES 16
+#define PF_KEYS 128
+
+/* s[j][v] (v: a head's 16 queries) for the block's keys j0 .. j0 + 7 (keys past kb: the last one's, ignored), heads
+   v0 .. v0 + RV - 1; qt [dim][width], s [PF_KEYS][width]. The sums over the head dimension in registers. */
+HS_TARGET HS_INLINE void hs_pf_scores(const float *qt, int width, const float *k, long key_stride, int kb, float *s,
+                                      int v0, const int rv, const int dim) {
+    for (int j0 = 0; j0 < kb; j0 += 8) {
+        __m512 acc[8][3];
+        const float *key[8];
+        for (int i = 0; i < 8; i++) {
+            key[i] = k + (long)(j0 + i < kb ? j0 + i : kb - 1) * key_stride;
+            for (int w = 0; w < rv; w++) acc[i][w] = _mm512_setzero_ps();
+        }
+        for (int d = 0; d < dim; d++) {
+            __m512 qv[3];
+            for (int w = 0; w < rv; w++) qv[w] = _mm512_loadu_ps(qt + (long)d * width + 16 * (v0 + w));
+            for (int i = 0; i < 8; i++) {
+                const __m512 kd = _mm512_set1_ps(key[i][d]);
+                for (int w = 0; w < rv; w++) acc[i][w] = _mm512_fmadd_ps(kd, qv[w], acc[i][w]);
+            }
+        }
+        for (int i = 0; i < 8; i++)
+            for (int w = 0; w < rv; w++) _mm512_storeu_ps(s + (long)(j0 + i) * width + 16 * (v0 + w), acc[i][w]);
+    }
+}
+
+/* ot [dim][width] += the values of the block's kb keys weighted by p [PF_KEYS][width], heads v0 .. v0 + RV - 1 */
+HS_TARGET HS_INLINE void hs_pf_values(const float *p, int width, const float *v, long key_stride, int kb, float *ot,
+                                      int v0, const int rv, const int dim) {
+    for (int d0 = 0; d0 < dim; d0 += 8) {
+        __m512 acc[8][3];
+        for (int e = 0; e < 8; e++)
+            for (int w = 0; w < rv; w++) acc[e][w] = _mm512_loadu_ps(ot + (long)(d0 + e) * width + 16 * (v0 + w));
+        for (int j = 0; j < kb; j++) {
+            const float *vj = v + (long)j * key_stride + d0;
+            __m512 pv[3];
+            for (int w = 0; w < rv; w++) pv[w] = _mm512_loadu_ps(p + (long)j * width + 16 * (v0 + w));
+            for (int e = 0; e < 8; e++) {
+                const __m512 x = _mm512_set1_ps(vj[e]);
+                for (int w = 0; w < rv; w++) acc[e][w] = _mm512_fmadd_ps(x, pv[w], acc[e][w]);
+            }
+        }
+        for (int e = 0; e < 8; e++)
+            for (int w = 0; w < rv; w++) _mm512_storeu_ps(ot + (long)(d0 + e) * width + 16 * (v0 + w), acc[e][w]);
+    }
+}
+
+#define HS_PF_HEADS(CALL)                                                                                           \
+    for (int v0 = 0; v0 < group; v0 += 3) {                                                                         \
+        const int rv = group - v0 < 3 ? group - v0 : 3;                                                             \
+        if (rv == 3) CALL(3) else if (rv == 2) CALL(2) else CALL(1)                                                 \
+    }
+
+/* One tile: queries i0 .. i0 + tq - 1 of every head of the KV head. scratch: width * (2 * dim + PF_KEYS + 2) floats */
+HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const float *v, long key_stride, int nq,
+                                         int group, int start, int i0, int tq, float scale, float *out,
+                                         float *scratch, const int dim) {
+    const int width = 16 * group, n = start + i0 + tq;  /* the tile's keys: up to its last query's */
+    float *qt = scratch, *s = qt + (long)dim * width, *ot = s + (long)PF_KEYS * width, *row_max = ot + (long)dim * width;
+    float *row_sum = row_max + width;
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int g = 0; g < group; g++)
+        for (int l = 0; l < 16; l++) {
+            const float *qr = q + ((long)g * nq + i0 + (l < tq ? l : 0)) * dim;
+            for (int d = 0; d < dim; d++) qt[(long)d * width + 16 * g + l] = l < tq ? qr[d] * scale : 0.0f;
+        }
+    for (int x = 0; x < width; x++) row_max[x] = -INFINITY, row_sum[x] = 0.0f;
+    memset(ot, 0, sizeof(float) * dim * width);
+    for (int b0 = 0; b0 < n; b0 += PF_KEYS) {
+        const int kb = n - b0 < PF_KEYS ? n - b0 : PF_KEYS;
+        const float *kblock = k + (long)b0 * key_stride, *vblock = v + (long)b0 * key_stride;
+#define HS_PF_SCORES(RV) hs_pf_scores(qt, width, kblock, key_stride, kb, s, v0, RV, dim);
+        HS_PF_HEADS(HS_PF_SCORES)
+        /* the causal corner: query i0 + l sees key b0 + j when l >= b0 + j - start - i0 */
+        for (int j = start + i0 - b0 > 0 ? start + i0 - b0 : 0; j < kb; j++) {
+            const __mmask16 hidden = _mm512_cmplt_epi32_mask(lanes, _mm512_set1_epi32(b0 + j - start - i0));
+            for (int g = 0; g < group; g++)
+                _mm512_mask_storeu_ps(s + (long)j * width + 16 * g, hidden, neg_inf);
+        }
+        for (int g = 0; g < group; g++) {  /* the running maximum and sum, per query: one vector per head */
+            __m512 block_max = neg_inf;
+            for (int j = 0; j < kb; j++) block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(s + (long)j * width + 16 * g));
+            /* every query sees key 0, so from the first block on the maximum is finite */
+            const __m512 old_max = _mm512_loadu_ps(row_max + 16 * g), new_max = _mm512_max_ps(old_max, block_max);
+            const __m512 shrink = hs_exp_nonpositive(_mm512_sub_ps(old_max, new_max));  /* ~0 before the first */
+            __m512 total = _mm512_setzero_ps();
+            for (int j = 0; j < kb; j++) {
+                const __m512 x = _mm512_loadu_ps(s + (long)j * width + 16 * g);
+                const __mmask16 live = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
+                const __m512 e = _mm512_maskz_mov_ps(live, hs_exp_nonpositive(_mm512_sub_ps(x, new_max)));
+                _mm512_storeu_ps(s + (long)j * width + 16 * g, e);
+                total = _mm512_add_ps(total, e);
+            }
+            _mm512_storeu_ps(row_sum + 16 * g, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + 16 * g), shrink, total));
+            _mm512_storeu_ps(row_max + 16 * g, new_max);
+            for (int d = 0; d < dim; d++)
+                _mm512_storeu_ps(ot + (long)d * width + 16 * g,
+                                 _mm512_mul_ps(shrink, _mm512_loadu_ps(ot + (long)d * width + 16 * g)));
+        }
+#define HS_PF_VALUES(RV) hs_pf_values(s, width, vblock, key_stride, kb, ot, v0, RV, dim);
+        HS_PF_HEADS(HS_PF_VALUES)
+    }
+    for (int g = 0; g < group; g++)
+        for (int l = 0; l < tq; l++) {
+            const float inverse = 1.0f / row_sum[16 * g + l];
+            float *dst = out + ((long)g * nq + i0 + l) * dim;
+            for (int d = 0; d < dim; d++) dst[d] = ot[(long)d * width + 16 * g + l] * inverse;
+        }
+}
+
+/* Tiles [tile_begin, tile_end) of batch x kv_heads x ceil(nq / PF_QUERIES), in that order (callers may split them over
+   threads). scratch: at least 16 * group * (2 * head_dim + PF_KEYS + 2) floats. 0 when head_dim is not 16, 32, 64 or
+   128 (nothing computed). */
+HS_TARGET static int hs_prefill_attention(const float *q, const float *keys, const float *values, float *out,
+                                          float *scratch, int kv_heads, int group, int nq, int dim, int start,
+                                          int tile_begin, int tile_end, long batch_stride, long head_stride,
+                                          long key_stride, float scale) {
+    if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
+    const int tiles = (nq + PF_QUERIES - 1) / PF_QUERIES;
+    for (int t = tile_begin; t < tile_end; t++) {
+        const int b = t / (kv_heads * tiles), h = t / tiles % kv_heads, i0 = t % tiles * PF_QUERIES;
+        const int tq = nq - i0 < PF_QUERIES ? nq - i0 : PF_QUERIES;
+        const long qo = ((long)b * kv_heads + h) * group * nq * dim, ko = b * batch_stride + h * head_stride;
+        switch (dim) {  /* a constant head_dim: the loops over it unroll */
+            case 16: hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, scale, out + qo, scratch, 16); break;
+            case 32: hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, scale, out + qo, scratch, 32); break;
+            case 64: hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, scale, out + qo, scratch, 64); break;
+            default: hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, scale, out + qo, scratch, 128); break;
+        }
+    }
+    return 1;
 }

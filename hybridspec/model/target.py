@@ -42,8 +42,9 @@ from hybridspec.model.linear import Linear, fast_bf16, tune_products
 from hybridspec.speculators.features import default_aux_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-# Prefill chunks: long where the chunk attends causally without a mask (the causal kernel skips more of the blocks
-# above the diagonal in one long chunk than in several short ones), short where a mask is needed (its memory).
+# Prefill chunks: long where the chunk attends causally without a mask (fewer passes; PyTorch's flash attention, where
+# the prompt kernel does not run, skips more of the blocks above the diagonal in one long chunk than in several short
+# ones), short where a mask is needed (its memory).
 CAUSAL_CHUNK, MASKED_CHUNK = 2048, 512
 
 
