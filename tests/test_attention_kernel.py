@@ -109,6 +109,45 @@ def test_target_steps_are_the_same_with_the_kernel_and_without(tiny_model):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
 
 
+def test_the_steps_of_many_caches_attend_in_one_call_as_they_would_apart(tiny_model, monkeypatch):
+    """A pass of concurrent calls' steps (one-row caches of different lengths, a two-row cache, chains and a tree of
+    the same size, beside a prompt chunk and a step of another size): the steps of one size attend in one kernel call
+    per layer, and the pass's logits and the keys and values it writes are bitwise those of one call per cache."""
+    from hybridspec.model.attention import Attention
+
+    rng = random.Random(5)
+    seq = lambda n: [rng.randrange(3, 128) for _ in range(n)]  # noqa: E731
+    model = TargetModel(tiny_model)
+    lengths = (7, 30, 18, 64)
+    real = Attention.join_steps
+
+    def run(join: bool):
+        rng.seed(5)
+        caches = [model.new_cache(1, 16) for _ in lengths] + [model.new_cache(2, 16), model.new_cache(1, 16),
+                                                              model.new_cache(1, 16)]
+        for cache, n in zip(caches, lengths + (20, 9, 12)):
+            model.prefill(cache, [seq(n)] * cache.batch_size)
+        inputs = [StepInput(c, [5], [seq(3)], [None]) for c in caches[:3]]
+        inputs += [StepInput(caches[3], [6], [seq(3)], [[-1, 0, 0]]), StepInput(caches[4], [7, 8], [seq(3), seq(3)]),
+                   StepInput(caches[5], [], prompt=seq(21)), StepInput(caches[6], [9], [seq(1)])]
+        joined = []
+        if join:
+            monkeypatch.setattr(Attention, "join_steps",
+                                lambda self, *a: joined.extend(real(self, *a)) or joined, raising=True)
+        else:
+            monkeypatch.setattr(Attention, "join_steps", lambda self, *a: [])
+        outs = model.step_many(inputs)
+        return outs, caches, joined
+
+    apart, apart_caches, _ = run(join=False)
+    together, caches, joined = run(join=True)
+    assert [j.parts for j in joined] == [[0, 1, 2, 3, 4]]  # the five steps of 4 inputs; not the chunk, not the other
+    for a, b in zip(apart, together):
+        assert torch.equal(a.logits, b.logits)
+    for a, b in zip(apart_caches, caches):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def test_bench_attention_writes_its_table(tmp_path, capsys):
     import json
 

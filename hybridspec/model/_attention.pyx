@@ -9,9 +9,13 @@ cdef extern from "attention_kernel.h" nogil:
     int hs_decode_attention(const float *q, const float *keys, const float *values, float *out, float *scores,
                              int batch, int kv_heads, int rows, int dim, int nq, const int64_t *prefix,
                              const uint8_t *see, long batch_stride, long head_stride, long key_stride, float scale)
+    int hs_decode_attention_rows(const float *q, const float *new_keys, const float *new_values,
+                                 const int64_t *key_rows, const int64_t *value_rows, const int64_t *head_strides,
+                                 float *out, float *scores, int batch, int kv_heads, int rows, int dim, int nq,
+                                 const int64_t *prefix, const uint8_t *see, long key_stride, float scale)
     int hs_prefill_attention(const float *q, const float *keys, const float *values, float *out, float *scratch,
                              int kv_heads, int group, int nq, int dim, int start, int tile_begin, int tile_end,
-                             long batch_stride, long head_stride, long key_stride, float scale)
+                             int tile_step, long batch_stride, long head_stride, long key_stride, float scale)
     int PF_QUERIES, PF_KEYS
 
 
@@ -32,17 +36,33 @@ def decode_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t ou
     return bool(done)
 
 
+def decode_attention_rows(uintptr_t q, uintptr_t new_keys, uintptr_t new_values, uintptr_t key_rows,
+                          uintptr_t value_rows, uintptr_t head_strides, uintptr_t out, uintptr_t scores, int batch,
+                          int kv_heads, int rows, int dim, int nq, uintptr_t prefix, uintptr_t see, long key_stride,
+                          float scale) -> bool:
+    """`decode_attention` for rows of separate caches, each row's new keys and values written first
+    (`hs_decode_attention_rows`); False: head_dim is not one the kernel has (nothing written)."""
+    cdef int done
+    with nogil:
+        done = hs_decode_attention_rows(<const float *>q, <const float *>new_keys, <const float *>new_values,
+                                        <const int64_t *>key_rows, <const int64_t *>value_rows,
+                                        <const int64_t *>head_strides, <float *>out, <float *>scores, batch, kv_heads,
+                                        rows, dim, nq, <const int64_t *>prefix, <const uint8_t *>see, key_stride,
+                                        scale)
+    return bool(done)
+
+
 TILE_QUERIES, TILE_KEYS = PF_QUERIES, PF_KEYS  # a prompt tile's queries; the keys of one block
 
 
 def prefill_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t out, uintptr_t scratch, int kv_heads,
-                      int group, int nq, int dim, int start, int tile_begin, int tile_end, long batch_stride,
-                      long head_stride, long key_stride, float scale) -> bool:
-    """Tiles [tile_begin, tile_end) of a prompt chunk's causal attention (`hs_prefill_attention`); False: head_dim is
-    not one the kernel has."""
+                      int group, int nq, int dim, int start, int tile_begin, int tile_end, int tile_step,
+                      long batch_stride, long head_stride, long key_stride, float scale) -> bool:
+    """Every tile_step-th tile from tile_begin below tile_end of a prompt chunk's causal attention
+    (`hs_prefill_attention`); False: head_dim is not one the kernel has."""
     cdef int done
     with nogil:
         done = hs_prefill_attention(<const float *>q, <const float *>keys, <const float *>values, <float *>out,
                                     <float *>scratch, kv_heads, group, nq, dim, start, tile_begin, tile_end,
-                                    batch_stride, head_stride, key_stride, scale)
+                                    tile_step, batch_stride, head_stride, key_stride, scale)
     return bool(done)

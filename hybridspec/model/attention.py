@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +79,7 @@ def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
                    num_kv_heads: int) -> torch.Tensor:
     """Attention of a prompt chunk by the kernel (`hs_prefill_attention`): query [b, heads, q, D] at positions
     start.., each seeing the cache up to itself (its own keys already written there; keys [b, kv_heads, capacity, D]).
-    On several torch threads, its tiles (16 queries of a KV head) are split among them: the kernel releases the GIL."""
+    On several torch threads, its tiles (16 queries of a KV head) are dealt among them: the kernel releases the GIL."""
     global _prompt_threads
     bsz, heads, q, dim = query.shape
     group = heads // num_kv_heads
@@ -91,8 +92,8 @@ def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     def run(worker: int) -> bool:
         return _kernels.prefill_attention(
             folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scratch[worker].data_ptr(),
-            num_kv_heads, group, q, dim, start, tiles * worker // workers, tiles * (worker + 1) // workers,
-            keys.stride(0), keys.stride(1), keys.stride(2), dim ** -0.5)
+            num_kv_heads, group, q, dim, start, worker, tiles, workers, keys.stride(0), keys.stride(1),
+            keys.stride(2), dim ** -0.5)
 
     if workers == 1:
         run(0)
@@ -117,6 +118,23 @@ class AttentionPlan:
     # The step kernel's inputs (`hybridspec.model._attention`) where it runs instead of `mask`: per row the keys every
     # input sees ([b] int64), which of the step's own keys each input sees ([b, q, q] uint8), a scratch for the scores
     kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class JoinedSteps:
+    """Steps of several caches that attend in one kernel call per layer (`Attention.join_steps`): each of their rows
+    as a row of the call, its cache's layer found by address."""
+
+    parts: list[int]  # the parts of the pass, by index
+    inputs: torch.Tensor  # [rows * q]: their inputs' places among the pass's packed inputs, row by row
+    q: int
+    key_rows: torch.Tensor  # [rows] int64: the address of each row's keys in layer 0
+    value_rows: torch.Tensor
+    layer_bytes: torch.Tensor  # [rows] int64: from one layer of the row's cache to the next
+    head_strides: torch.Tensor  # [rows] int64, in floats
+    prefix: torch.Tensor  # [rows] int64: the keys every input of the row sees
+    see: torch.Tensor  # [rows, q, q] uint8: which of the step's own keys each input sees
+    scores: torch.Tensor  # the kernel's scratch
 
 
 class Attention:
@@ -169,6 +187,52 @@ class Attention:
                 torch.zeros(folded.shape, dtype=self.dtype, device=self.device).masked_fill_(~folded, float("-inf"))
         return AttentionPlan(cache, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None,
                              causal_chunk, causal_rows)
+
+    def join_steps(self, plans: Sequence[AttentionPlan], spans: Sequence[tuple[int, int]]) -> list[JoinedSteps]:
+        """The parts of a pass that attend by the step kernel with the same number of inputs, joined where there are
+        several (concurrent calls' steps, one cache each): one kernel call per layer for all of them, not one per
+        cache with its own slicing and writes, which at 64 calls cost a tenth of a pass."""
+        by_q: dict[int, list[int]] = {}
+        for i, plan in enumerate(plans):
+            if plan.kernel is not None and not plan.causal_rows:
+                by_q.setdefault(plan.kernel[1].shape[1], []).append(i)
+        joined = []
+        for q, parts in by_q.items():
+            if len(parts) < 2:
+                continue
+            caches = [plans[i].cache for i in parts]
+            item = caches[0].keys.element_size()
+            rows = [(c, r) for c in caches for r in range(c.batch_size)]
+            key_rows = [c.keys.data_ptr() + r * c.keys.stride(1) * item for c, r in rows]
+            value_rows = [c.values.data_ptr() + r * c.values.stride(1) * item for c, r in rows]
+            group = self.num_heads // self.num_kv_heads
+            joined.append(JoinedSteps(
+                parts, torch.cat([torch.arange(*spans[i]) for i in parts]), q,
+                torch.tensor(key_rows, dtype=torch.int64), torch.tensor(value_rows, dtype=torch.int64),
+                torch.tensor([c.keys.stride(0) * item for c, _ in rows], dtype=torch.int64),
+                torch.tensor([c.keys.stride(2) for c, _ in rows], dtype=torch.int64),
+                torch.cat([plans[i].kernel[0] for i in parts]), torch.cat([plans[i].kernel[1] for i in parts]),
+                torch.empty(group * q * (max(plans[i].kv_len for i in parts) + 16), dtype=torch.float32)))
+        return joined
+
+    def attend_joined(self, steps: JoinedSteps, layer_id: int, query_key: torch.Tensor,
+                      value: torch.Tensor) -> torch.Tensor:
+        """Joined steps' attention in one layer: their inputs' rotated queries and keys [n, heads + kv_heads, D] and
+        values [n, kv_heads * D] in, the attention [n, heads * D] out; their new keys and values go to their caches."""
+        q, hq, hk, dim = steps.q, self.num_heads, self.num_kv_heads, self.head_dim
+        rows = query_key.shape[0] // q
+        query_key = query_key.view(rows, q, hq + hk, dim)
+        folded = query_key[:, :, :hq].transpose(1, 2).reshape(rows, hk, hq // hk * q, dim).contiguous()
+        keys = query_key[:, :, hq:].transpose(1, 2).contiguous()
+        values = value.view(rows, q, hk, dim).transpose(1, 2).contiguous()
+        out = torch.empty_like(folded)
+        key_rows = steps.key_rows + layer_id * steps.layer_bytes
+        value_rows = steps.value_rows + layer_id * steps.layer_bytes
+        _kernels.decode_attention_rows(
+            folded.data_ptr(), keys.data_ptr(), values.data_ptr(), key_rows.data_ptr(), value_rows.data_ptr(),
+            steps.head_strides.data_ptr(), out.data_ptr(), steps.scores.data_ptr(), rows, hk, folded.shape[2], dim, q,
+            steps.prefix.data_ptr(), steps.see.data_ptr(), dim, dim ** -0.5)
+        return out.view(rows, hq, q, dim).transpose(1, 2).reshape(rows * q, hq * dim)
 
     def attend(self, plan: AttentionPlan, layer_id: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> torch.Tensor:

@@ -176,6 +176,38 @@ HS_TARGET static int hs_decode_attention(const float *q, const float *keys, cons
     }
 }
 
+/* hs_decode_attention for rows of separate caches (the one-row caches of concurrent calls: a pass's steps in one
+   call): row b's layer of keys at address key_rows[b] (values: value_rows[b]), its KV heads head_strides[b] floats
+   apart. First each row's nq new keys and values (new_keys, new_values: [batch, kv_heads, nq, head_dim] contiguous)
+   go to its slots prefix[b] .. prefix[b] + nq - 1. */
+HS_TARGET static int hs_decode_attention_rows(const float *q, const float *new_keys, const float *new_values,
+                                              const int64_t *key_rows, const int64_t *value_rows,
+                                              const int64_t *head_strides, float *out, float *scores, int batch,
+                                              int kv_heads, int rows, int dim, int nq, const int64_t *prefix,
+                                              const uint8_t *see, long key_stride, float scale) {
+    if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
+    for (int b = 0; b < batch; b++) {
+        float *keys = (float *)(uintptr_t)key_rows[b], *values = (float *)(uintptr_t)value_rows[b];
+        for (int h = 0; h < kv_heads; h++)
+            for (int j = 0; j < nq; j++) {
+                const long to = h * head_strides[b] + (prefix[b] + j) * key_stride, from = (((long)b * kv_heads + h) * nq + j) * dim;
+                memcpy(keys + to, new_keys + from, sizeof(float) * dim);
+                memcpy(values + to, new_values + from, sizeof(float) * dim);
+            }
+        for (int h = 0; h < kv_heads; h++) {
+            const long qo = ((long)b * kv_heads + h) * rows * dim, ko = h * head_strides[b];
+            const uint8_t *sees = see + (long)b * nq * nq;
+            switch (dim) {
+                case 16: hs_attend_head(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq, sees, scale, out + qo, scores, 1); break;
+                case 32: hs_attend_head(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq, sees, scale, out + qo, scores, 2); break;
+                case 64: hs_attend_head(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq, sees, scale, out + qo, scores, 4); break;
+                default: hs_attend_head(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq, sees, scale, out + qo, scores, 8); break;
+            }
+        }
+    }
+    return 1;
+}
+
 /* Attention of a prompt chunk: nq consecutive queries at positions start .. start + nq - 1, query i seeing keys
    [0, start + i]. Flash attention on tiles of 16 queries: a tile holds the 16 queries of every head that shares the
    KV head, transposed so that one vector is one head's 16 queries (the running maximum, sum and causal mask of 16
@@ -298,16 +330,17 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
         }
 }
 
-/* Tiles [tile_begin, tile_end) of batch x kv_heads x ceil(nq / PF_QUERIES), in that order (callers may split them over
-   threads). scratch: at least 16 * group * (2 * head_dim + PF_KEYS + 2) floats. 0 when head_dim is not 16, 32, 64 or
-   128 (nothing computed). */
+/* Tiles tile_begin, tile_begin + tile_step, ... below tile_end of batch x kv_heads x ceil(nq / PF_QUERIES), in that
+   order (threads take every tile_step-th: later tiles see more keys, so a contiguous share would not be a fair one).
+   scratch: at least 16 * group * (2 * head_dim + PF_KEYS + 2) floats. 0 when head_dim is not 16, 32, 64 or 128
+   (nothing computed). */
 HS_TARGET static int hs_prefill_attention(const float *q, const float *keys, const float *values, float *out,
                                           float *scratch, int kv_heads, int group, int nq, int dim, int start,
-                                          int tile_begin, int tile_end, long batch_stride, long head_stride,
-                                          long key_stride, float scale) {
+                                          int tile_begin, int tile_end, int tile_step, long batch_stride,
+                                          long head_stride, long key_stride, float scale) {
     if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
     const int tiles = (nq + PF_QUERIES - 1) / PF_QUERIES;
-    for (int t = tile_begin; t < tile_end; t++) {
+    for (int t = tile_begin; t < tile_end; t += tile_step) {
         const int b = t / (kv_heads * tiles), h = t / tiles % kv_heads, i0 = t % tiles * PF_QUERIES;
         const int tq = nq - i0 < PF_QUERIES ? nq - i0 : PF_QUERIES;
         const long qo = ((long)b * kv_heads + h) * group * nq * dim, ko = b * batch_stride + h * head_stride;

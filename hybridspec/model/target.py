@@ -170,6 +170,8 @@ class TargetModel:
             begin += b * q
         total = begin
         rope = self.rope[torch.cat(positions)][:, None]  # [T, 1, D / 2]
+        joined = self.attention.join_steps(plans, spans) if len(parts) > 1 else []
+        apart = sorted(set(range(len(parts))) - {i for j in joined for i in j.parts})
 
         hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed[torch.cat([p.tokens.reshape(-1) for p in parts])]  # [T, H], every part's inputs packed
@@ -180,13 +182,21 @@ class TargetModel:
             qkv = layer.qkv(self._rms_norm(x, layer.input_norm))
             query_key = rotate(qkv[:, :(hq + hk) * hd].view(total, hq + hk, hd), rope)
             attn = []
-            for part, plan, (lo, hi) in zip(parts, plans, spans):
-                b, q = part.tokens.shape
+            for i in apart:
+                (lo, hi), (b, q) = spans[i], parts[i].tokens.shape
                 qk = query_key[lo:hi].view(b, q, hq + hk, hd)
                 value = qkv[lo:hi, (hq + hk) * hd:].view(b, q, hk, hd).transpose(1, 2)
                 query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
-                out = self.attention.attend(plan, layer_id, query, key, value)
+                out = self.attention.attend(plans[i], layer_id, query, key, value)
                 attn.append(out.transpose(1, 2).reshape(b * q, hq * hd))
+            if joined:  # the steps of many caches: one kernel call each (`Attention.join_steps`), in their places
+                everything = x.new_empty(total, hq * hd)
+                for j in joined:
+                    everything[j.inputs] = self.attention.attend_joined(j, layer_id, query_key[j.inputs],
+                                                                        qkv[j.inputs, (hq + hk) * hd:])
+                for i, out in zip(apart, attn):
+                    everything[spans[i][0]:spans[i][1]] = out
+                attn = [everything]
             x = layer.o.plus(attn[0] if len(attn) == 1 else torch.cat(attn), x)
             gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = layer.down.plus(F.silu(gate) * up, x)
