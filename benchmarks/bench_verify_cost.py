@@ -6,13 +6,16 @@ The router's cost gate plans with such a table: the engine measures its own once
 holds the built-in ones (`verify_cost=None`), measured with this script on SmolLM2; `Engine(verify_cost=PATH)` takes
 the JSON this script writes. --batch also times a plain step at batch
 1, 2, 4 and 8 (one padded cache, the weights read once per step); --prefill P+N,... times a prefill of N new tokens
-after P cached ones (a cold call: 0+N; an agent's next call: its earlier calls cached, the rest new).
+after P cached ones (a cold call: 0+N; an agent's next call: its earlier calls cached, the rest new); --calls N,...
+times one plain step of N concurrent calls (one one-row cache each, at the first --context), their attention joined
+in one kernel call per layer (`Attention.join_steps`) and one call per cache.
 
     python benchmarks/bench_verify_cost.py --threads 1 --context 512,2048,4096 --repeats 9 --json out/verify_cost.json
     python benchmarks/bench_verify_cost.py --batch --no-verify-cost --threads 1
     python benchmarks/bench_verify_cost.py --threads 1 --context 2048 --plain-max-rows 0   # oneDNN for every product
     python benchmarks/bench_verify_cost.py --prefill 0+455,0+1490,0+2853,2989+1274 --no-verify-cost --threads 1
     python benchmarks/bench_verify_cost.py --products --no-verify-cost --threads 1   # products by row count
+    python benchmarks/bench_verify_cost.py --calls 32,64 --context 50,2000 --no-verify-cost --threads 1
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from common import machine_info, write_json
+from common import machine_info, median_ms_each, write_json
 from hybridspec.model.calibration import DEFAULT_COST_DRAFT_TOKENS, measure_verify_cost
 from hybridspec.model.linear import MKL_ROWS, PLANNED_ROWS, time_routes, untuned_routes
 from hybridspec.model.target import TargetModel
@@ -43,6 +46,30 @@ def measure_prefill(target: TargetModel, cached: int, new: int, repeats: int = 3
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     return {"cached": cached, "new": new, "s": round(seconds, 4), "ms_per_token": round(1000 * seconds / new, 3)}
+
+
+def measure_calls_step(target: TargetModel, calls: int, context: int, repeats: int = 7) -> dict:
+    """Median ms of one greedy plain step of `calls` one-row caches at `context` tokens, their attention joined in one
+    kernel call per layer and one call per cache (the caches hold random keys; the times do not depend on them)."""
+    from hybridspec.model.attention import Attention
+    from hybridspec.model.inputs import StepInput
+
+    caches = [target.new_cache(1, context + 1) for _ in range(calls)]
+    for cache in caches:
+        cache.lengths[0] = context
+    joining = Attention.join_steps
+    ways = {"joined": joining, "apart": lambda self, *a: []}
+
+    def step() -> None:
+        target.step_many([StepInput(c, [5]) for c in caches], argmax_only=True)
+
+    try:  # the two take turns step by step
+        ms = median_ms_each({name: step for name in ways}, repeats,
+                            before={name: lambda way=way: setattr(Attention, "join_steps", way)
+                                    for name, way in ways.items()})
+    finally:
+        Attention.join_steps = joining
+    return {"calls": calls, "context": context, "joined_ms": round(ms["joined"], 1), "apart_ms": round(ms["apart"], 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--products", action="store_true",
                         help="also time a step's products by row count, MKL's and oneDNN's (what tune_products "
                              "measures: every layer's weights streamed from memory, as in a step)")
+    parser.add_argument("--calls", help="time a plain step of N concurrent calls' one-row caches at each --context, "
+                                        "joined and apart: N, comma-separated")
     parser.add_argument("--json", type=Path, help="write the measurement here")
     args = parser.parse_args(argv)
-    if args.no_verify_cost and not (args.batch or args.prefill or args.products):
-        parser.error("nothing to do: --no-verify-cost without --batch, --prefill or --products")
+    if args.no_verify_cost and not (args.batch or args.prefill or args.products or args.calls):
+        parser.error("nothing to do: --no-verify-cost without --batch, --prefill, --products or --calls")
     try:
         prefills = [tuple(int(n) for n in spec.split("+")) for spec in args.prefill.split(",")] if args.prefill else []
     except ValueError:
@@ -125,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'cached':>7} {'new':>6} {'s':>8} {'ms/token':>9}")
         for r in result["prefill"]:
             print(f"{r['cached']:>7} {r['new']:>6} {r['s']:>8.3f} {r['ms_per_token']:>9.2f}")
+    if args.calls:
+        result["calls_step"] = [measure_calls_step(target, int(n), context, args.repeats)
+                                for n in args.calls.split(",") for context in contexts]
+        print(f"{'calls':>6} {'context':>8} {'joined ms':>10} {'apart ms':>9}  (one plain step, one cache per call)")
+        for r in result["calls_step"]:
+            print(f"{r['calls']:>6} {r['context']:>8} {r['joined_ms']:>10.1f} {r['apart_ms']:>9.1f}")
     write_json(args.json, result["verify_cost"] if list(result) == ["verify_cost"] else result)
     return 0
 

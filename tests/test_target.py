@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from bench_verify_cost import measure_prefill
+from bench_verify_cost import measure_calls_step, measure_prefill
 from hybridspec.model.calibration import measure_verify_cost
 from hybridspec.model.kv_cache import tree_depths_and_mask
 from hybridspec.speculators import default_aux_layer_ids
@@ -259,6 +259,17 @@ def test_measure_prefill_times_the_new_tokens_after_the_cached_ones(target):
     result = measure_prefill(target, cached=20, new=12, repeats=1)
     assert (result["cached"], result["new"]) == (20, 12) and result["s"] > 0
     assert result["ms_per_token"] == pytest.approx(1000 * result["s"] / 12, abs=0.01)  # both rounded
+
+
+def test_measure_calls_step_times_joined_and_apart_and_puts_the_join_back(target, monkeypatch):
+    from hybridspec.model.attention import Attention
+
+    joining, seen = Attention.join_steps, []
+    monkeypatch.setattr(Attention, "join_steps", lambda self, *a: seen.append(1) or joining(self, *a))
+    patched = Attention.join_steps
+    result = measure_calls_step(target, calls=3, context=20, repeats=1)
+    assert (result["calls"], result["context"]) == (3, 20) and result["joined_ms"] > 0 and result["apart_ms"] > 0
+    assert seen and Attention.join_steps is patched  # the joined way ran, and the class is as it was
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7])
