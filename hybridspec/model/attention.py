@@ -72,7 +72,7 @@ def _prefix_then_causal(query: torch.Tensor, prefix_keys: torch.Tensor, prefix_v
     return merged.to(query.dtype)
 
 
-_prompt_threads: ThreadPoolExecutor | None = None
+_prompt_threads: tuple[int, ThreadPoolExecutor] | None = None  # (its workers, the pool) the prompt kernel runs on
 
 
 def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
@@ -95,12 +95,14 @@ def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
             num_kv_heads, group, q, dim, start, worker, tiles, workers, keys.stride(0), keys.stride(1),
             keys.stride(2), dim ** -0.5)
 
-    if workers == 1:
-        run(0)
-    else:
-        if _prompt_threads is None or _prompt_threads._max_workers < workers:
-            _prompt_threads = ThreadPoolExecutor(workers, thread_name_prefix="hybridspec-prompt-attention")
-        list(_prompt_threads.map(run, range(workers)))
+    others = []
+    if workers > 1:  # this thread runs the first share, the pool the others
+        if _prompt_threads is None or _prompt_threads[0] < workers - 1:
+            _prompt_threads = (workers - 1, ThreadPoolExecutor(workers - 1, thread_name_prefix="hybridspec-prompt"))
+        others = [_prompt_threads[1].submit(run, w) for w in range(1, workers)]
+    run(0)
+    for share in others:
+        share.result()
     return out.view(bsz, heads, q, dim)
 
 
@@ -151,7 +153,7 @@ class Attention:
         self.dtype, self.device, self.max_seq_len = dtype, device, max_seq_len
         self.cpu_flash = FLASH_CPU is not None and device.type == "cpu"
         self.kernel = (_kernels is not None and device.type == "cpu" and dtype == torch.float32
-                            and head_dim in (16, 32, 64, 128) and _kernels.supported())
+                       and head_dim in (16, 32, 64, 128) and _kernels.supported())
 
     def plan(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, causal: bool,
              causal_rows: int = 0) -> AttentionPlan:
