@@ -153,13 +153,17 @@ HS_TARGET HS_INLINE void hs_attend_head(const float *q, const float *k, const fl
     }
 }
 
-#define HS_HEADS(CHUNKS)                                                                                            \
-    for (int b = 0; b < batch; b++)                                                                                 \
-        for (int h = 0; h < kv_heads; h++) {                                                                        \
-            long qo = ((long)b * kv_heads + h) * rows * 16 * CHUNKS, ko = b * batch_stride + h * head_stride;       \
-            hs_attend_head(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq,                    \
-                           see + (long)b * nq * nq, scale, out + qo, scores, CHUNKS);                               \
-        }
+/* hs_attend_head with head_dim (16, 32, 64 or 128) as a constant: its loops over the dimension unroll */
+HS_TARGET static void hs_attend_head_of(const float *q, const float *k, const float *v, long key_stride, int rows,
+                                        int prefix, int nq, const uint8_t *see, float scale, float *out,
+                                        float *scores, int dim) {
+    switch (dim) {
+        case 16: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, scale, out, scores, 1); break;
+        case 32: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, scale, out, scores, 2); break;
+        case 64: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, scale, out, scores, 4); break;
+        default: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, scale, out, scores, 8); break;
+    }
+}
 
 /* Every batch row and KV head of one layer; 0 when head_dim is not 16, 32, 64 or 128 (nothing computed). scores:
    at least rows x (max prefix + nq + 15) floats. */
@@ -167,13 +171,14 @@ HS_TARGET static int hs_decode_attention(const float *q, const float *keys, cons
                                          float *scores, int batch, int kv_heads, int rows, int dim, int nq,
                                          const int64_t *prefix, const uint8_t *see, long batch_stride,
                                          long head_stride, long key_stride, float scale) {
-    switch (dim) {
-        case 16: HS_HEADS(1) return 1;
-        case 32: HS_HEADS(2) return 1;
-        case 64: HS_HEADS(4) return 1;
-        case 128: HS_HEADS(8) return 1;
-        default: return 0;
-    }
+    if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
+    for (int b = 0; b < batch; b++)
+        for (int h = 0; h < kv_heads; h++) {
+            const long qo = ((long)b * kv_heads + h) * rows * dim, ko = b * batch_stride + h * head_stride;
+            hs_attend_head_of(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq,
+                              see + (long)b * nq * nq, scale, out + qo, scores, dim);
+        }
+    return 1;
 }
 
 /* hs_decode_attention for rows of separate caches (the one-row caches of concurrent calls: a pass's steps in one
@@ -190,19 +195,15 @@ HS_TARGET static int hs_decode_attention_rows(const float *q, const float *new_k
         float *keys = (float *)(uintptr_t)key_rows[b], *values = (float *)(uintptr_t)value_rows[b];
         for (int h = 0; h < kv_heads; h++)
             for (int j = 0; j < nq; j++) {
-                const long to = h * head_strides[b] + (prefix[b] + j) * key_stride, from = (((long)b * kv_heads + h) * nq + j) * dim;
+                const long to = h * head_strides[b] + (prefix[b] + j) * key_stride;
+                const long from = (((long)b * kv_heads + h) * nq + j) * dim;
                 memcpy(keys + to, new_keys + from, sizeof(float) * dim);
                 memcpy(values + to, new_values + from, sizeof(float) * dim);
             }
         for (int h = 0; h < kv_heads; h++) {
             const long qo = ((long)b * kv_heads + h) * rows * dim, ko = h * head_strides[b];
-            const uint8_t *sees = see + (long)b * nq * nq;
-            switch (dim) {
-                case 16: hs_attend_head(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq, sees, scale, out + qo, scores, 1); break;
-                case 32: hs_attend_head(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq, sees, scale, out + qo, scores, 2); break;
-                case 64: hs_attend_head(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq, sees, scale, out + qo, scores, 4); break;
-                default: hs_attend_head(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq, sees, scale, out + qo, scores, 8); break;
-            }
+            hs_attend_head_of(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq,
+                              see + (long)b * nq * nq, scale, out + qo, scores, dim);
         }
     }
     return 1;
@@ -277,8 +278,8 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
                                          int group, int start, int i0, int tq, float scale, float *out,
                                          float *scratch, const int dim) {
     const int width = 16 * group, n = start + i0 + tq;  /* the tile's keys: up to its last query's */
-    float *qt = scratch, *s = qt + (long)dim * width, *ot = s + (long)PF_KEYS * width, *row_max = ot + (long)dim * width;
-    float *row_sum = row_max + width;
+    float *qt = scratch, *s = qt + (long)dim * width, *ot = s + (long)PF_KEYS * width;
+    float *row_max = ot + (long)dim * width, *row_sum = row_max + width;
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int g = 0; g < group; g++)
@@ -301,7 +302,8 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
         }
         for (int g = 0; g < group; g++) {  /* the running maximum and sum, per query: one vector per head */
             __m512 block_max = neg_inf;
-            for (int j = 0; j < kb; j++) block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(s + (long)j * width + 16 * g));
+            for (int j = 0; j < kb; j++)
+                block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(s + (long)j * width + 16 * g));
             /* every query sees key 0, so from the first block on the maximum is finite */
             const __m512 old_max = _mm512_loadu_ps(row_max + 16 * g), new_max = _mm512_max_ps(old_max, block_max);
             const __m512 shrink = hs_exp_nonpositive(_mm512_sub_ps(old_max, new_max));  /* ~0 before the first */
@@ -344,11 +346,13 @@ HS_TARGET static int hs_prefill_attention(const float *q, const float *keys, con
         const int b = t / (kv_heads * tiles), h = t / tiles % kv_heads, i0 = t % tiles * PF_QUERIES;
         const int tq = nq - i0 < PF_QUERIES ? nq - i0 : PF_QUERIES;
         const long qo = ((long)b * kv_heads + h) * group * nq * dim, ko = b * batch_stride + h * head_stride;
+#define HS_PF_TILE(DIM) \
+    hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, scale, out + qo, scratch, DIM)
         switch (dim) {  /* a constant head_dim: the loops over it unroll */
-            case 16: hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, scale, out + qo, scratch, 16); break;
-            case 32: hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, scale, out + qo, scratch, 32); break;
-            case 64: hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, scale, out + qo, scratch, 64); break;
-            default: hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, scale, out + qo, scratch, 128); break;
+            case 16: HS_PF_TILE(16); break;
+            case 32: HS_PF_TILE(32); break;
+            case 64: HS_PF_TILE(64); break;
+            default: HS_PF_TILE(128); break;
         }
     }
     return 1;
