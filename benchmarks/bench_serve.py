@@ -132,7 +132,8 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 ]}
 DEFAULT_METHODS = "serve-none,serve-suffix,serve-suffix+peagle,vllm-none,vllm-ngram,vllm-suffix"
 REFERENCE = "engine-none"
-TARGETS = {"serve_suffix_vs_engine_suffix": 0.95, "serve_suffix_vs_best_vllm": 1.0}
+TARGETS = {"serve_suffix_vs_engine_suffix": 0.95, "serve_suffix_vs_best_vllm": 1.0, "ttft_vs_best_vllm": 1.0,
+           "serve_suffix_vs_none": 1.0, "serve_suffix_vs_none_at_1_and_4": 1.3, "serve_hybrid_vs_none": 1.0}
 
 
 def server_number(key: str, fmt: str) -> Callable[[dict], str]:
@@ -535,27 +536,60 @@ def add_ratios(table: dict[str, dict]) -> dict[str, dict]:
     return table
 
 
-def targets(levels: dict[int, dict[str, dict]]) -> dict[str, Any]:
-    """serve-suffix against engine-suffix and against vLLM's best method, at every concurrency ({C: table})."""
+def targets(levels: Mapping[int, Mapping[str, dict]]) -> dict[str, Any]:
+    """Issue 34's targets at every concurrency ({C: table}): serve-suffix against engine-suffix, against vLLM's best
+    method (tok/s, and its median time to first token: the ratio is vLLM's over ours) and against serve-none (1.3x at
+    one and four agents, 1.0x elsewhere); serve-suffix+peagle against serve-none."""
     goals: dict[str, Any] = {}
     for c, table in levels.items():
         serve, vllm = table.get("serve-suffix"), best(table, [m for m in table if METHODS[m].backend == "vllm"])
+        none = table.get("serve-none")
         goals[f"serve_suffix_vs_engine_suffix@{c}"] = target(serve, table.get("engine-suffix"),
                                                              TARGETS["serve_suffix_vs_engine_suffix"])
         goals[f"serve_suffix_vs_best_vllm@{c}"] = target(serve, table.get(vllm), TARGETS["serve_suffix_vs_best_vllm"],
                                                          best_vllm=vllm)
+        if serve and vllm and serve.get("ttft_s") and table[vllm].get("ttft_s") is not None:
+            ratio = table[vllm]["ttft_s"] / serve["ttft_s"]
+            goals[f"serve_suffix_ttft_vs_best_vllm@{c}"] = {
+                "ratio": round(ratio, 3), "best_vllm": vllm, "target": TARGETS["ttft_vs_best_vllm"],
+                "pass": ratio >= TARGETS["ttft_vs_best_vllm"]}
+        goals[f"serve_suffix_vs_none@{c}"] = target(
+            serve, none, TARGETS["serve_suffix_vs_none_at_1_and_4" if c in (1, 4) else "serve_suffix_vs_none"])
+        goals[f"serve_suffix+peagle_vs_none@{c}"] = target(table.get("serve-suffix+peagle"), none,
+                                                           TARGETS["serve_hybrid_vs_none"])
     return {name: goal for name, goal in goals.items() if goal}
 
 
-def print_load(levels: Mapping[int, Mapping[str, dict]]) -> None:
-    """tok/s of every method (a row) at every concurrency (a column)."""
+def merge_levels(paths: Sequence[Path]) -> tuple[dict[int, dict[str, dict]], dict[int, dict[str, Any]]]:
+    """The levels of several runs' JSONs in one table ({C: {method: summary}}, a later file's method replacing an
+    earlier one's at the same level), and per level the workload it was measured on. Methods of one level must come
+    from runs of the same workload (trajectories, calls per agent, max_tokens, threads): ValueError otherwise."""
+    levels: dict[int, dict[str, dict]] = {}
+    workloads: dict[int, dict[str, Any]] = {}
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        config = {k: result["config"][k] for k in ("trajectories", "calls_per_trajectory", "max_tokens", "threads")}
+        for key, table in result["workloads"].get(OVERALL, {}).items():
+            c = int(key.rsplit("-", 1)[1])
+            seen = workloads.setdefault(c, {**config, "sources": []})
+            if {k: seen[k] for k in config} != config:
+                raise ValueError(f"{path}: concurrency {c} ran {config}, but {seen['sources']} ran "
+                                 f"{ {k: seen[k] for k in config} }: not the same calls")
+            seen["sources"].append(str(path))
+            levels.setdefault(c, {}).update(table)
+    return {c: levels[c] for c in sorted(levels)}, {c: workloads[c] for c in sorted(workloads)}
+
+
+def print_load(levels: Mapping[int, Mapping[str, dict]], figure: str = "tok_s",
+               title: str = "tok/s by concurrency (all agents')") -> None:
+    """One figure of every method (a row) at every concurrency (a column)."""
     methods = list(dict.fromkeys(m for table in levels.values() for m in table))
     width = max([len(m) for m in methods] + [6]) + 2
-    print("\ntok/s by concurrency (all agents')")
+    print(f"\n{title}")
     print(f"{'method':<{width}}" + "".join(f"{c:>9}" for c in levels))
     for m in methods:
-        print(f"{m:<{width}}" + "".join(f"{levels[c][m]['tok_s']:>9.2f}" if m in levels[c] else f"{'-':>9}"
-                                        for c in levels))
+        print(f"{m:<{width}}" + "".join(f"{levels[c][m][figure]:>9.2f}" if levels[c].get(m, {}).get(figure)
+                                        is not None else f"{'-':>9}" for c in levels))
 
 
 def plot_load(path: Path, levels: Mapping[int, Mapping[str, dict]], title: str) -> Path | None:
@@ -625,7 +659,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=1800.0,
                         help="seconds one request may take, its wait in the server's queue included")
     parser.add_argument("--log-dir", type=Path, help="keep the servers' logs here (default: a temporary folder)")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="run nothing: put these runs' levels in one table, the targets and one plot (--plot, or "
+                             "--json's path with .png)")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge_main(args)
     try:
         methods = select_methods(args.methods, args.no_vllm)
     except ValueError as e:
@@ -711,6 +750,32 @@ def main(argv: list[str] | None = None) -> int:
     if plot_path and any(by_level.values()):
         png = plot_load(plot_path, {c: t for c, t in by_level.items() if t}, "Many agents at once over HTTP, "
                         f"SmolLM2 (CPU), calls per agent: {args.calls_per_trajectory}")
+        if png:
+            print(f"wrote {png}")
+    return 0
+
+
+def merge_main(args) -> int:
+    """--merge: the levels of earlier runs in one table, their targets and one plot of tok/s against concurrency."""
+    try:
+        levels, workloads = merge_levels(args.merge)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"--merge: {e}", file=sys.stderr)
+        return 2
+    for c, w in workloads.items():
+        print(f"concurrency {c}: {c} agents x {w['calls_per_trajectory']} calls, max_tokens {w['max_tokens']}, "
+              f"{w['threads']} thread(s); from {', '.join(w['sources'])}")
+    print_load(levels)
+    print_load(levels, "ttft_s", "median seconds to the first token")
+    goals = targets(levels)
+    print_targets(goals)
+    write_json(args.json, {"levels": {level(c): table for c, table in levels.items()}, "workloads": workloads,
+                           "targets": goals})
+    plot_path = args.plot or (args.json and args.json.with_suffix(".png"))
+    if plot_path:
+        calls = sorted({w["calls_per_trajectory"] for w in workloads.values()})
+        png = plot_load(plot_path, levels, "Many agents at once over HTTP, SmolLM2 (CPU), calls per agent: "
+                        + "/".join(map(str, calls)))
         if png:
             print(f"wrote {png}")
     return 0

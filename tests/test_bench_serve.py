@@ -341,3 +341,42 @@ def test_a_small_run_of_hybridspec_serve_against_the_engine(tmp_path, capsys):
     assert "serve_suffix_vs_engine_suffix@1" in result["targets"]
     assert "serve-suffix" in capsys.readouterr().out
     assert out.with_suffix(".png").stat().st_size > 0  # tok/s against concurrency
+
+
+def test_runs_merge_into_one_table_of_levels_with_the_issues_targets_and_one_plot(tmp_path, capsys):
+    def run(path, config, levels):
+        path.write_text(json.dumps({"config": config, "workloads": {"overall": {
+            f"concurrency-{c}": {m: {"tok_s": tok_s, "ttft_s": ttft} for m, (tok_s, ttft) in table.items()}
+            for c, table in levels.items()}}}))
+        return path
+
+    two = {"trajectories": 4, "calls_per_trajectory": 2, "max_tokens": 128, "threads": 1}
+    a = run(tmp_path / "a.json", two, {1: {"serve-none": (10.0, 1.0), "serve-suffix": (12.0, 1.0)},
+                                       4: {"serve-none": (20.0, 2.0), "serve-suffix": (27.0, 2.0),
+                                           "vllm-ngram": (25.0, 3.0)}})
+    b = run(tmp_path / "b.json", {**two, "trajectories": 64, "calls_per_trajectory": 1},
+            {64: {"serve-none": (30.0, 9.0), "serve-suffix": (31.0, 10.0), "serve-suffix+peagle": (29.0, 12.0),
+                  "vllm-none": (32.0, 8.0)}})
+    c = run(tmp_path / "c.json", two, {4: {"vllm-suffix": (26.0, 1.5)}})  # another method at a level already run
+    levels, workloads = bench_serve.merge_levels([a, b, c])
+    assert list(levels) == [1, 4, 64] and set(levels[4]) == {"serve-none", "serve-suffix", "vllm-ngram", "vllm-suffix"}
+    assert workloads[4]["sources"] == [str(a), str(c)] and workloads[64]["calls_per_trajectory"] == 1
+    goals = targets(levels)
+    assert goals["serve_suffix_vs_none@1"] == {"ratio": 1.2, "target": 1.3, "pass": False}  # 1.3x at one and four
+    assert goals["serve_suffix_vs_none@64"]["target"] == 1.0 and goals["serve_suffix_vs_none@64"]["pass"]
+    assert goals["serve_suffix_vs_best_vllm@4"]["best_vllm"] == "vllm-suffix"  # 26 over vllm-ngram's 25
+    assert goals["serve_suffix_ttft_vs_best_vllm@4"]["ratio"] == 0.75  # vllm-suffix's 1.5 s over our 2.0 s
+    assert not goals["serve_suffix+peagle_vs_none@64"]["pass"] and not goals["serve_suffix_vs_best_vllm@64"]["pass"]
+    assert "serve_suffix_vs_best_vllm@1" not in goals  # no vLLM at that level
+
+    other = run(tmp_path / "d.json", {**two, "max_tokens": 64}, {4: {"vllm-none": (1.0, 1.0)}})
+    with pytest.raises(ValueError, match="not the same calls"):
+        bench_serve.merge_levels([a, other])
+    out = tmp_path / "merged.json"
+    assert bench_serve.main(["--merge", str(a), str(b), str(c), "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["levels"]["concurrency-64"]["vllm-none"]["tok_s"] == 32.0
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    printed = capsys.readouterr().out
+    assert "median seconds to the first token" in printed and "serve_suffix_vs_none@4: 1.35x >= 1.30x: ok" in printed
+    assert bench_serve.main(["--merge", str(a), str(other)]) == 2

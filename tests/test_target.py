@@ -3,6 +3,7 @@ tree verification, KV crop and compaction after acceptance, batches with per-row
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -248,6 +249,36 @@ def test_machine_verify_cost_is_measured_once_per_machine_and_model(target, tmp_
     assert gate.pass_cost.tokens(16) == pytest.approx(max(passes["tokens_ms"]))
     calibration.machine_verify_cost(target, contexts=(64, 128), remeasure=True, progress=False)
     assert measured == [64, 128, 64, 128]
+
+
+def test_a_calibration_beside_other_work_measures_the_passes_not_the_waits(target, monkeypatch):
+    """On one torch thread the tables are timed by the thread's CPU time (`work_clock`), the fastest repeat: a pass
+    that waits for the core (here: sleeps, as when another process holds it) costs what it computed. Version 2's
+    wall-clock medians made a pass of 2 tokens cost 4x one on a machine busy with training."""
+    from hybridspec.model import calibration
+    from hybridspec.model.machine import work_clock
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert work_clock() is time.perf_counter  # threads' CPU time would count their spinning
+        torch.set_num_threads(1)
+        assert work_clock() is time.thread_time
+        step, calls = target.step, []
+
+        def descheduled(cache, tokens, drafts, **kw):
+            calls.append(1)
+            if len(calls) % 2 == 0:  # every k = 4 pass loses the core for 0.3 s
+                time.sleep(0.3)
+            return step(cache, tokens, drafts, **kw)
+
+        monkeypatch.setattr(target, "step", descheduled)
+        busy = measure_verify_cost(target, (0, 4), context=16, repeats=2, prefill=False)
+        assert busy["clock"] == "thread_time" and busy["ms"][1] < 100  # the 300 ms waits are not in it
+        monkeypatch.setattr(calibration, "work_clock", lambda: time.perf_counter)  # what version 2 timed by
+        assert measure_verify_cost(target, (0, 4), context=16, repeats=2, prefill=False)["ms"][1] > 300
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_measure_verify_cost_without_prefill_fills_the_cache(target):

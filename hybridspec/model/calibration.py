@@ -10,7 +10,6 @@ there, or too much.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Sequence
 
 import torch
@@ -18,12 +17,14 @@ import torch
 import numpy as np
 
 from hybridspec.model.inputs import StepInput
-from hybridspec.model.machine import keep_measured, measured_here
+from hybridspec.model.machine import keep_measured, measured_here, work_clock
 from hybridspec.model.target import TargetModel
 
 DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 AUTO_CONTEXTS = (512, 2048, 4096)  # as the built-in tables (router/cost.py)
-CALIBRATION_VERSION = 2  # bump when the measurement changes: cached tables of older versions are measured again
+# bump when the measurement changes: cached tables of older versions are measured again (3: timed by `work_clock`,
+# the fastest repeat; version 2's wall-clock medians, measured beside other work, had a pass of 2 tokens at 4x one)
+CALIBRATION_VERSION = 3
 TABLES_FILE = f"verify_cost_v{CALIBRATION_VERSION}.json"  # in the user cache, per machine
 
 
@@ -35,9 +36,9 @@ def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAU
     fills the cache with `context` zero keys and values instead of running a prefill (seconds less; attention costs
     the same whatever the values).
 
-    Reports the median wall time of `repeats` passes per k (and the process CPU time, less disturbed by other
-    processes on a shared machine), interleaving the sizes round by round so that load from other processes spreads
-    over all of them alike; `relative[i]` = t(1 + k_i) / t(1).
+    Reports the fastest of `repeats` passes per k by `work_clock` (on one thread its CPU time: other processes'
+    load does not count), interleaving the sizes round by round so that load spreads over all of them alike;
+    `relative[i]` = t(1 + k_i) / t(1).
     """
     gen = torch.Generator().manual_seed(seed)
     cache = target.new_cache(batch_size, capacity=context + max(draft_tokens) + 1)
@@ -46,22 +47,20 @@ def measure_verify_cost(target: TargetModel, draft_tokens: Sequence[int] = DEFAU
     else:
         cache.reserve(context + max(draft_tokens) + 1)
         cache.lengths[:] = [context] * batch_size
-    wall: dict[int, list[float]] = {k: [] for k in draft_tokens}
-    cpu: dict[int, list[float]] = {k: [] for k in draft_tokens}
+    clock = work_clock()
+    times: dict[int, list[float]] = {k: [] for k in draft_tokens}
     for round_ in range(repeats + 1):
         for k in draft_tokens:
             drafts = [torch.randint(0, target.vocab_size, (k,), generator=gen).tolist() for _ in range(batch_size)]
-            start, start_cpu = time.perf_counter(), time.process_time()
+            start = clock()
             target.step(cache, [1] * batch_size, drafts, argmax_only=greedy)
             if round_ > 0:  # round 0 warms up every shape
-                wall[k].append(time.perf_counter() - start)
-                cpu[k].append(time.process_time() - start_cpu)
-    ms = [1000 * statistics.median(wall[k]) for k in draft_tokens]
-    cpu_ms = [1000 * statistics.median(cpu[k]) for k in draft_tokens]
+                times[k].append(clock() - start)
+    ms = [1000 * min(times[k]) for k in draft_tokens]
     base = ms[list(draft_tokens).index(0)] if 0 in draft_tokens else ms[0]
     return {"draft_tokens": list(draft_tokens), "ms": [round(t, 3) for t in ms],
-            "relative": [round(t / base, 4) for t in ms], "cpu_ms": [round(t, 3) for t in cpu_ms],
-            "context": context, "batch_size": batch_size, "greedy": greedy,
+            "relative": [round(t / base, 4) for t in ms], "clock": clock.__name__, "context": context,
+            "batch_size": batch_size, "greedy": greedy,
             "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "model": target.config.name_or_path, "repeats": repeats}
 
@@ -75,8 +74,8 @@ def measure_pass_cost(target: TargetModel, tokens: Sequence[int] = PASS_TOKENS, 
     """What a batched step's pass costs besides attention, for the router's batch plan (`router.cost.PassCost`):
     "tokens_ms", a greedy pass over n tokens in all for each n of "tokens" (one row, [last token] + n - 1 draft
     tokens, at a `context` too short for attention to count); "per_row_ms", the work each further row adds (r
-    one-row caches, as r calls, one token each, against one row of r tokens). Medians of `repeats`, the sizes taking
-    turns."""
+    one-row caches, as r calls, one token each, against one row of r tokens). The fastest of `repeats` by
+    `work_clock`, the sizes taking turns."""
     gen = torch.Generator().manual_seed(seed)
 
     def cache():
@@ -86,23 +85,24 @@ def measure_pass_cost(target: TargetModel, tokens: Sequence[int] = PASS_TOKENS, 
 
     one = cache()
     many = [cache() for _ in range(max(rows))]
-    wall: dict[tuple[str, int], list[float]] = {}
+    clock = work_clock()
+    times: dict[tuple[str, int], list[float]] = {}
     for round_ in range(repeats + 1):
         for kind, sizes in (("tokens", tokens), ("rows", rows)):
             for n in sizes:
                 ids = torch.randint(0, target.vocab_size, (n,), generator=gen).tolist()
                 inputs = [StepInput(one, [ids[0]], [ids[1:]])] if kind == "tokens" else \
                     [StepInput(c, [t], [[]]) for c, t in zip(many, ids)]
-                start = time.perf_counter()
+                start = clock()
                 target.step_many(inputs, argmax_only=True)
                 if round_:  # round 0 warms every shape up
-                    wall.setdefault((kind, n), []).append(1000 * (time.perf_counter() - start))
-    ms = {key: statistics.median(times) for key, times in wall.items()}
+                    times.setdefault((kind, n), []).append(1000 * (clock() - start))
+    ms = {key: min(t) for key, t in times.items()}
     tokens_ms = [round(ms["tokens", n], 3) for n in tokens]
     per_row = [(ms["rows", r] - float(np.interp(r, list(tokens), tokens_ms))) / (r - 1) for r in rows if r > 1]
     return {"tokens": list(tokens), "tokens_ms": tokens_ms,
             "per_row_ms": round(max(0.0, statistics.median(per_row)), 4) if per_row else 0.0,
-            "context": context, "threads": torch.get_num_threads(), "repeats": repeats}
+            "context": context, "threads": torch.get_num_threads(), "repeats": repeats, "clock": clock.__name__}
 
 
 def _model_key(target: TargetModel) -> str:
@@ -142,8 +142,8 @@ def measure_draft_cost(drafter: Any, feature_width: int, hidden_size: int, vocab
                        positions: Sequence[int] = DRAFT_COST_POSITIONS, context: int = 64, repeats: int = 5
                        ) -> dict[int, float]:
     """ms of one draft of the drafter's K after catching up n positions it had not run, for each n in `positions`
-    (median of `repeats`, the sizes taking turns), from a state that had run `context` positions before; random
-    features of the target's shape (the cost does not depend on their values)."""
+    (the fastest of `repeats` by `work_clock`, the sizes taking turns), from a state that had run `context` positions
+    before; random features of the target's shape (the cost does not depend on their values)."""
     from hybridspec.speculators import TargetFeatures
 
     gen = torch.Generator().manual_seed(0)
@@ -155,6 +155,7 @@ def measure_draft_cost(drafter: Any, feature_width: int, hidden_size: int, vocab
     def tokens(n: int) -> torch.Tensor:
         return torch.randint(0, vocab_size, (n,), generator=gen)
 
+    clock = work_clock()
     times: dict[int, list[float]] = {n: [] for n in positions}
     with torch.inference_mode():
         for round_ in range(repeats + 1):
@@ -162,11 +163,11 @@ def measure_draft_cost(drafter: Any, feature_width: int, hidden_size: int, vocab
                 state = drafter.begin(features(context), tokens(context))
                 drafter.propose(state, k)
                 drafter.accept(state, features(n), tokens(n))
-                start = time.perf_counter()
+                start = clock()
                 drafter.propose(state, k)
                 if round_:  # round 0 warms every shape up
-                    times[n].append(1000 * (time.perf_counter() - start))
-    return {n: round(statistics.median(t), 3) for n, t in times.items()}
+                    times[n].append(1000 * (clock() - start))
+    return {n: round(min(t), 3) for n, t in times.items()}
 
 
 def machine_draft_cost(drafter: Any, target: TargetModel, *, remeasure: bool = False) -> dict[int, float]:

@@ -5,17 +5,18 @@ swaps them into any module (the drafters)."""
 from __future__ import annotations
 
 import functools
-import time
 from collections import defaultdict
 from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from hybridspec.model.machine import work_clock
+
 PLANNED_ROWS = 8   # row counts a plan covers; more rows run oneDNN's product as they are
 MKL_ROWS = 4       # row counts MKL's product is timed at (it repacks the weight on every call above a few rows)
 PAD_MARGIN = 1.03  # padding must beat the unpadded product by this much: a gain within the timing noise is not one
-PLAN_VERSION = 1   # bump when what a plan means changes: cached plans of older versions are measured again
+PLAN_VERSION = 2   # bump when what a plan means or how it is timed changes: older cached plans are measured again
 PLANS_FILE = f"product_plans_v{PLAN_VERSION}.json"  # in the user cache, per machine
 
 Route = tuple[bool, int]  # (MKL's product on the plain weight, rows after padding)
@@ -127,6 +128,7 @@ def time_routes(linears: Sequence[Linear], repeats: int) -> dict[str, dict[Route
     """Seconds of each family's products (summed over its members) by route, timed as a forward pass meets them:
     every Linear in order, so each weight comes from memory as in a decode step, not from a cache a repeat warmed."""
     routes = [(False, m) for m in range(1, PLANNED_ROWS + 1)] + [(True, m) for m in range(1, MKL_ROWS + 1)]
+    clock = work_clock()  # on one thread its CPU time: a tuning beside other work still finds this machine's routes
     best: dict[str, dict[Route, float]] = defaultdict(dict)
     inputs: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
     with torch.inference_mode():
@@ -139,9 +141,9 @@ def time_routes(linears: Sequence[Linear], repeats: int) -> dict[str, dict[Route
                     key = (lin.shape[1], m, lin.dtype)
                     if key not in inputs:
                         inputs[key] = torch.randn(m, lin.shape[1], dtype=lin.dtype)
-                    start = time.perf_counter()
+                    start = clock()
                     lin._product(inputs[key], plain)
-                    sums[lin.family] += time.perf_counter() - start
+                    sums[lin.family] += clock() - start
                 if round_:
                     for family, seconds in sums.items():
                         best[family][plain, m] = min(best[family].get((plain, m), float("inf")), seconds)

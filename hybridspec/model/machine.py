@@ -8,7 +8,8 @@ import os
 import platform
 import sys
 import tempfile
-from typing import Any
+import time
+from typing import Any, Callable
 
 
 def cpu_model() -> str:
@@ -164,3 +165,13 @@ def set_threads(threads: int | None = None) -> int:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(count)
     return count
+
+
+def work_clock() -> Callable[[], float]:
+    """The clock to time this process's torch work by when measuring what it costs: on one torch thread the calling
+    thread's CPU time (the work runs there, and time other processes take from the core does not count, so a
+    calibration made beside other work still measures this machine), else the wall clock (the threads' CPU time
+    would count their spinning; take the fastest of several repeats then: interference only adds time)."""
+    import torch
+
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
