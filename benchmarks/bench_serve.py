@@ -146,7 +146,8 @@ COLUMNS = (METHOD, TOK_S,
                   else f"{100 * row['tok_s_spread']:.0f}%"),
            ratio_column("vs_best_vllm", "vs best vLLM"), ratio_column("vs_engine", "vs engine"), TTFT,
            Column("queue s", 9, server_number("queue_s", "{:.3f}")), Column("peak GiB", 10, number("peak_rss_gib")),
-           IDENTICAL, Column("accepted/draft", 16, server_number("accepted_per_draft", "{:.2f}")))
+           IDENTICAL, Column("accepted/draft", 16, server_number("accepted_per_draft", "{:.2f}")),
+           Column("prompt passes", 15, server_number("prompt_pass_share", "{:.0%}")))
 
 
 def select_methods(spec: str, no_vllm: bool = False) -> list[str]:
@@ -182,7 +183,8 @@ def agent_trajectories(trajectories: Sequence[list[AgentCall]], concurrency: int
 
 COUNTER_NAMES = re.compile(r"^(vllm|hybridspec):(spec_decode_num_(drafts|draft_tokens|accepted_tokens)|"
                            r"generation_tokens|prompt_tokens|prefix_cache_(hits|queries|hit_tokens)|decode_steps|"
-                           r"num_preemptions)_total$|^(vllm|hybridspec):request_queue_time_seconds_(sum|count)$")
+                           r"num_preemptions|(prompt|decode)_pass_seconds)_total$|"
+                           r"^(vllm|hybridspec):request_queue_time_seconds_(sum|count)$")
 GAUGE_NAMES = re.compile(r"^(vllm|hybridspec):(num_requests_running|num_requests_waiting|kv_cache_usage_perc)$")
 
 
@@ -210,8 +212,12 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 def derived(deltas: dict[str, float]) -> dict[str, float]:
     """`deltas` (counters over a replay, prefixes dropped) with the figures derived from them where they moved:
-    acceptance (accepted / draft tokens), accepted_per_draft and queue_s (the mean queue time of the requests)."""
+    acceptance (accepted / draft tokens), accepted_per_draft, queue_s (the mean queue time of the requests) and
+    prompt_pass_share (hybridspec's: the share of its passes' seconds that ran prompt tokens)."""
     out = dict(deltas)
+    passes = out.get("prompt_pass_seconds", 0.0) + out.get("decode_pass_seconds", 0.0)
+    if passes:
+        out["prompt_pass_share"] = round(out.get("prompt_pass_seconds", 0.0) / passes, 4)
     if out.get("spec_decode_num_draft_tokens"):
         out["acceptance"] = round(out.get("spec_decode_num_accepted_tokens", 0.0)
                                   / out["spec_decode_num_draft_tokens"], 4)

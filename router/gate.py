@@ -52,9 +52,10 @@ class CostGate:
 
     A step of several rows (or with prompt chunks beside) is planned as a whole (`plan`): its draft tokens go to the
     rows where they are expected to add the most tokens per ms of the pass (`PassCost`: the products of all its
-    tokens, each row's work and attention), as long as they raise the step's tokens per unit of time; under load a
-    draft token costs nearly a row's share of the pass, so few or none pay. `rate` and `step_ms` then answer for a row
-    of the last planned step (a hybrid weighs its drafter against that).
+    tokens, each row's work and attention), as long as they raise the rows' tokens per ms of a decode pass of those
+    rows (with prompt chunks beside, a draft token must pay as it would without them); under load a draft token costs
+    nearly a row's share of the pass, so few or none pay. `rate` and `step_ms` then answer for a row of the last
+    planned step (a hybrid weighs its drafter against that).
     """
 
     MAX_DRAFT = 256  # draft sizes the cost tables are tabulated for
@@ -126,14 +127,20 @@ class CostGate:
 
     def plan(self, proposals: Sequence[Proposal], contexts: Sequence[int], other_tokens: int = 0) -> list[Proposal]:
         """Every row's draft of one step, planned together (see the class docstring); other_tokens: the prompt
-        tokens the pass runs beside. One row alone is trimmed as `trim` does."""
+        tokens the pass runs beside. One row alone is trimmed as `trim` does.
+
+        Beside prompt chunks the rows' tokens are priced as in a decode pass of the same rows, each draft token at
+        its marginal cost in the larger pass: it costs the machine as much there (more: the products' marginal token
+        at a large pass) and delays the prompts' first tokens and every row. Counting the chunks' seconds as the
+        rows' would make any draft look free beside them (measured: 16 agents' median first token 10.4 s against
+        6.0 s without speculation)."""
         rows = len(proposals)
         if rows <= 1 and not other_tokens:
             self._load = None
             return self(proposals, contexts)
         cost = self.pass_cost
         n = rows + other_tokens
-        ms = cost([1] * rows, contexts, other_tokens)
+        ms = cost([1] * rows, contexts)  # a decode pass of these rows: what their tokens are priced against
         self._load = (ms / rows, n)
         expected, base = float(rows), rows / ms
         slope = (cost.tokens(n + 16) - cost.tokens(n)) / 16

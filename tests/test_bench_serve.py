@@ -110,6 +110,10 @@ def test_counters_are_summed_over_labels_and_their_deltas_derived():
     deltas = counter_deltas(before, counters)
     assert deltas["spec_decode_num_drafts"] == 30 and deltas["generation_tokens"] == 122
     assert deltas["acceptance"] == round(60 / 160, 4) and deltas["accepted_per_draft"] == 2.0
+    assert "prompt_pass_share" not in deltas  # vLLM has no such counters
+    ours = parse_counters("hybridspec:prompt_pass_seconds_total 3.0\nhybridspec:decode_pass_seconds_total 5.0\n")
+    share = counter_deltas({"hybridspec:prompt_pass_seconds_total": 1.0}, ours)["prompt_pass_share"]
+    assert share == round(2 / 7, 4)  # 2 s of prompt passes and 5 of decode passes over the replay
 
 
 QUEUE_BEFORE = """\

@@ -450,8 +450,14 @@ def test_metrics_agree_with_usage_and_engine(server, client, engine):
             assert delta(after, before, f"hybridspec:spec_decode_num_{metric}_total", source=source) == \
                 new[field] - old.get(field, 0), (source, metric)
     assert delta(after, before, "hybridspec:spec_decode_num_draft_tokens_total", source="suffix") > 0
+    # the target's passes by kind: every call here ran prompt tokens, and decoded alone after them
+    for kind in ("prompt", "decode"):
+        seconds = delta(after, before, f"hybridspec:{kind}_pass_seconds_total")
+        assert seconds > 0 and seconds == pytest.approx(stats_after[f"{kind}_s"] - stats_before[f"{kind}_s"])
+    assert stats_after["decode_passes"] - stats_before["decode_passes"] > 0
 
 
 def _engine_counts(engine) -> dict:
     s = engine.stats
-    return {"steps": s.steps, "by_source": {name: vars(src).copy() for name, src in s.by_source.items()}}
+    return {"steps": s.steps, "by_source": {name: vars(src).copy() for name, src in s.by_source.items()},
+            **vars(engine.passes)}

@@ -191,8 +191,9 @@ def register(subparsers) -> None:
         "calibrate", help="measure this machine's fastest products and verification costs again",
         description="Measure again what the engine measures on first use and keeps in the user cache: each product's "
                     "fastest kernel and row count (hybridspec.model.linear.tune_products) and the verification "
-                    "cost table the router plans with. Run it on a quiet machine, after a hardware or torch change, "
-                    "or when the first measurement ran beside other work.")
+                    "cost table the router plans with. On one thread it times the passes' own CPU time, so work "
+                    "beside it does not skew the tables; on several, run it on a quiet machine. Again after a "
+                    "hardware or torch change.")
     parser.add_argument("model", nargs="?", default="smollm2", help="'smollm2' or a local Hugging Face directory")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads the engine will run with")
     parser.set_defaults(func=_calibrate)

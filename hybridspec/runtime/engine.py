@@ -108,6 +108,7 @@ class Engine:
         self._running: list[CallState] = []  # calls begun and not ended, oldest first (a step may hold some of them)
         self.prefill = Prefill(target, self.prefix_cache, self._running, prefill_chunk, drafter_context)
         self.step = StepRunner(target, self.router, self.prefill, self.prefix_cache, self._decode)
+        self.passes = self.step.passes  # the target's passes by kind, cumulative (the server's pass-time counters)
         self.scheduler: StepScheduler[CallState] = StepScheduler(self.step, running=lambda: len(self._running))
         self._request_ids = itertools.count()
 

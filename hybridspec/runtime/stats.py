@@ -28,6 +28,24 @@ class SourceStats:
 
 
 @dataclass
+class PassTimes:
+    """The target's passes over an engine's life, by what they ran: `prompt` passes ran prompt tokens (a call's
+    prefill chunk, with other calls' decode rows beside), `decode` passes only decode rows. Where a server's time goes
+    under load: speculation shortens the decode passes, never the prompt ones."""
+
+    prompt_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_passes: int = 0
+    decode_passes: int = 0
+
+    def count(self, seconds: float, prompt: bool) -> None:
+        if prompt:
+            self.prompt_s, self.prompt_passes = self.prompt_s + seconds, self.prompt_passes + 1
+        else:
+            self.decode_s, self.decode_passes = self.decode_s + seconds, self.decode_passes + 1
+
+
+@dataclass
 class GenerationStats:
     """Counters and wall time of one call (summed over its sequences), or cumulative over many calls."""
 

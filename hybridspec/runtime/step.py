@@ -31,6 +31,7 @@ from hybridspec.runtime.call import CallState, SequenceState
 from hybridspec.runtime.commit import commit_tokens, draft_budget, stop_cut
 from hybridspec.runtime.prefill import Prefill, PromptChunk
 from hybridspec.runtime.prefix_cache import PrefixCache
+from hybridspec.runtime.stats import PassTimes
 from hybridspec.verifier import VerifyResult, process_logits, verify_batch
 
 
@@ -85,6 +86,7 @@ class StepRunner:
                  decode: Callable[[list[int]], str]) -> None:
         self.target, self.router, self.prefill = target, router, prefill
         self.prefix_cache, self.decode = prefix_cache, decode
+        self.passes = PassTimes()
 
     def __call__(self, calls: list[CallState]) -> None:
         steps = self.plan(calls)
@@ -222,6 +224,7 @@ class StepRunner:
                 step.call.fail(e)
             return
         elapsed = time.perf_counter() - start
+        self.passes.count(elapsed, prompt=any(s.chunk.tokens for s in steps))
         for step, out in zip(steps, outs):
             call, step.out = step.call, out
             self.prefill.gather(call, step.chunk, out)

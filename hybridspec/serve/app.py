@@ -61,7 +61,8 @@ def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suf
     go to `registry` (default: a new one, this app's own)."""
     app = FastAPI(title="hybridspec", version=_version(), docs_url=None, redoc_url=None)
     server = _Server(engine, served_model_name, speculate, max_tokens,
-                     Metrics(registry, getattr(engine, "admission", None)), grammar_drafts)
+                     Metrics(registry, getattr(engine, "admission", None), getattr(engine, "passes", None)),
+                     grammar_drafts)
     app.state.server = server
     app.state.metrics = server.metrics
 

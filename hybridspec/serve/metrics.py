@@ -8,6 +8,7 @@ a request the client abandoned counts once in `hybridspec:requests_total{finish_
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -22,11 +23,25 @@ def finish_reason(engine_reason: str | None, tool_calls: bool = False) -> str:
     return "tool_calls" if tool_calls else "stop"
 
 
+class _PassSeconds:
+    """The engine's pass times (`hybridspec.runtime.stats.PassTimes`) as counters, read when scraped."""
+
+    def __init__(self, passes):
+        self.passes = passes
+
+    def collect(self):
+        for kind, help_ in (("prompt", "passes that ran prompt tokens (other calls' decode rows beside)"),
+                            ("decode", "passes of decode rows only")):
+            family = CounterMetricFamily(f"hybridspec:{kind}_pass_seconds", f"Seconds of the target's {help_}")
+            family.add_metric([], getattr(self.passes, f"{kind}_s"))
+            yield family
+
+
 class Metrics:
     """admission: the engine's (`hybridspec.runtime.admission.Admission`), whose state the gauges read when
-    scraped."""
+    scraped; passes: its `PassTimes`."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, admission=None):
+    def __init__(self, registry: CollectorRegistry | None = None, admission=None, passes=None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.http_requests = Counter("hybridspec:http_requests", "HTTP responses by endpoint and status code",
@@ -42,6 +57,8 @@ class Metrics:
             self.running.set_function(lambda: admission.running)
             self.waiting.set_function(lambda: admission.waiting)
             self.kv_usage.set_function(lambda: admission.kv_bytes / admission.limits.kv_budget_bytes)
+        if passes is not None:
+            r.register(_PassSeconds(passes))
         self.refused = Counter("hybridspec:requests_refused", "Requests answered 429: the queue was full",
                                registry=r)
         self.prompt_tokens = Counter("hybridspec:prompt_tokens", "Prompt tokens of finished requests", registry=r)
