@@ -12,7 +12,8 @@ Workload: at concurrency C, C agents at once, closed loop: agent i replays traje
 every agent has a trajectory of its own; the traces hold 147 trajectories with 4 calls that fit SmolLM2's context, 87
 with 8). With fewer trajectories than agents, agents share them round-robin (agent i replays trajectory i mod N): an
 agent replaying a trajectory another agent sent already finds its prompts in the server's prefix cache, so such a level
-is easier than C distinct agents.
+is easier than C distinct agents. `--every-trajectory`: every level replays all loaded trajectories, each agent
+taking the next not yet started (one agent then measures all of them, not the first alone).
 
 Methods (a fresh server, or a fresh Engine, per method, concurrency and repeat: caches start cold every time):
 - serve-none, serve-suffix, serve-suffix+peagle: `.venv/bin/hybridspec serve MODEL --speculate X --threads T`
@@ -173,9 +174,13 @@ def run_order(methods: Sequence[str], levels: Sequence[int], repeats: int) -> li
     return [(m, c, r) for k, (c, r) in enumerate(rounds) for m in rotation(methods, k)]
 
 
-def agent_trajectories(trajectories: Sequence[list[AgentCall]], concurrency: int) -> list[list[AgentCall]]:
-    """What `concurrency` agents replay, one trajectory each: agent i the i-th, round-robin where fewer were loaded."""
-    return [trajectories[i % len(trajectories)] for i in range(concurrency)]
+def agent_trajectories(trajectories: Sequence[list[AgentCall]], concurrency: int,
+                       every: bool = False) -> list[list[AgentCall]]:
+    """What `concurrency` agents replay, one trajectory each: agent i the i-th, round-robin where fewer were loaded;
+    every: all loaded trajectories, each agent taking the next not yet started (a level below the loaded count then
+    measures every trajectory rather than its first few)."""
+    return [trajectories[i % len(trajectories)] for i in range(max(concurrency, len(trajectories)) if every
+                                                                   else concurrency)]
 
 
 # ---------------------------------------------------------------------------------------------------------- metrics
@@ -569,12 +574,14 @@ def targets(levels: Mapping[int, Mapping[str, dict]]) -> dict[str, Any]:
 def merge_levels(paths: Sequence[Path]) -> tuple[dict[int, dict[str, dict]], dict[int, dict[str, Any]]]:
     """The levels of several runs' JSONs in one table ({C: {method: summary}}, a later file's method replacing an
     earlier one's at the same level), and per level the workload it was measured on. Methods of one level must come
-    from runs of the same workload (trajectories, calls per agent, max_tokens, threads): ValueError otherwise."""
+    from runs of the same workload (trajectories, calls per agent, max_tokens, threads, every trajectory): ValueError
+    otherwise."""
     levels: dict[int, dict[str, dict]] = {}
     workloads: dict[int, dict[str, Any]] = {}
     for path in paths:
         result = json.loads(Path(path).read_text())
         config = {k: result["config"][k] for k in ("trajectories", "calls_per_trajectory", "max_tokens", "threads")}
+        config["every_trajectory"] = result["config"].get("every_trajectory", False)
         for key, table in result["workloads"].get(OVERALL, {}).items():
             c = int(key.rsplit("-", 1)[1])
             seen = workloads.setdefault(c, {**config, "sources": []})
@@ -652,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated: {', '.join(METHODS)}, or a speculation (none, ngram, suffix, "
                              f"suffix+peagle) for all of its methods (default: {DEFAULT_METHODS})")
     parser.add_argument("--no-vllm", action="store_true", help="leave the vllm-* methods out")
+    parser.add_argument("--every-trajectory", action="store_true",
+                        help="at every level replay all --trajectories, each agent taking the next not yet started "
+                             "(default: agent i replays trajectory i, so one agent replays one trajectory)")
     parser.add_argument("--concurrency", default="1,4,8,16,32,64", help="comma-separated agent counts")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every method at every concurrency, in rotated order; the median's figures")
@@ -706,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, c, r in run_order(methods, levels, args.repeats):
             if f"{name}@{c}" in not_run:  # it failed at this level: its other repeats would too
                 continue
-            method, agents = METHODS[name], agent_trajectories(trajectories, c)
+            method, agents = METHODS[name], agent_trajectories(trajectories, c, args.every_trajectory)
             t0 = time.perf_counter()
             try:
                 if method.backend == "engine":
@@ -736,8 +746,9 @@ def main(argv: list[str] | None = None) -> int:
         add_level(workloads, c, tables)
     by_level = {c: workloads.get(OVERALL, {}).get(level(c), {}) for c in levels}
     for c, table in by_level.items():
+        replayed = len(trajectories) if args.every_trajectory else min(c, len(trajectories))
         print_table(f"concurrency {c}: {c} agents x {args.calls_per_trajectory} calls "
-                    f"({min(c, len(trajectories))} trajectories), max_tokens {args.max_tokens}, median of "
+                    f"({replayed} trajectories), max_tokens {args.max_tokens}, median of "
                     f"{args.repeats} (identical: text equal to {REFERENCE}'s; tok/s "
                     f"{'summed call times' if c == 1 else 'all agents, over the wall time'})",
                     rows({OVERALL: table}), COLUMNS)

@@ -52,6 +52,8 @@ def test_levels_run_in_rotated_rounds_and_agents_share_trajectories_only_where_t
     trajectories = calls(3, 2)
     assert agent_trajectories(trajectories, 2) == trajectories[:2]  # an agent per trajectory
     assert agent_trajectories(trajectories, 5) == [trajectories[i] for i in (0, 1, 2, 0, 1)]  # round-robin
+    assert agent_trajectories(trajectories, 1, every=True) == trajectories  # one agent replays them all
+    assert agent_trajectories(trajectories, 5, every=True) == [trajectories[i] for i in (0, 1, 2, 0, 1)]
 
 
 def test_a_streamed_reply_gives_text_usage_and_the_first_text_chunk_time():
