@@ -179,8 +179,8 @@ def agent_trajectories(trajectories: Sequence[list[AgentCall]], concurrency: int
     """What `concurrency` agents replay, one trajectory each: agent i the i-th, round-robin where fewer were loaded;
     every: all loaded trajectories, each agent taking the next not yet started (a level below the loaded count then
     measures every trajectory rather than its first few)."""
-    return [trajectories[i % len(trajectories)] for i in range(max(concurrency, len(trajectories)) if every
-                                                                   else concurrency)]
+    agents = max(concurrency, len(trajectories)) if every else concurrency
+    return [trajectories[i % len(trajectories)] for i in range(agents)]
 
 
 # ---------------------------------------------------------------------------------------------------------- metrics

@@ -378,6 +378,9 @@ def test_runs_merge_into_one_table_of_levels_with_the_issues_targets_and_one_plo
     other = run(tmp_path / "d.json", {**two, "max_tokens": 64}, {4: {"vllm-none": (1.0, 1.0)}})
     with pytest.raises(ValueError, match="not the same calls"):
         bench_serve.merge_levels([a, other])
+    every = run(tmp_path / "e.json", {**two, "every_trajectory": True}, {4: {"vllm-none": (1.0, 1.0)}})
+    with pytest.raises(ValueError, match="not the same calls"):  # one agent per trajectory vs all of them
+        bench_serve.merge_levels([a, every])
     out = tmp_path / "merged.json"
     assert bench_serve.main(["--merge", str(a), str(b), str(c), "--json", str(out)]) == 0
     merged = json.loads(out.read_text())
