@@ -8,7 +8,10 @@ goodput, before it runs: (a) verifying the suffix draft alone yields `router.rat
 yields what verifying the better of the two drafts yields, where the drafter's draft is expected to do what its recent
 drafts for the same sequence did (`DrafterEstimate`, the router's calibrated rates of them; a sequence's first step runs
 it, and a sequence that has not run it for a while runs it once more, since its text may have changed). The larger
-expected tokens per unit of time wins. When the drafter samples, its draft is taken as drawn: picking by the sampled
+expected tokens per unit of time wins. Neither a first run nor a probe happens where even a draft the target accepted
+whole could not pay (`perfect_rate`): under load a draft token costs nearly a row's share of the pass, and the drafter
+its cost over that share, so at high concurrency the drafter stays idle and the hybrid costs what the suffix cache
+costs. When the drafter samples, its draft is taken as drawn: picking by the sampled
 tokens' probabilities would bias the rejection rule (the tokens it verifies would no longer follow the drafter's
 distribution).
 Knows Proposals and costs, not models: the drafter's inputs (the target's features) pass through untouched.
@@ -63,6 +66,12 @@ def drafter_pays(suffix_rate: float, drafter_rate: float | None, draft_steps: fl
     if drafter_rate is None:
         return True
     return max(drafter_rate, suffix_rate) / (1.0 + draft_steps) > suffix_rate
+
+
+def perfect_rate(router: Router, depth: int, context: int) -> float:
+    """What the best draft `depth` deep could yield, in the router's tokens per plain step's time: a chain the target
+    accepts whole (a tree of that depth commits no more, and costs more to verify)."""
+    return router.rate(Proposal.chain([0] * depth, source="perfect"), context) if depth > 0 else 1.0
 
 
 PROBE_AFTER = 16  # steps without the drafter after which a sequence runs it once more (then twice as many, and so on)
@@ -142,10 +151,13 @@ class HybridProposer:
             context = self.drafter.context_length(rid)
             draft_steps = self.draft_cost(self.drafter.pending(rid)) / self.router.step_ms(context)
             seq = self.sequences[rid]
-            pays = drafter_pays(self.router.rate(draft, context), seq.estimate.rate, draft_steps)
+            suffix_rate = self.router.rate(draft, context)
+            depth = min(k, self.drafter.num_speculative_tokens)
+            could_pay = drafter_pays(suffix_rate, perfect_rate(self.router, depth, context), draft_steps)
+            pays = drafter_pays(suffix_rate, seq.estimate.rate, draft_steps)
             probe = seq.idle >= seq.probe_after
             contexts.append(context)
-            if k > 0 and (pays or probe):
+            if k > 0 and could_pay and (pays or probe):
                 runs.append(i)
                 seq.idle, seq.probe_after = 0, PROBE_AFTER if pays else 2 * seq.probe_after
             else:

@@ -140,6 +140,16 @@ def test_under_load_drafts_shrink_and_vanish():
     # a row's share of a loaded pass is the plain step a hybrid weighs its drafter against
     assert gate.step_ms(512) < linear_gate().step_ms(512)
     assert gate.rate(draft, 512) < linear_gate().rate(draft, 512)
+    # a hybrid's drafter (4 drafts for 10 ms) could pay where the suffix cache has no draft, alone and not in a pass
+    # of 32 rows
+    from hybridspec.router.hybrid import drafter_pays, perfect_rate
+
+    gate.plan([draft], [512])
+    alone = perfect_rate(gate, 4, 512)
+    assert drafter_pays(1.0, alone, 10.0 / gate.step_ms(512))
+    gate.plan([draft] * 32, [512] * 32)
+    assert perfect_rate(gate, 4, 512) < alone
+    assert not drafter_pays(1.0, perfect_rate(gate, 4, 512), 10.0 / gate.step_ms(512))
 
 
 def test_beside_prompt_chunks_a_draft_pays_as_in_a_decode_step_and_one_row_alone_is_trimmed_as_ever():
