@@ -152,12 +152,12 @@ class HybridProposer:
             draft_steps = self.draft_cost(self.drafter.pending(rid)) / self.router.step_ms(context)
             seq = self.sequences[rid]
             suffix_rate = self.router.rate(draft, context)
-            depth = min(k, self.drafter.num_speculative_tokens)
-            could_pay = drafter_pays(suffix_rate, perfect_rate(self.router, depth, context), draft_steps)
             pays = drafter_pays(suffix_rate, seq.estimate.rate, draft_steps)
             probe = seq.idle >= seq.probe_after
             contexts.append(context)
-            if k > 0 and could_pay and (pays or probe):
+            if k > 0 and (pays or probe) and drafter_pays(  # and even a perfect draft could pay
+                    suffix_rate, perfect_rate(self.router, min(k, self.drafter.num_speculative_tokens), context),
+                    draft_steps):
                 runs.append(i)
                 seq.idle, seq.probe_after = 0, PROBE_AFTER if pays else 2 * seq.probe_after
             else:
