@@ -8,7 +8,8 @@ from hybridspec.errors import ContextLengthExceeded, InvalidParameter
 from hybridspec.proposal import Proposal, Proposer
 
 __version__ = "0.1.0"
-__all__ = ["Proposal", "Proposer", "Engine", "InvalidParameter", "ContextLengthExceeded", "__version__"]
+__all__ = ["Proposal", "Proposer", "Engine", "SamplingOptions", "InvalidParameter", "ContextLengthExceeded",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -16,4 +17,8 @@ def __getattr__(name: str):
         from hybridspec.runtime.engine import Engine
 
         return Engine
+    if name == "SamplingOptions":
+        from hybridspec.runtime.options import SamplingOptions
+
+        return SamplingOptions
     raise AttributeError(f"module 'hybridspec' has no attribute {name!r}")

@@ -52,6 +52,20 @@ class Proposal:
             if not 0 <= token < vocab_size:
                 raise ValueError(f"token_ids[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
 
+    def subset(self, keep: Sequence[int]) -> "Proposal":
+        """The proposal restricted to the nodes `keep` (increasing, closed under parents), parents renumbered; score
+        is the kept nodes' probs summed (1 each where the proposer gives none). Itself where it keeps every node."""
+        if len(keep) == len(self.token_ids):
+            return self
+        new_index = {old: new for new, old in enumerate(keep)}
+        probs = [self.probs[i] for i in keep] if self.probs is not None else None
+        logits = self.draft_logits[list(keep)] if self.draft_logits is not None and len(keep) else None
+        return Proposal(token_ids=[self.token_ids[i] for i in keep],
+                        parents=[new_index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
+                        probs=probs, score=float(sum(probs)) if probs is not None else float(len(keep)),
+                        source=self.source, match_len=self.match_len, draft_logits=logits,
+                        drafter_ran=self.drafter_ran)
+
     @classmethod
     def empty(cls, source: str = "") -> "Proposal":
         return cls(token_ids=[], parents=[], probs=[], score=0.0, source=source)
@@ -128,9 +142,11 @@ class FeatureProposer(_ProposerBase, Protocol):
     # speculate drafts from what needs no features, or nothing.
     late_prompt_features: bool
 
-    # Optional: speculate_many(request_ids, budgets, *, tree=False) -> list[Proposal], what speculate gives for each
-    # request, drafted together (a model drafter: one pass for all of them). The engine asks for the drafts of every
-    # sequence it steps at once where a proposer has it (`speculate_each`).
+    # Optional: speculate_many(request_ids, budgets, *, tree=False, load=None) -> list[Proposal], what speculate gives
+    # for each request, drafted together (a model drafter: one pass for all of them). The engine asks for the drafts
+    # of every sequence it steps at once where a proposer has it (`speculate_each`), with the last step's
+    # `hybridspec.router.StepLoad` (what a draft token cost in it; None: a row alone), by which a hybrid decides
+    # whether its drafter pays.
 
     def set_sampling(self, probs_fn: Callable[[Any], Any] | None, generator: Any = None) -> None:
         """probs_fn: logits -> the verifier's probabilities (temperature, top-k, top-p), None for greedy drafts;
@@ -166,10 +182,12 @@ def check_proposer(proposer: object) -> Proposer | FeatureProposer:
 
 
 def speculate_each(proposer: Proposer | FeatureProposer, request_ids: Sequence[Hashable],
-                   budgets: Sequence[int | None], *, tree: bool = False) -> list[Proposal]:
-    """Each request's draft: in one batch where the proposer drafts several at once (`speculate_many`), else one by
-    one."""
+                   budgets: Sequence[int | None], *, tree: bool = False, load: Any = None) -> list[Proposal]:
+    """Each request's draft: in one batch where the proposer drafts several at once (`speculate_many`; a
+    FeatureProposer's with the step's `load`), else one by one."""
     many = getattr(proposer, "speculate_many", None)
-    if many is not None:
-        return many(request_ids, budgets, tree=tree)
-    return [proposer.speculate(rid, budget, tree=tree) for rid, budget in zip(request_ids, budgets)]
+    if many is None:
+        return [proposer.speculate(rid, budget, tree=tree) for rid, budget in zip(request_ids, budgets)]
+    if proposer.wants_target_features:
+        return many(request_ids, budgets, tree=tree, load=load)
+    return many(request_ids, budgets, tree=tree)

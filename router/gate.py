@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hybridspec.proposal import Proposal
+from hybridspec.router.base import Route, StepLoad
 from hybridspec.router.cost import (DEFAULT_VERIFY_MS_BY_CONTEXT, PassCost, VerifyCost, piecewise_linear,
                                     read_cost_json)
 
@@ -54,8 +55,8 @@ class CostGate:
     rows where they are expected to add the most tokens per ms of the pass (`PassCost`: the products of all its
     tokens, each row's work and attention), as long as they raise the rows' tokens per ms of a decode pass of those
     rows (with prompt chunks beside, a draft token must pay as it would without them); under load a draft token costs
-    nearly a row's share of the pass, so few or none pay. `rate` and `step_ms` then answer for a row of the last
-    planned step (a hybrid weighs its drafter against that).
+    nearly a row's share of the pass, so few or none pay. The plan's `StepLoad` prices a row of such a step: `rate`
+    and `step_ms` given it answer for one (a hybrid weighs its drafter against that).
     """
 
     MAX_DRAFT = 256  # draft sizes the cost tables are tabulated for
@@ -74,7 +75,6 @@ class CostGate:
         data = read_cost_json(verify_cost) if verify_cost is not None else None
         measured = data.get("pass") if isinstance(data, Mapping) else None
         self.pass_cost = PassCost.load(measured, self.costs)
-        self._load: tuple[float, float] | None = None  # the last planned step of several rows: (ms per row, N)
 
     def cost(self, k: int, context: int = 0) -> float:
         """t(k) / t(0), the pass in plain steps, at `context` tokens: interpolated between measured contexts."""
@@ -83,9 +83,6 @@ class CostGate:
         if k >= self.MAX_DRAFT:
             return max(1.0, _interpolate(self._contexts, [c.relative(k) for c in self.costs.values()], context))
         return _interpolate(self._contexts, [float(r[k]) for r in self._relative], context)
-
-    def __call__(self, proposals: Sequence[Proposal], contexts: Sequence[int]) -> list[Proposal]:
-        return [self.trim(p, c) for p, c in zip(proposals, contexts)]
 
     def accept_probability(self, source: str, p: float) -> float:
         """Calibrated chance that a node the proposer rated `p` (a path probability) is accepted."""
@@ -107,27 +104,28 @@ class CostGate:
         return float(sum(self.calibrated_path_probs(proposal)))
 
     def trim(self, proposal: Proposal, context: int = 0) -> Proposal:
+        """The part of one row's draft worth verifying, the row alone in its pass."""
         keep, _ = self._best(proposal, context)
-        return proposal if len(keep) == len(proposal) else _subset(proposal, sorted(keep))
+        return proposal.subset(sorted(keep))
 
-    def rate(self, proposal: Proposal, context: int = 0) -> float:
+    def rate(self, proposal: Proposal, context: int = 0, load: StepLoad | None = None) -> float:
         """Expected tokens per plain step's time of verifying the proposal as `trim` keeps it (1.0: nothing kept, a
-        plain step); in a step of several rows, per the row's share of the pass (`step_ms`)."""
-        if self._load is not None:
-            return self._loaded_rate(proposal, context)
+        plain step); in a step of `load`, per the row's share of the pass (`step_ms`)."""
+        if load is not None:
+            return self._loaded_rate(proposal, context, load)
         keep, value = self._best(proposal, context)
         return value if keep else 1.0
 
-    def step_ms(self, context: int = 0) -> float:
-        """A plain decoding step at `context` tokens, in ms (the unit of `cost`); in a step of several rows, a row's
-        share of the pass."""
-        if self._load is not None:
-            return self._load[0]
+    def step_ms(self, context: int = 0, load: StepLoad | None = None) -> float:
+        """A plain decoding step at `context` tokens, in ms (the unit of `cost`); in a step of `load`, a row's share
+        of the pass."""
+        if load is not None:
+            return load.row_ms
         return _interpolate(self._contexts, [float(c.ms[0]) for c in self.costs.values()], context)
 
-    def plan(self, proposals: Sequence[Proposal], contexts: Sequence[int], other_tokens: int = 0) -> list[Proposal]:
+    def plan(self, proposals: Sequence[Proposal], contexts: Sequence[int], other_tokens: int = 0) -> Route:
         """Every row's draft of one step, planned together (see the class docstring); other_tokens: the prompt
-        tokens the pass runs beside. One row alone is trimmed as `trim` does.
+        tokens the pass runs beside. One row alone is trimmed as `trim` does (and has no load).
 
         Beside prompt chunks the rows' tokens are priced as in a decode pass of the same rows, each draft token at
         its marginal cost in the larger pass: it costs the machine as much there (more: the products' marginal token
@@ -136,12 +134,11 @@ class CostGate:
         6.0 s without speculation)."""
         rows = len(proposals)
         if rows <= 1 and not other_tokens:
-            self._load = None
-            return self(proposals, contexts)
+            return Route([sorted(self._best(p, c)[0]) for p, c in zip(proposals, contexts)])
         cost = self.pass_cost
         n = rows + other_tokens
         ms = cost([1] * rows, contexts)  # a decode pass of these rows: what their tokens are priced against
-        self._load = (ms / rows, n)
+        load = StepLoad(ms / rows, n)
         expected, base = float(rows), rows / ms
         slope = (cost.tokens(n + 16) - cost.tokens(n)) / 16
         # candidates: each row's nodes, most probable first (a prefix is a subtree), by tokens per marginal ms
@@ -164,13 +161,12 @@ class CostGate:
         counts = [0] * rows
         for r in taken[:best]:
             counts[r] += 1
-        return [p if k == len(p) else _subset(p, sorted(orders[r][:k])) for r, (p, k) in enumerate(zip(proposals,
-                                                                                                     counts))]
+        return Route([sorted(order[:k]) for order, k in zip(orders, counts)], load)
 
-    def _loaded_rate(self, proposal: Proposal, context: int) -> float:
-        """`rate` for a row of the last planned step: its share of the pass is the plain step, and each draft token
-        costs the products' marginal token and its attention."""
-        share, n = self._load
+    def _loaded_rate(self, proposal: Proposal, context: int, load: StepLoad) -> float:
+        """`rate` for a row of a step of `load`: its share of the pass is the plain step, and each draft token costs
+        the products' marginal token and its attention."""
+        share, n = load.row_ms, load.pass_tokens
         per_token = self.pass_cost.tokens(n + 1) - self.pass_cost.tokens(n) + self.pass_cost.attention_ms(context)
         path = sorted(self.calibrated_path_probs(proposal), reverse=True)
         best, expected = 1.0, 1.0
@@ -221,16 +217,3 @@ def _path_probs(proposal: Proposal) -> list[float]:
     for parent, p in zip(proposal.parents, proposal.probs):
         path.append(min(float(p), path[parent] if parent >= 0 else 1.0))
     return path
-
-
-def _subset(proposal: Proposal, keep: list[int]) -> Proposal:
-    """The proposal restricted to the nodes `keep` (increasing, closed under parents), re-indexed."""
-    if not keep:
-        return Proposal.empty(proposal.source)
-    new_index = {old: new for new, old in enumerate(keep)}
-    probs = [proposal.probs[i] for i in keep] if proposal.probs is not None else None
-    logits = proposal.draft_logits[keep] if proposal.draft_logits is not None else None
-    return Proposal(token_ids=[proposal.token_ids[i] for i in keep],
-                    parents=[new_index[proposal.parents[i]] if proposal.parents[i] >= 0 else -1 for i in keep],
-                    probs=probs, score=float(sum(probs)) if probs is not None else float(len(keep)),
-                    source=proposal.source, match_len=proposal.match_len, draft_logits=logits)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 from hybridspec.proposal import FeatureProposer, Proposal, Proposer, check_proposer, speculate_each
-from hybridspec.router.base import Router
+from hybridspec.router.base import Router, StepLoad
 from hybridspec.router.cost import DraftCost
 
 
@@ -68,10 +68,10 @@ def drafter_pays(suffix_rate: float, drafter_rate: float | None, draft_steps: fl
     return max(drafter_rate, suffix_rate) / (1.0 + draft_steps) > suffix_rate
 
 
-def perfect_rate(router: Router, depth: int, context: int) -> float:
+def perfect_rate(router: Router, depth: int, context: int, load: StepLoad | None = None) -> float:
     """What the best draft `depth` deep could yield, in the router's tokens per plain step's time: a chain the target
     accepts whole (a tree of that depth commits no more, and costs more to verify)."""
-    return router.rate(Proposal.chain([0] * depth, source="perfect"), context) if depth > 0 else 1.0
+    return router.rate(Proposal.chain([0] * depth, source="perfect"), context, load) if depth > 0 else 1.0
 
 
 PROBE_AFTER = 16  # steps without the drafter after which a sequence runs it once more (then twice as many, and so on)
@@ -141,22 +141,23 @@ class HybridProposer:
         return self.speculate_many([request_id], [num_speculative_tokens], tree=tree)[0]
 
     def speculate_many(self, request_ids: Sequence[Hashable], num_speculative_tokens: Sequence[int | None], *,
-                       tree: bool = False) -> list[Proposal]:
+                       tree: bool = False, load: StepLoad | None = None) -> list[Proposal]:
         """`speculate` for several sequences: each decides alone whether its drafter runs, and those that run it
-        run it together (the drafter's one pass for all of them)."""
+        run it together (the drafter's one pass for all of them). load: the engine's last step's (`StepLoad`; None:
+        a row alone), by which the router prices a draft token and the drafter's time."""
         budgets = [self.num_speculative_tokens if k is None else k for k in num_speculative_tokens]
         suffix = [self.suffix.speculate(rid, k, tree=tree) for rid, k in zip(request_ids, budgets)]
         contexts, runs = [], []
         for i, (rid, k, draft) in enumerate(zip(request_ids, budgets, suffix)):
             context = self.drafter.context_length(rid)
-            draft_steps = self.draft_cost(self.drafter.pending(rid)) / self.router.step_ms(context)
+            draft_steps = self.draft_cost(self.drafter.pending(rid)) / self.router.step_ms(context, load)
             seq = self.sequences[rid]
-            suffix_rate = self.router.rate(draft, context)
+            suffix_rate = self.router.rate(draft, context, load)
             pays = drafter_pays(suffix_rate, seq.estimate.rate, draft_steps)
             probe = seq.idle >= seq.probe_after
             contexts.append(context)
             if k > 0 and (pays or probe) and drafter_pays(  # and even a perfect draft could pay
-                    suffix_rate, perfect_rate(self.router, min(k, self.drafter.num_speculative_tokens), context),
+                    suffix_rate, perfect_rate(self.router, min(k, self.drafter.num_speculative_tokens), context, load),
                     draft_steps):
                 runs.append(i)
                 seq.idle, seq.probe_after = 0, PROBE_AFTER if pays else 2 * seq.probe_after
@@ -171,7 +172,7 @@ class HybridProposer:
                 drafted[i] = proposal
                 self.drafter_runs += proposal.drafter_ran
                 if len(proposal):
-                    self.sequences[request_ids[i]].estimate.observe(self.router.rate(proposal, contexts[i]))
+                    self.sequences[request_ids[i]].estimate.observe(self.router.rate(proposal, contexts[i], load))
         chosen = []
         for draft, other in zip(suffix, drafted):
             best = choose_draft(draft, other, self.router.expected_tokens, sampling=self.sampling)

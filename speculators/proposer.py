@@ -30,7 +30,7 @@ class _Track:
         return features[-drafter_context:], tokens[-drafter_context:]
 
 
-# positions a drafter reads at most: as many tokens per step as 1024 on agent calls (BENCHMARKS.md)
+# positions a drafter reads at most: as many tokens per step as 1024 on agent calls (docs/history.md, "The window")
 DEFAULT_DRAFTER_CONTEXT = 64
 
 
@@ -164,8 +164,9 @@ class DrafterProposer:
 
     @torch.inference_mode()
     def speculate_many(self, request_ids: Sequence[Hashable], num_speculative_tokens: Sequence[int | None], *,
-                       tree: bool = False) -> list[Proposal]:
-        """`speculate` for several requests, their catch-ups and drafts in one pass of the drafter."""
+                       tree: bool = False, load: Any = None) -> list[Proposal]:
+        """`speculate` for several requests, their catch-ups and drafts in one pass of the drafter (whatever the
+        step's `load`: a drafter that is asked drafts)."""
         budgets = [self.num_speculative_tokens if k is None else k for k in num_speculative_tokens]
         drafting = []  # (index, state, chain length)
         for i, (request_id, k) in enumerate(zip(request_ids, budgets)):

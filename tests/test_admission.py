@@ -24,12 +24,6 @@ CHAT = "/v1/chat/completions"
 # ------------------------------------------------------------------------------------------------ the queue alone
 
 
-def wait_in_thread(admission: Admission, call, results: dict) -> threading.Thread:
-    thread = threading.Thread(target=lambda: results.__setitem__(call, admission.wait(call)), daemon=True)
-    thread.start()
-    return thread
-
-
 def settle(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -37,85 +31,74 @@ def settle(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+def admit_all(admission: Admission) -> list:
+    """What the engine's loop admits now: the calls in line that fit, first come first."""
+    admitted = []
+    while (call := admission.admit()) is not None:
+        admitted.append(call[0])
+        assert call[1] >= 0  # the seconds it waited
+    return admitted
+
+
 def test_calls_run_in_arrival_order_within_the_running_limit():
-    admission = Admission(Limits(max_running=2, kv_budget_bytes=100, max_waiting=10))
-    results: dict = {}
+    admission = Admission(Limits(max_num_seqs=2, kv_cache_memory=100, max_waiting=10))
     for name in "abcd":
         admission.enqueue(name, 10)
-    threads = {name: wait_in_thread(admission, name, results) for name in "dcba"}  # threads ask in reverse order
-    settle(lambda: admission.running == 2)
-    assert set(results) == {"a", "b"} and admission.waiting == 2  # arrival order, not the order threads asked
+    assert admit_all(admission) == ["a", "b"] and admission.waiting == 2 and admission.running == 2
     admission.leave("b")
-    settle(lambda: "c" in results)
-    assert "d" not in results and admission.running == 2
+    assert admit_all(admission) == ["c"] and admission.running == 2
     admission.leave("a")
-    threads["d"].join(5)
-    assert "d" in results and all(seconds >= 0 for seconds in results.values())
+    assert admit_all(admission) == ["d"]
 
 
 def test_the_kv_budget_holds_back_calls_and_a_call_alone_always_runs():
-    admission = Admission(Limits(max_running=8, kv_budget_bytes=100, max_waiting=10))
-    results: dict = {}
+    admission = Admission(Limits(max_num_seqs=8, kv_cache_memory=100, max_waiting=10))
     admission.enqueue("huge", 500)  # more than the budget: it runs, alone
     admission.enqueue("small", 10)
-    wait_in_thread(admission, "huge", results)
-    wait_in_thread(admission, "small", results)
-    settle(lambda: "huge" in results)
-    time.sleep(0.05)
-    assert "small" not in results and admission.kv_bytes == 500
+    assert admit_all(admission) == ["huge"] and admission.kv_bytes == 500  # the first in line holds back the rest
     admission.leave("huge")
-    settle(lambda: "small" in results)
+    assert admit_all(admission) == ["small"]
     admission.hold("small", 60)  # its cache as made
     assert admission.kv_bytes == 60
     admission.enqueue("second", 50)  # 60 + 50 > 100: waits although a place is free
-    wait_in_thread(admission, "second", results)
-    time.sleep(0.05)
-    assert "second" not in results
+    assert admit_all(admission) == []
     admission.hold("small", 40)
-    settle(lambda: "second" in results)
+    assert admit_all(admission) == ["second"]
 
 
 def test_the_queue_is_bounded_and_a_refusal_says_when_to_retry():
-    admission = Admission(Limits(max_running=2, kv_budget_bytes=100, max_waiting=3))
-    for i in range(5):  # two that run as soon as their threads ask, three waiting
+    admission = Admission(Limits(max_num_seqs=2, kv_cache_memory=100, max_waiting=3))
+    for i in range(5):  # two that run as soon as the loop admits them, three waiting
         admission.enqueue(i, 1)
     with pytest.raises(QueueFull) as refused:
         admission.enqueue(5, 1)
     assert refused.value.retry_after >= 1 and "at most 3" in str(refused.value)
     assert admission.counters["refused"] == 1
-    admission.leave(4)  # one waiting gives up: room for one more
+    admission.drop(4)  # one waiting gives up: room for one more
     admission.enqueue(5, 1)
 
 
-def test_a_call_cancelled_while_it_waits_never_runs():
-    admission = Admission(Limits(max_running=1, kv_budget_bytes=100, max_waiting=10))
-    results: dict = {}
-    for name in ("running", "asleep", "not yet asking", "next"):
+def test_a_call_dropped_while_it_waits_never_runs():
+    admission = Admission(Limits(max_num_seqs=1, kv_cache_memory=100, max_waiting=10))
+    for name in ("running", "gone", "next"):
         admission.enqueue(name, 1)
-    wait_in_thread(admission, "running", results)
-    settle(lambda: "running" in results)
-    sleeper = wait_in_thread(admission, "asleep", results)
-    settle(lambda: admission.waiting == 3)
-    admission.cancel("asleep")  # its thread is in wait: woken, with None
-    admission.cancel("not yet asking")  # it leaves the line now; its wait returns None at once
-    sleeper.join(5)
-    assert results["asleep"] is None and admission.wait("not yet asking") is None
-    wait_in_thread(admission, "next", results)
-    time.sleep(0.05)
-    assert "next" not in results  # still one running
+    assert admit_all(admission) == ["running"]
+    admission.drop("gone")
+    admission.drop("running")  # not waiting: nothing to drop
+    assert admit_all(admission) == [] and admission.waiting_calls() == ["next"]
     admission.leave("running")
-    settle(lambda: results.get("next") is not None)
-    assert admission.running == 1 and admission.waiting == 0 and admission.counters["cancelled_waiting"] == 2
+    assert admit_all(admission) == ["next"]
+    assert admission.running == 1 and admission.waiting == 0 and admission.counters["cancelled_waiting"] == 1
 
 
 def test_limits_are_checked_and_default_within_half_the_memory():
-    with pytest.raises(ValueError, match="max_running"):
-        Limits(max_running=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Limits(max_num_seqs=0)
     from hybridspec.model.machine import memory_limit_bytes
 
     limits = Limits.default(prefix_cache_bytes=1 << 30)
-    assert limits.kv_budget_bytes <= memory_limit_bytes() // 2
-    assert Limits.default(0, max_running=3, kv_budget_bytes=123, max_waiting=0) == Limits(3, 123, 0)
+    assert limits.kv_cache_memory <= memory_limit_bytes() // 2
+    assert Limits.default(0, max_num_seqs=3, kv_cache_memory=123, max_waiting=0) == Limits(3, 123, 0)
 
 
 # ------------------------------------------------------------------------------------------------ the engine
@@ -132,36 +115,33 @@ def reference(tiny_model, tiny_tokenizer):
 
 
 class Watch:
-    """Wraps an engine's step: the running calls and their KV at every step."""
+    """Wraps an engine's step (its loop's `run_step`): the running calls and their KV at every step."""
 
     def __init__(self, engine: Engine):
         self.engine, self.running, self.kv = engine, [], []
-        step = engine.step
-        engine.scheduler._run_step = self  # the scheduler calls this instead
+        self.step = engine.loop.run_step
+        engine.loop.run_step = self
 
-        def run(calls):
-            self.running.append(len(engine._running))
-            self.kv.append(sum(c.cache.nbytes for c in engine._running if c.cache is not None))
-            step(calls)
-
-        self._run = run
-
-    def __call__(self, calls):
-        self._run(calls)
+    def __call__(self, plan):
+        running = self.engine.loop.running
+        self.running.append(len(running))
+        self.kv.append(sum(c.cache.nbytes for c in running if c.cache is not None))
+        return self.step(plan)
 
 
 def test_a_burst_beyond_the_limits_completes_every_accepted_call_as_alone(tiny_model, tiny_tokenizer, reference):
     target = TargetModel(tiny_model)
     one_call = 2 * target.kv_bytes_per_token * (max(map(len, PROMPTS)) + 24 + 64)
-    engine = Engine(target, tiny_tokenizer, verify_cost=None, max_running_calls=3, kv_budget_bytes=3 * one_call,
-                    max_waiting_calls=6, prefill_chunk=16)
+    engine = Engine(target, tiny_tokenizer, verify_cost=None, max_num_seqs=3, kv_cache_memory=3 * one_call,
+                    max_waiting=6, prefill_chunk=16)
     watch = Watch(engine)
     streams, refused = [], 0
-    for prompt in PROMPTS:  # created at once, as a burst of requests: 3 run, 6 wait, the rest are refused
-        try:
-            streams.append((prompt, engine.stream(prompt, max_new_tokens=24, temperature=0, speculate="suffix")))
-        except QueueFull:
-            refused += 1
+    with engine.loop.paused():  # created at once, as a burst of requests: 3 run, 6 wait, the rest are refused
+        for prompt in PROMPTS:
+            try:
+                streams.append((prompt, engine.stream(prompt, max_new_tokens=24, temperature=0, speculate="suffix")))
+            except QueueFull:
+                refused += 1
     assert refused == len(PROMPTS) - 9
 
     def consume(i: int):
@@ -181,46 +161,73 @@ def test_a_burst_beyond_the_limits_completes_every_accepted_call_as_alone(tiny_m
             assert result.token_ids == reference[prompt]
     assert sum(result is not None for _, result in done) == len(streams) - len(streams[1::4])
     assert max(watch.running) == 3 and max(watch.kv) <= 3 * one_call
+    settle(lambda: not engine.loop.running)
     assert engine.admission.running == 0 and engine.admission.waiting == 0 and engine.admission.kv_bytes == 0
-    assert all(c.cache is None for c in engine._running) and not engine._running
 
 
 def test_a_stream_cancelled_while_waiting_never_runs(tiny_model, tiny_tokenizer, reference):
-    engine = Engine(TargetModel(tiny_model), tiny_tokenizer, verify_cost=None, max_running_calls=1)
+    engine = Engine(TargetModel(tiny_model), tiny_tokenizer, verify_cost=None, max_num_seqs=1)
     first = engine.stream(PROMPTS[0], max_new_tokens=24, temperature=0, speculate="none")
     next(first)  # running
     waiting = engine.stream(PROMPTS[1], max_new_tokens=24, temperature=0, speculate="none")
     out: list = []
     thread = threading.Thread(target=lambda: out.append(list(waiting)), daemon=True)
     thread.start()
-    settle(lambda: engine.admission.waiting == 1 and engine.admission._sleeping)
+    settle(lambda: engine.admission.waiting == 1)
     waiting.cancel()
     thread.join(10)
-    assert out == [[]] and waiting.result is None
-    assert engine.stats.calls == 0 and waiting._call.cache is None and waiting._call.stats.steps == 0
+    assert out == [[]] and waiting.result is None and waiting.ended
+    assert engine.stats.calls == 0 and engine.admission.waiting == 0  # it never began
     list(first)
     assert first.result.token_ids == reference[PROMPTS[0]] and engine.stats.calls == 1
     never_iterated = engine.stream(PROMPTS[2], max_new_tokens=4)
-    never_iterated.close()  # gives its place up
-    assert engine.admission.waiting == 0
+    never_iterated.close()  # gives its place up, and returns once it has
+    assert never_iterated.ended and engine.admission.waiting == 0 and engine.admission.running == 0
     assert engine.generate(PROMPTS[3], max_new_tokens=24, temperature=0).token_ids == reference[PROMPTS[3]]
 
 
 def test_a_running_call_cancelled_mid_prefill_leaves_at_its_next_step(tiny_model, tiny_tokenizer):
     engine = Engine(TargetModel(tiny_model), tiny_tokenizer, verify_cost=None, prefill_chunk=8)
-    stream = engine.stream(PROMPTS[2] * 4, max_new_tokens=8, temperature=0)
-    steps = engine.step
+    steps = engine.loop.run_step
     passes = []
 
-    def counted(calls):
-        passes.append(len(calls))
+    def counted(plan):
+        passes.append(len(plan.calls))
         if len(passes) == 2:
             stream.cancel()  # from inside a step, as another thread would: the prompt is still pending
-        steps(calls)
+        return steps(plan)
 
-    engine.scheduler._run_step = counted
+    with engine.loop.paused():
+        stream = engine.stream(PROMPTS[2] * 4, max_new_tokens=8, temperature=0)
+        engine.loop.run_step = counted
     assert list(stream) == [] and stream.result is None
-    assert len(passes) == 2 and engine.admission.running == 0 and not engine._running
+    assert len(passes) == 2 and engine.admission.running == 0
+    settle(lambda: not engine.loop.running)
+
+
+def test_the_caller_never_lends_its_thread_and_a_dropped_handle_cancels_its_call(tiny_model, tiny_tokenizer):
+    """Every step runs on the engine's loop thread, whoever waits for it; a handle its caller drops is a cancel."""
+    engine = Engine(TargetModel(tiny_model), tiny_tokenizer, verify_cost=None, prefill_chunk=8)
+    steps, threads = engine.loop.run_step, set()
+
+    def recorded(plan):
+        threads.add(threading.current_thread().name)
+        return steps(plan)
+
+    engine.loop.run_step = recorded
+    engine.generate(PROMPTS[0], max_new_tokens=8)
+    for _ in engine.stream(PROMPTS[1], max_new_tokens=8):
+        pass
+    assert threads == {"hybridspec-engine"}
+    with engine.loop.paused():
+        engine.stream(PROMPTS[2] * 4, max_new_tokens=400)  # dropped before it began: it never does
+    settle(lambda: engine.admission.waiting == 0)
+    assert engine.stats.calls == 2
+    stream = engine.stream(PROMPTS[2], max_new_tokens=400)
+    next(stream)
+    del stream  # dropped while it runs: it leaves before the next step
+    settle(lambda: engine.admission.running == 0 and not engine.loop.running)
+    assert engine.stats.calls == 3 and engine.stats.new_tokens < 16 + 400
 
 
 # ------------------------------------------------------------------------------------------------ over HTTP
@@ -228,8 +235,8 @@ def test_a_running_call_cancelled_mid_prefill_leaves_at_its_next_step(tiny_model
 
 @pytest.fixture(scope="module")
 def busy_server(tiny_model, tiny_tokenizer):
-    engine = Engine(TargetModel(tiny_model), tiny_tokenizer, verify_cost=None, max_running_calls=1,
-                    max_waiting_calls=1, prefill_chunk=8)
+    engine = Engine(TargetModel(tiny_model), tiny_tokenizer, verify_cost=None, max_num_seqs=1,
+                    max_waiting=1, prefill_chunk=8)
     server = Server(create_app(engine, served_model_name="tiny"))
     yield server, engine
     server.stop()

@@ -374,10 +374,10 @@ def test_a_router_is_checked_against_the_contract_like_a_proposer(tiny_model, ti
         def observe(self, proposals, accepted):
             pass
 
-    with pytest.raises(TypeError, match=r"NoExpectation is not a Router: it lacks expected_tokens, rate, step_ms "
-                                        r"\(the contract is hybridspec.router.Router"):
+    with pytest.raises(TypeError, match=r"NoExpectation is not a Router: it lacks plan, expected_tokens, rate, "
+                                        r"step_ms \(the contract is hybridspec.router.Router"):
         Engine(TargetModel(tiny_model), tiny_tokenizer, router=NoExpectation())
-    with pytest.raises(TypeError, match="is not a Router: it lacks __call__, observe, expected_tokens, rate"):
+    with pytest.raises(TypeError, match="is not a Router: it lacks plan, observe, expected_tokens, rate"):
         Engine(TargetModel(tiny_model), tiny_tokenizer, router=object())
     wrapped = Engine(TargetModel(tiny_model), tiny_tokenizer,
                      router=lambda proposals, contexts: [Proposal.empty() for _ in proposals])  # a plain function

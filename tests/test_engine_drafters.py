@@ -108,7 +108,7 @@ def test_a_drafters_prompt_runs_in_its_steps_passes(target_model, speculate, con
                       router=lambda proposals, contexts: list(proposals), prefix_cache_bytes=0,
                       drafter_context=context, **kwargs), passes
 
-    (apart, apart_passes), (fused, fused_passes), (chunked, chunked_passes) = make(), make(), make(prefill_chunk=5)
+    (apart, apart_passes), (fused, fused_passes), (chunked, _) = make(), make(), make(prefill_chunk=5)
     apart.prefill.defer = False
     prompt = [t for p in random_prompts(8, seed=9) for t in p][:40]
     given = []  # the prompt features each drafter started from
@@ -123,9 +123,11 @@ def test_a_drafters_prompt_runs_in_its_steps_passes(target_model, speculate, con
     results = {}
     for name, engine in (("apart", apart), ("fused", fused)):
         results[name] = engine.generate(prompt, max_new_tokens=24, speculate=speculate, tree=False)
-    other = chunked.stream(prompt[:6], max_new_tokens=40, speculate="none")
+    other = chunked.stream(prompt[:6], max_new_tokens=400, speculate="none")
     next(other)  # a call running beside it: the prompt goes in chunks of 5
-    chunked_passes.clear()
+    steps, ran_in = chunked.loop.run_step, []  # each step of the engine: whether the chunked call ran in its pass
+    chunked.loop.run_step = lambda plan: ran_in.append(
+        any(p.call.seqs[0].prompt_len == len(prompt) for p in plan.calls)) or steps(plan)
     results["chunked"] = chunked.generate(prompt, max_new_tokens=24, speculate=speculate, tree=False)
     other.close()
     want = results["apart"]
@@ -145,7 +147,7 @@ def test_a_drafters_prompt_runs_in_its_steps_passes(target_model, speculate, con
     # with the first step
     copied = results["chunked"].stats.cached_tokens
     assert (copied > 0) == (context < len(prompt) - 1)
-    assert len(chunked_passes) == len(fused_passes) + -(-(len(prompt) - 1 - copied) // 5) - 1
+    assert sum(ran_in) == len(fused_passes) + -(-(len(prompt) - 1 - copied) // 5) - 1
 
 
 def test_drafters_draft_trees_by_default(target_model):
@@ -194,8 +196,8 @@ class CheckedProposer(DrafterProposer):
         super().append(request_id, tokens, features=features)
         self.tokens[request_id] += list(tokens)
 
-    def speculate_many(self, request_ids, num_speculative_tokens, *, tree=False):
-        proposals = super().speculate_many(request_ids, num_speculative_tokens, tree=tree)
+    def speculate_many(self, request_ids, num_speculative_tokens, *, tree=False, load=None):
+        proposals = super().speculate_many(request_ids, num_speculative_tokens, tree=tree, load=load)
         for request_id, proposal in zip(request_ids, proposals):
             sequence = self.tokens[request_id]
             if len(sequence) > 1 and len(proposal):
@@ -356,10 +358,10 @@ class FreeVerification(FunctionRouter):
     def __init__(self):
         super().__init__(lambda proposals, contexts: list(proposals))
 
-    def rate(self, proposal, context):
+    def rate(self, proposal, context, load=None):
         return 1.0 + proposal.score
 
-    def step_ms(self, context):
+    def step_ms(self, context, load=None):
         return 10.0
 
 
@@ -537,14 +539,7 @@ def test_sequences_stepped_together_draft_in_one_drafter_pass(target_model, spec
     assert [r.token_ids for r in results] == plain[:2]
     assert max(passes) == 2  # both rows of the batch in one pass
     passes.clear()
-    calls = [engine._start_call([p], dict(max_new_tokens=12, speculate=speculate, tree=False)) for p in prompts[2:]]
-    for call in calls:
-        engine._running.append(call)
-        engine._begin(call)
-    while any(c.rows for c in calls):
-        engine.step([c for c in calls if c.rows])
-    for call in calls:
-        engine._running.remove(call)
-        engine._end(call)
-    assert [c.results(engine._decode)[0].token_ids for c in calls] == plain[2:]
+    with engine.loop.paused():  # two calls that begin together, and step together
+        handles = [engine.stream(p, max_new_tokens=12, speculate=speculate, tree=False) for p in prompts[2:]]
+    assert [h.wait()[0].token_ids for h in handles] == plain[2:]
     assert max(passes) == 2  # the two calls' rows in one pass

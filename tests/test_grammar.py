@@ -92,21 +92,27 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_rejects_and_forced_tokens
     constraint = engine.grammars.constraint(compiled)
     encode = engine.tokenizer.encode
     good = encode("<tool_call>\n{")
-    chain, forced = constraint.check(Proposal.chain(encode("<tool_cell"), source="suffix"), budget=64, forced=False)
-    assert chain.token_ids == encode("<tool_c") and forced == 0  # cut at the first rejected token
-    chain, _ = constraint.check(Proposal.chain(good + encode("<"), source="suffix"), budget=64, forced=False)
-    assert chain.token_ids == good
+    cut = constraint.prepare(Proposal.chain(encode("<tool_cell"), source="suffix"), budget=64, forced=False)
+    assert cut.proposal.token_ids == encode("<tool_c") and cut.forced == 0  # cut at the first rejected token
+    assert cut.masks.shape[0] == 1 + len(cut.proposal)  # one mask per state of the pass over it
+    assert constraint.prepare(Proposal.chain(good + encode("<"), source="suffix"), 64, False).proposal.token_ids == good
     # with grammar drafts: the rest of the forced text (the call's fixed head for the only tool) follows the draft
-    chain, forced = constraint.check(Proposal.chain(good, source="suffix"), budget=64, forced=True)
+    drafted = constraint.prepare(Proposal.chain(good, source="suffix"), budget=64, forced=True)
+    chain = drafted.proposal
     assert engine.tokenizer.decode(chain.token_ids) == '<tool_call>\n{"name": "bash", "arguments": {'
-    assert forced == len(chain) - len(good) > 0 and chain.source == "suffix"
+    assert drafted.forced == len(chain) - len(good) > 0 and chain.source == "suffix"
+    assert drafted.masks.shape[0] == 1 + len(chain)
+    # routed to a prefix, the pass takes the masks of that prefix's states
+    assert torch.equal(drafted.routed([0, 1]), drafted.masks[:3])
+    # the forced tokens are each the only one the mask of their state allows, as are the drafted ones here
+    for j, token in enumerate(chain.token_ids):
+        assert (drafted.masks[j, token // 32] >> (token % 32)) & 1
     # a tree keeps its allowed nodes and drops the subtree of a rejected one
     a, b, c = encode("<"), encode("x"), encode("t")
     tree = Proposal(a + b + c, [-1, 0, 0], [1.0] * 3, 3.0, "tree")
-    kept, _ = constraint.check(tree, budget=64, forced=False)
-    assert kept.token_ids == a + c and kept.parents == [-1, 0]
-    masks = constraint.masks(kept)
-    assert masks.shape[0] == 3 and constraint.matcher.find_jump_forward_string().startswith("<tool_call>")
+    kept = constraint.prepare(tree, budget=64, forced=True)
+    assert kept.proposal.token_ids == a + c and kept.proposal.parents == [-1, 0] and kept.forced == 0
+    assert kept.masks.shape[0] == 3 and constraint.matcher.find_jump_forward_string().startswith("<tool_call>")
     # every method left the matcher at the committed tokens: the whole call is still to come
     constraint.accept(encode('<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'))
 

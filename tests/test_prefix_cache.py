@@ -396,13 +396,9 @@ def test_a_prompt_copies_what_a_running_call_ran_of_the_same_tokens(tiny_model, 
 
 
 def step_together(engine: Engine, uncached: Engine, prompts: list[list[int]], speculate: str):
-    """Begin a call per prompt at once (in this order) and step them together to the end, each pass's parts recorded
-    as (prompt tokens, step rows); asserts every call's output is its prompt's alone. Returns the calls and passes."""
-    calls = [engine._start_call([p], dict(max_new_tokens=6, speculate=speculate)) for p in prompts]
-    for call in calls:
-        call.start = 0.0
-        engine._running.append(call)
-        engine._begin(call)
+    """Submit a call per prompt while the engine's loop is held, so that they begin together (in this order) and step
+    together to the end, each pass's parts recorded as (prompt tokens, step rows); asserts every call's output is its
+    prompt's alone. Returns the calls' results and the passes."""
     passes = []
     step_many = engine.target.step_many
 
@@ -411,15 +407,12 @@ def step_together(engine: Engine, uncached: Engine, prompts: list[list[int]], sp
         return step_many(inputs, **kwargs)
 
     engine.target.step_many = recording
-    while any(c.rows for c in calls):
-        engine.step([c for c in calls if c.rows])
-    for call in calls:
-        engine._running.remove(call)
-        engine._end(call)
-    for call, prompt in zip(calls, prompts):
-        assert call.results(engine._decode)[0].token_ids == uncached.generate(
-            prompt, max_new_tokens=6, speculate=speculate).token_ids
-    return calls, passes
+    with engine.loop.paused():
+        handles = [engine.stream(p, max_new_tokens=6, speculate=speculate) for p in prompts]
+    results = [h.wait()[0] for h in handles]
+    for result, prompt in zip(results, prompts):
+        assert result.token_ids == uncached.generate(prompt, max_new_tokens=6, speculate=speculate).token_ids
+    return results, passes
 
 
 def test_a_call_waits_for_an_earlier_call_running_the_same_prompt_tokens(tiny_model, tiny_tokenizer, uncached):
@@ -429,12 +422,12 @@ def test_a_call_waits_for_an_earlier_call_running_the_same_prompt_tokens(tiny_mo
     rng = random.Random(12)
     system = tokens(rng, 40)
     prompts = [system + tokens(rng, 5), system + tokens(rng, 9)]
-    calls, passes = step_together(engine, uncached, prompts, "none")
+    results, passes = step_together(engine, uncached, prompts, "none")
     passes = [[prompt for prompt, _ in parts] for parts in passes]
     assert passes[0] == [8]  # the later call waited while the earlier one ran the first shared chunk
     ran = sum(n for pass_ in passes for n in pass_)
     assert ran == sum(len(p) - 1 for p in prompts) - len(system)  # the shared positions ran once
-    assert calls[1].stats.cached_tokens == len(system)
+    assert results[1].stats.cached_tokens == len(system)
 
 
 class Pending:
@@ -455,12 +448,10 @@ class Pending:
 def test_a_step_s_prompt_tokens_go_half_to_the_oldest_then_shortest_first(pending, expected):
     from hybridspec.runtime.prefill import Prefill
 
-    calls = [Pending(n) for n in pending]
-    prefill = Prefill(None, None, list(calls), prefill_chunk=16, drafter_context=0)
+    calls = [Pending(n) for n in pending]  # oldest first
+    prefill = Prefill(None, None, prefill_chunk=16, drafter_context=0)
     assert prefill.allot(calls) == expected
-    assert prefill.allot(calls[::-1]) == expected[::-1]  # the running order decides, not the step's
-    prefill.running.reverse()
-    assert sum(prefill.allot(calls)) == min(16, sum(n or 0 for n in pending))
+    assert sum(prefill.allot(calls[::-1])) == min(16, sum(n or 0 for n in pending))
 
 
 def test_a_short_prompt_does_not_wait_for_a_long_cold_one(tiny_model, tiny_tokenizer, uncached):
@@ -476,8 +467,8 @@ def test_a_short_prompt_does_not_wait_for_a_long_cold_one(tiny_model, tiny_token
 
 
 def test_calls_take_turns_step_by_step(tiny_model, tiny_tokenizer):
-    """Two long calls started together finish close together: the lock is granted in arrival order, step by step,
-    not to one call until its end."""
+    """Two long calls started together finish close together: the loop steps both in every pass, whichever thread
+    reads its deltas faster."""
     engine = make_engine(tiny_model, tiny_tokenizer)
     order: list[int] = []
     start = threading.Barrier(2)

@@ -123,7 +123,7 @@ def test_a_step_plan_is_the_best_split_of_draft_tokens_over_its_rows():
     gate = linear_gate()
     proposals = [chain([0.95, 0.9, 0.6, 0.2]), chain([0.7, 0.3]), chain([0.99, 0.98, 0.97])]
     contexts = [512] * 3
-    planned = gate.plan(proposals, contexts)
+    planned = gate.plan(proposals, contexts).drafts(proposals)
     best = max(itertools.product(*(range(len(p) + 1) for p in proposals)),
                key=lambda ks: throughput(gate, [chain(p.probs[:k]) for p, k in zip(proposals, ks)], contexts))
     assert [len(p) for p in planned] == list(best)
@@ -133,23 +133,25 @@ def test_a_step_plan_is_the_best_split_of_draft_tokens_over_its_rows():
 def test_under_load_drafts_shrink_and_vanish():
     gate = linear_gate(per_token_ms=5.0, base_ms=20.0, per_row_ms=5.0)
     draft = chain([0.9, 0.8, 0.5, 0.3])
-    sizes = {rows: sum(map(len, gate.plan([draft] * rows, [512] * rows))) / rows for rows in (1, 2, 8, 32)}
+    sizes = {rows: sum(map(len, gate.plan([draft] * rows, [512] * rows).drafts([draft] * rows))) / rows
+             for rows in (1, 2, 8, 32)}
     assert sizes[1] >= sizes[2] >= sizes[8] >= sizes[32]
     assert sizes[1] > sizes[32]
-    assert all(len(p) == 0 for p in gate.plan([chain([0.4, 0.2])] * 32, [512] * 32))
-    # a row's share of a loaded pass is the plain step a hybrid weighs its drafter against
-    assert gate.step_ms(512) < linear_gate().step_ms(512)
-    assert gate.rate(draft, 512) < linear_gate().rate(draft, 512)
+    assert all(not keep for keep in gate.plan([chain([0.4, 0.2])] * 32, [512] * 32).keep)
+    # a row's share of a loaded pass is the plain step a hybrid weighs its drafter against: the plan's load, a value
+    assert gate.plan([draft], [512]).load is None
+    load = gate.plan([draft] * 32, [512] * 32).load
+    assert load.pass_tokens >= 32 and gate.step_ms(512, load) == load.row_ms < gate.step_ms(512)
+    assert gate.rate(draft, 512, load) < gate.rate(draft, 512)
     # a hybrid's drafter (4 drafts for 10 ms) could pay where the suffix cache has no draft, alone and not in a pass
     # of 32 rows
     from hybridspec.router.hybrid import drafter_pays, perfect_rate
 
-    gate.plan([draft], [512])
     alone = perfect_rate(gate, 4, 512)
     assert drafter_pays(1.0, alone, 10.0 / gate.step_ms(512))
-    gate.plan([draft] * 32, [512] * 32)
-    assert perfect_rate(gate, 4, 512) < alone
-    assert not drafter_pays(1.0, perfect_rate(gate, 4, 512), 10.0 / gate.step_ms(512))
+    assert perfect_rate(gate, 4, 512, load) < alone
+    assert not drafter_pays(1.0, perfect_rate(gate, 4, 512, load), 10.0 / gate.step_ms(512, load))
+    assert perfect_rate(gate, 4, 512) == alone  # planning a step changed nothing of the gate's own
 
 
 def test_beside_prompt_chunks_a_draft_pays_as_in_a_decode_step_and_one_row_alone_is_trimmed_as_ever():
@@ -157,10 +159,10 @@ def test_beside_prompt_chunks_a_draft_pays_as_in_a_decode_step_and_one_row_alone
     every draft token delayed the prompts' first tokens (16 agents: median 10.4 s against 6.0 without drafts)."""
     gate = linear_gate(per_token_ms=20.0)
     weak, strong = chain([0.3, 0.2, 0.1]), chain([0.95, 0.9, 0.2])
-    assert gate.plan([weak], [512]) == [gate.trim(weak, 512)] and len(gate.trim(weak, 512)) == 0
-    assert len(gate.plan([weak], [512], other_tokens=256)[0]) == 0
-    assert len(gate.plan([strong], [512], other_tokens=256)[0]) == 2
+    assert gate.plan([weak], [512]).drafts([weak]) == [gate.trim(weak, 512)] and len(gate.trim(weak, 512)) == 0
+    assert len(gate.plan([weak], [512], other_tokens=256).keep[0]) == 0
+    assert len(gate.plan([strong], [512], other_tokens=256).keep[0]) == 2
     rows = [weak, strong, chain([0.6, 0.5]), chain([0.99, 0.98, 0.97, 0.5])]
-    alone = [len(p) for p in gate.plan(rows, [512] * 4)]
-    assert [len(p) for p in gate.plan(rows, [512] * 4, other_tokens=256)] == alone  # a token costs the same here
+    alone = [len(k) for k in gate.plan(rows, [512] * 4).keep]
+    assert [len(k) for k in gate.plan(rows, [512] * 4, other_tokens=256).keep] == alone  # a token costs the same
     assert sum(alone) > 0

@@ -22,8 +22,7 @@ from hybridspec.cli import main as cli_main
 from hybridspec.errors import ContextLengthExceeded, InvalidParameter, InvalidParameterType
 from hybridspec.runtime.engine import Engine
 from hybridspec.serve import create_app
-from hybridspec.serve.app import REQUEST_FIELDS
-from hybridspec.serve.protocol import CHAT_ONLY, UNSUPPORTED
+from hybridspec.serve.protocol import CHAT_ONLY, REQUEST_FIELDS, UNSUPPORTED
 from hybridspec.model.target import TargetModel
 
 MODEL = "tiny"
@@ -210,31 +209,44 @@ def test_client_gone_mid_stream_is_cancelled(server, engine):
     assert out["usage"]["completion_tokens"] == 8
 
 
-class BrokenStream:
-    """An engine call that fails after its first delta, as one whose proposer or target raised would."""
+class FakeHandle:
+    """What the server reads of an engine call (`RequestHandle`): its outputs, each text delta with the tool-call
+    events the engine's parser makes of it (with tools), then its result; `error` is raised after the deltas, as a
+    call whose proposer or target failed."""
 
-    result = None
+    def __init__(self, deltas: list[str], finish: str = "eos", tools: bool = False, error: Exception | None = None):
+        from hybridspec.grammar.tool_calls import ToolCallStreamParser, collect
 
-    def __init__(self):
-        self.deltas = iter(["a"])
+        parser = ToolCallStreamParser() if tools else None
+        self._outputs = [(d, parser.feed(d) if parser else []) for d in deltas]
+        if parser is not None:
+            self._outputs.append(("", parser.finish()))
+        content, calls = collect(e for _, events in self._outputs for e in events) if tools else (None, None)
+        self._final, self._error = Result("".join(deltas), finish, content, calls), error
+        self.result, self.cancelled = None, False
 
-    def __iter__(self):
-        return self
+    async def outputs(self):
+        for output in self._outputs:
+            yield output
+        if self._error is not None:
+            raise self._error
+        self.result = self._final
 
-    def __next__(self):
-        return next(self.deltas, None) or _raise(RuntimeError("the target fell over"))
-
-    def close(self):
-        pass
+    def cancel(self):
+        self.cancelled = True
 
 
-def _raise(e):
-    raise e
+class Result:
+    def __init__(self, text: str, finish: str, content: str | None = None, tool_calls: list | None = None):
+        from hybridspec.runtime.stats import GenerationStats
+
+        self.text, self.finish_reason, self.content, self.tool_calls = text, finish, content, tool_calls
+        self.token_ids, self.prompt_token_ids, self.stats = list(text), [0], GenerationStats()
 
 
 class BrokenEngine:
-    def stream(self, prompt, **options):
-        return BrokenStream()
+    def stream(self, prompt, options):
+        return FakeHandle(["a"], error=RuntimeError("the target fell over"))
 
 
 def test_engine_failure_is_reported_and_the_server_goes_on():
@@ -367,7 +379,7 @@ class RefusingEngine:
     class target:
         max_seq_len = 64
 
-    def stream(self, prompt, **options):
+    def stream(self, prompt, options):
         raise self.error
 
 

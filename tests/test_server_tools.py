@@ -15,9 +15,9 @@ from hybridspec.cli import main as cli_main
 from hybridspec.errors import InvalidParameter
 from hybridspec.model.target import TargetModel
 from hybridspec.runtime.engine import Engine
-from hybridspec.runtime.stats import GenerationStats
 from hybridspec.serve import create_app
-from test_server import CHAT, COMPLETIONS, Server, delta, metrics, sse
+from hybridspec.serve.app import SERVER_DEFAULTS
+from test_server import CHAT, COMPLETIONS, FakeHandle, Server, delta, metrics, sse
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "hi"}]  # short: the tools template's system turn fills half the tiny context
@@ -200,10 +200,10 @@ def test_metrics_count_tool_calls_and_grammar_drafts(server, client, engine):
 
 
 def test_a_server_without_grammar_drafts_drafts_none_and_answers_the_same(tiny_model, tiny_tokenizer, client):
-    """`hybridspec serve --no-grammar-drafts` (create_app(grammar_drafts=False)): the same replies, no "grammar"
-    source."""
+    """`hybridspec serve --no-grammar-drafts` (server defaults with grammar_drafts=False): the same replies, no
+    "grammar" source."""
     engine = Engine(TargetModel(tiny_model), tiny_tokenizer)
-    plain = Server(create_app(engine, served_model_name=MODEL, grammar_drafts=False))
+    plain = Server(create_app(engine, served_model_name=MODEL, defaults=SERVER_DEFAULTS.replace(grammar_drafts=False)))
     try:
         other = openai.OpenAI(base_url=plain.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         for choice in ("required", NAMED_G):
@@ -292,8 +292,8 @@ def test_bad_input_leaves_the_server_serving(server, client):
 
 
 class RecordingEngine:
-    """Records what the server asks of the engine and answers with `deltas` (an engine without tool parsing: its
-    result has no `tool_calls`, so the server parses the text itself)."""
+    """Records what the server asks of the engine (the prompt and its `SamplingOptions`) and answers with `deltas`,
+    parsed for tool calls as the engine does where the options call tools."""
 
     class target:
         max_seq_len = 512
@@ -301,34 +301,9 @@ class RecordingEngine:
     def __init__(self):
         self.deltas, self.finish, self.calls = [], "eos", []
 
-    def stream(self, prompt, **options):
+    def stream(self, prompt, options):
         self.calls.append((prompt, options))
-        return FakeStream(self.deltas, self.finish)
-
-
-class FakeStream:
-    def __init__(self, deltas: list[str], finish: str):
-        self._deltas, self.result = iter(deltas), None
-        self._text, self._finish = "".join(deltas), finish
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        delta = next(self._deltas, None)
-        if delta is None:
-            self.result = Result(self._text, self._finish)
-            raise StopIteration
-        return delta
-
-    def close(self):
-        pass
-
-
-class Result:
-    def __init__(self, text: str, finish: str):
-        self.text, self.finish_reason = text, finish
-        self.token_ids, self.prompt_token_ids, self.stats = list(text), [0], GenerationStats()
+        return FakeHandle(self.deltas, self.finish, tools=options.call_tools is not None)
 
 
 @pytest.fixture(scope="module")
@@ -360,14 +335,14 @@ def test_the_engine_gets_the_tool_options_and_messages(recorded):
         response = httpx.post(server.url + CHAT, json={"messages": conversation, **body})
         assert response.status_code == 200, response.text
         prompt, options = engine.calls[-1]
-        assert {k: options[k] for k in expected} == expected
+        assert {k: getattr(options, k) for k in expected} == expected
     assert prompt == [MESSAGES[0], {"role": "assistant", "tool_calls": [TOOL_CALL], "name": "bot"},
                       {"role": "tool", "tool_call_id": "c1", "content": "done"}]
     httpx.post(server.url + COMPLETIONS, json={"prompt": "x", "response_format": {"type": "json_object"}})
-    assert engine.calls[-1][1]["response_format"] == {"type": "json_object"} and "tools" not in engine.calls[-1][1]
+    assert engine.calls[-1][1].response_format == {"type": "json_object"} and engine.calls[-1][1].tools is None
 
 
-def test_the_server_parses_calls_where_the_engine_did_not(recorded):
+def test_the_server_sends_the_calls_the_engine_parsed(recorded):
     engine, server = recorded
     engine.deltas, engine.finish = REPLY, "eos"
     body = {"messages": MESSAGES, "tools": TOOLS}
@@ -391,7 +366,7 @@ def test_the_server_parses_calls_where_the_engine_did_not(recorded):
 
 def test_engine_errors_on_tool_fields_name_them():
     class Refusing(RecordingEngine):
-        def stream(self, prompt, **options):
+        def stream(self, prompt, options):
             raise self.error
 
     engine = Refusing()

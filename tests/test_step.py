@@ -1,19 +1,27 @@
 """The decode step's one rule for failures (`each`): a call whose part of a step raises ends with its own error and
-leaves the step; the other calls go on; work that returns False sits a call out of the rest of the step."""
+leaves the step; the other calls go on; a call that failed in an earlier phase is not worked on again."""
 from __future__ import annotations
 
+import weakref
+
 from hybridspec.runtime.call import CallState, SequenceState
-from hybridspec.runtime.stats import GenerationStats
+from hybridspec.runtime.handle import RequestHandle
+from hybridspec.runtime.options import SamplingOptions
+from hybridspec.runtime.prefill import PromptChunk
+from hybridspec.runtime.scheduler import CallPlan
 from hybridspec.runtime.step import CallStep, each
+from hybridspec.runtime.text import SequenceText
+
+HANDLE = RequestHandle()
 
 
 def call(rows: int = 2) -> CallState:
-    seqs = [SequenceState(f"r{i}", [1, 2, 3], 3) for i in range(rows)]
-    return CallState(seqs, None, None, None, None, GenerationStats(), rows=list(range(rows)))
+    seqs = [SequenceState(f"r{i}", [1, 2, 3], 3, SequenceText(str)) for i in range(rows)]
+    return CallState(seqs, SamplingOptions(), None, None, weakref.ref(HANDLE))
 
 
 def test_a_failing_call_leaves_the_step_and_the_others_go_on():
-    ok, broken, waiting, failed_before = call(), call(), call(), call()
+    ok, broken, other, failed_before = call(), call(), call(), call()
     failed_before.fail(RuntimeError("earlier phase"))
     seen = []
 
@@ -21,15 +29,12 @@ def test_a_failing_call_leaves_the_step_and_the_others_go_on():
         seen.append(step.call)
         if step.call is broken:
             raise ValueError("this call's proposer broke")
-        if step.call is waiting:
-            return False
-        return None
 
-    steps = [CallStep(c) for c in (ok, broken, waiting, failed_before)]
+    steps = [CallStep(CallPlan(c, PromptChunk([]))) for c in (ok, broken, other, failed_before)]
     going = each(steps, work, "update_s")
-    assert [s.call for s in going] == [ok]
-    assert seen == [ok, broken, waiting]  # a call that failed earlier is not worked on again
-    assert isinstance(broken.error, ValueError) and broken.rows == []  # its thread raises it; its rows are gone
-    assert waiting.error is None and waiting.rows == [0, 1]  # sat out, not failed
+    assert [s.call for s in going] == [ok, other]
+    assert seen == [ok, broken, other]  # a call that failed earlier is not worked on again
+    assert isinstance(broken.error, ValueError) and broken.rows == []  # its caller gets it; its rows are gone
+    assert broken.done and not ok.done and ok.rows == [0, 1]
     assert ok.error is None and ok.stats.update_s > 0  # the phase's time is counted on the call
     assert str(failed_before.error) == "earlier phase"

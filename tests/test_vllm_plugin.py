@@ -169,13 +169,14 @@ def test_the_engine_and_the_plugin_commit_by_the_same_rules(tiny_model, tiny_tok
     from hybridspec.runtime.call import SequenceState
     from hybridspec.runtime.commit import StopRules
     from hybridspec.runtime.engine import Engine
+    from hybridspec.runtime.text import SequenceText
     from hybridspec.model.target import TargetModel
 
     prompt, output = [9, 10, 11, 12], [20 + i for i in range(generated)]
     # the engine: EOS id 2, max_new_tokens, the model's context
     engine = Engine(TargetModel(tiny_model), tiny_tokenizer)
-    seq = SequenceState("r", prompt + output, len(prompt))
-    call = SimpleNamespace(rules=StopRules(engine.eos_token_ids, max_new, max_len), params=SimpleNamespace(stop=()))
+    seq = SequenceState("r", prompt + output, len(prompt), SequenceText(engine._decode))
+    call = SimpleNamespace(rules=StopRules(engine.eos_token_ids, max_new, max_len))
     assert engine.eos_token_ids == {2}
     assert engine.step.commit(call, seq, list(tokens)) == kept and seq.finish_reason == reason
     # the plugin: vLLM's batch after the step, its sampling params (stop token 2, max_tokens), max_model_len

@@ -84,7 +84,12 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict], str | dict]:
 def grammar_spec(response_format: Mapping[str, Any] | None = None, tools: Sequence[Mapping] | None = None,
                  tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True) -> GrammarSpec | None:
     """The grammar a call's options ask for, or None. An `InvalidParameter` names a bad field."""
-    tools, tool_choice = check_tools(tools, tool_choice)
+    return checked_grammar_spec(response_format, *check_tools(tools, tool_choice), parallel_tool_calls)
+
+
+def checked_grammar_spec(response_format: Mapping[str, Any] | None, tools: list[dict], tool_choice: str | dict,
+                         parallel_tool_calls: bool) -> GrammarSpec | None:
+    """`grammar_spec` of tools and a tool_choice `check_tools` has checked already."""
     kind = "text"
     if response_format is not None:
         if not isinstance(response_format, Mapping):
@@ -178,28 +183,6 @@ class Constraint:
             if not self.matcher.accept_token(int(token)):
                 raise RuntimeError(f"the grammar rejected committed token {token}: the mask and the matcher disagree")
 
-    def check(self, proposal: Proposal, budget: int, forced: bool) -> tuple[Proposal, int]:
-        """The part of a deterministic or greedy draft the grammar allows (a chain cut at its first rejected token; a
-        tree without the subtrees of rejected nodes), a chain then extended with the tokens the grammar forces after
-        it (`forced`), to at most `budget` nodes. Returns the draft and how many of its last tokens the grammar
-        forced."""
-        kept = self._walk(proposal)
-        if len(kept) < len(proposal):
-            proposal = _subset(proposal, kept)
-        if not forced or not proposal.is_chain or len(proposal) >= budget:
-            return proposal, 0
-        self.accept(proposal.token_ids)
-        extra = self._forced(budget - len(proposal))
-        self.matcher.rollback(len(proposal) + len(extra))
-        if not extra:
-            return proposal, 0
-        last = proposal.probs[-1] if proposal.probs else 1.0
-        probs = list(proposal.probs or [1.0] * len(proposal)) + [last] * len(extra)
-        source = proposal.source if len(proposal) else "grammar"
-        extended = Proposal.chain(proposal.token_ids + extra, probs, source=source, match_len=proposal.match_len)
-        extended.drafter_ran = proposal.drafter_ran
-        return extended, len(extra)
-
     def redraw(self, proposal: Proposal, probs_fn: Callable[[torch.Tensor], torch.Tensor],
                generator: torch.Generator | None, keep_allowed: bool) -> Proposal:
         """A sampled chain drawn again from the drafter's grammar-masked distributions q'_j = probs_fn(masked logits),
@@ -228,36 +211,72 @@ class Constraint:
         return Proposal.chain(tokens, probs, source=proposal.source, match_len=proposal.match_len,
                               draft_logits=logits[:n]) if n else Proposal.empty(proposal.source)
 
-    def masks(self, proposal: Proposal) -> torch.Tensor | None:
-        """The grammar's masks for a verification pass over `proposal` (already checked): [1 + n, vocab / 32] int32
-        bits, row 0 at the committed tokens, row 1 + i after the path to node i; None where every token is allowed at
-        every position (free text: the pass needs no mask)."""
+    def prepare(self, proposal: Proposal, budget: int, forced: bool) -> "GrammarDraft":
+        """A draft under the grammar, in one walk with the matcher: the part the grammar allows (a chain cut at its
+        first rejected token; a tree without the subtrees of rejected nodes), a chain then extended with the tokens
+        the grammar forces after it (`forced`), to at most `budget` nodes, and the masks of a verification pass
+        over the result."""
+        if not proposal.is_chain:
+            return self._prepare_tree(proposal)
         import xgrammar as xgr
 
-        masks = xgr.allocate_token_bitmask(1 + len(proposal), self.vocab_size)
+        matcher = self.matcher
+        masks = xgr.allocate_token_bitmask(1 + max(budget, len(proposal)), self.vocab_size)
         needed = False
 
         def fill(row: int) -> None:
             nonlocal needed
-            if not self.matcher.is_terminated():  # after a drafted stop token nothing more is committed
-                needed |= self.matcher.fill_next_token_bitmask(masks, row)
+            if not matcher.is_terminated():  # after a drafted stop token nothing more is committed
+                needed |= matcher.fill_next_token_bitmask(masks, row)
 
-        self._walk(proposal, fill)
-        return masks if needed else None
+        fill(0)
+        kept = 0
+        for token in proposal.token_ids:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            kept += 1
+            fill(kept)
+        extra: list[int] = []
+        if forced and kept < budget and not matcher.is_terminated():
+            text = matcher.find_jump_forward_string()
+            for token in self.encode(text) if text else []:
+                if kept + len(extra) >= budget or not matcher.accept_token(token):
+                    break
+                extra.append(token)
+                fill(kept + len(extra))
+            while kept + len(extra) < budget and not matcher.is_terminated():
+                token = _only_allowed(masks[kept + len(extra)])  # the row this state just filled
+                if token is None or not matcher.accept_token(token):
+                    break
+                extra.append(token)
+                fill(kept + len(extra))
+        matcher.rollback(kept + len(extra))
+        draft = proposal.subset(list(range(kept)))
+        if extra:
+            last = draft.probs[-1] if draft.probs else 1.0
+            probs = list(draft.probs or [1.0] * kept) + [last] * len(extra)
+            chain = Proposal.chain(draft.token_ids + extra, probs, source=draft.source if kept else "grammar",
+                                   match_len=draft.match_len)
+            chain.drafter_ran, draft = draft.drafter_ran, chain
+        return GrammarDraft(draft, len(extra), masks[:1 + len(draft)] if needed else None)
 
-    def _walk(self, proposal: Proposal, on_state: Callable[[int], None] | None = None) -> list[int]:
-        """Depth-first through the draft with the matcher: on_state(row) at the state before each node's children (row
-        0: the committed tokens, 1 + i: after node i); the nodes the grammar allows, in order (with their ancestors)."""
+    def _prepare_tree(self, proposal: Proposal) -> "GrammarDraft":
+        """`prepare` of a tree: depth-first through it with the matcher, each state's mask filled once (row 0: the
+        committed tokens, 1 + i: after node i), the nodes the grammar allows kept with their ancestors."""
+        import xgrammar as xgr
+
+        masks = xgr.allocate_token_bitmask(1 + len(proposal), self.vocab_size)
         children: list[list[int]] = [[] for _ in range(len(proposal) + 1)]
         for i, parent in enumerate(proposal.parents):
             children[parent + 1].append(i)
         kept: list[int] = []
+        needed = False
 
         def visit(row: int) -> None:
-            if on_state is not None:
-                on_state(row)
+            nonlocal needed
             if self.matcher.is_terminated():  # a drafted stop token: nothing follows it
                 return
+            needed |= self.matcher.fill_next_token_bitmask(masks, row)
             for i in children[row]:
                 if self.matcher.accept_token(proposal.token_ids[i]):
                     kept.append(i)
@@ -265,26 +284,26 @@ class Constraint:
                     self.matcher.rollback(1)
 
         visit(0)
-        return sorted(kept)
+        kept.sort()
+        rows = torch.tensor([0] + [1 + i for i in kept])
+        return GrammarDraft(proposal.subset(kept), 0, masks[rows] if needed else None)
 
-    def _forced(self, limit: int) -> list[int]:
-        """Up to `limit` tokens the grammar forces from here: its jump-forward string as the tokenizer splits it (while
-        the grammar takes each token), then tokens that are the only one allowed. The matcher advances past them."""
-        out: list[int] = []
-        if self.matcher.is_terminated():
-            return out
-        text = self.matcher.find_jump_forward_string()
-        for token in self.encode(text) if text else []:
-            if len(out) >= limit or not self.matcher.accept_token(token):
-                break
-            out.append(token)
-        while len(out) < limit and not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(self._scratch)
-            token = _only_allowed(self._scratch[0])
-            if token is None or not self.matcher.accept_token(token):
-                break
-            out.append(token)
-        return out
+
+@dataclass
+class GrammarDraft:
+    """One row's draft under its grammar (`Constraint.prepare`): the draft, how many of its last tokens the grammar
+    forced, and the masks of a verification pass over it, [1 + n, vocab / 32] int32 bits (row 0 at the committed
+    tokens, row 1 + i after the path to node i; None where every token is allowed at every position)."""
+
+    proposal: Proposal
+    forced: int = 0
+    masks: torch.Tensor | None = None
+
+    def routed(self, keep: Sequence[int]) -> torch.Tensor | None:
+        """The masks of the draft as routed (its nodes `keep`)."""
+        if self.masks is None or len(keep) == len(self.proposal):
+            return self.masks
+        return self.masks[torch.tensor([0] + [1 + i for i in keep])]
 
 
 def apply_mask(logits: torch.Tensor, masks: torch.Tensor) -> None:
@@ -311,14 +330,3 @@ def _only_allowed(mask_row: torch.Tensor) -> int | None:
     index = int(words[0])
     word = int(mask_row[index]) & 0xFFFFFFFF
     return index * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
-
-
-def _subset(proposal: Proposal, kept: list[int]) -> Proposal:
-    """The proposal's nodes `kept` (each with its ancestors), parents renumbered."""
-    new_index = {old: new for new, old in enumerate(kept)}
-    probs = [proposal.probs[i] for i in kept] if proposal.probs else None
-    logits = proposal.draft_logits[kept] if proposal.draft_logits is not None and kept else None
-    return Proposal(token_ids=[proposal.token_ids[i] for i in kept],
-                    parents=[new_index[proposal.parents[i]] if proposal.parents[i] >= 0 else -1 for i in kept],
-                    probs=probs, score=float(sum(probs)) if probs else 0.0, source=proposal.source,
-                    match_len=proposal.match_len, draft_logits=logits, drafter_ran=proposal.drafter_ran)

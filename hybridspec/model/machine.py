@@ -142,10 +142,10 @@ def release_free_memory() -> None:
 def limit_allocator_arenas(count: int = 2) -> bool:
     """Keep glibc's allocator to `count` arenas for the threads created after this call (a no-op elsewhere).
 
-    A server's step runs on whichever request thread holds the scheduler's lock; by default glibc gives busy threads
-    arenas of their own (up to 8 per core), each keeping the free pages of the steps it served, so a long burst grows
-    resident memory past the KV budget. Only one step runs at a time, so few arenas cost no contention. Returns whether
-    the allocator took the setting."""
+    A server's steps run on the engine's loop thread (started again after each idle spell) and its requests are
+    checked on a pool of threads; by default glibc gives busy threads arenas of their own (up to 8 per core), each
+    keeping the free pages of the work it did, so a long burst grows resident memory past the KV budget. Only one
+    step runs at a time, so few arenas cost no contention. Returns whether the allocator took the setting."""
     try:
         import ctypes
 

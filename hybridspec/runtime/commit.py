@@ -7,13 +7,14 @@ decoding stop at the same token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
+from typing import Collection, Sequence
 
 
 @dataclass(frozen=True)
 class StopRules:
     """When a sequence ends: a stop token (once `min_tokens` are out), `max_new_tokens` generated, or `max_seq_len`
-    tokens in all (the model's context). Stop strings are matched on text, by `stop_cut`."""
+    tokens in all (the model's context). Stop strings are matched on text, as it is decoded
+    (`hybridspec.runtime.text.SequenceText`)."""
 
     stop_token_ids: Collection[int]
     max_new_tokens: int | None
@@ -43,21 +44,3 @@ def draft_budget(num_speculative_tokens: int, context: int, generated: int, rule
     if rules.max_new_tokens is not None:
         budget = min(budget, rules.max_new_tokens - generated - 1)
     return max(budget, 0)
-
-
-def stop_cut(decode: Callable[[list[int]], str], generated: list[int], new: list[int],
-             stops: Sequence[str]) -> int | None:
-    """How many of `new` tokens it takes for the output's text to contain a stop string; None if it contains none."""
-    if not stops or not any(s in decode(generated + new) for s in stops):
-        return None
-    for j in range(1, len(new) + 1):  # rare: only on the step that completes a stop string
-        text = decode(generated + new[:j])
-        if any(s in text for s in stops):
-            return j
-    return len(new)
-
-
-def cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """The text before the first stop string in it (the whole text if none)."""
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[:min(cuts)] if cuts else text

@@ -2,53 +2,57 @@
 
     engine = Engine.from_pretrained("smollm2")
     result = engine.generate([{"role": "user", "content": "Hi"}], max_new_tokens=64)      # speculate="suffix"
-    for delta in engine.stream("Once upon a time", max_new_tokens=32): print(delta, end="")
+    options = SamplingOptions(temperature=0.7, max_new_tokens=128)                         # one validated object
+    for delta in engine.stream("Once upon a time", options): print(delta, end="")
     session = engine.session(system="You are an agent.")                                     # agent loops
     reply = session.send("ls -la")                  # later turns reuse the KV cache and the suffix cache
 
-This file is the API and a call's life: begin (its prompt, `prefill`), decode steps until every sequence finished
-(`step`: propose -> route -> verify -> update, shared with the calls of other threads by `scheduler`), end. Outputs
-are exact: greedy speculative decoding returns the target's greedy tokens and sampling keeps the target's
-distribution (the verifier's rules); speculation only changes how many tokens one pass commits. The rooms around
-it: `options` (a call's options), `proposers` (speculate= names), `commit` (stop rules), `prompts` (text, chat,
-token ids), `session` (`Session`), `prefix_cache` (the cache policy), `stats` (what a call returns).
+A call's life: the caller's thread checks its options and prompt and submits it (`submit`); the engine's loop
+(`runtime/loop.py`) admits it, begins it here (`_begin`: its cache, its requests on the proposer), runs its steps with
+every other running call's (`runtime/scheduler.py` plans each step, `runtime/step.py` runs it), hands its text to
+its `RequestHandle` as it is committed, and ends it (`_end`). Outputs are exact: greedy speculative decoding returns
+the target's greedy tokens and sampling keeps the target's distribution (the verifier's rules); speculation only
+changes how many tokens one pass commits.
 """
 from __future__ import annotations
 
 import itertools
 import os
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+import weakref
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from hybridspec.grammar.constraint import GrammarCompiler
 from hybridspec.model.calibration import machine_verify_cost
-from hybridspec.model.machine import release_free_memory
 from hybridspec.model.target import TargetModel
-from hybridspec.proposal import FeatureProposer, Proposal, Proposer
+from hybridspec.proposal import Proposal
 from hybridspec.router import CostGate, Router, as_router
 from hybridspec.runtime.admission import Admission, Limits
-from hybridspec.runtime.call import CallState, SequenceState, Stream
+from hybridspec.runtime.call import CallState, SequenceState
 from hybridspec.runtime.commit import StopRules
-from hybridspec.runtime.options import DEFAULTS, GenerateOptions, resolve_options
+from hybridspec.runtime.handle import RequestHandle
+from hybridspec.runtime.loop import EngineLoop
+from hybridspec.runtime.options import DEFAULT_OPTIONS, SamplingOptions, make_options, resolve
 from hybridspec.runtime.prefill import Prefill
 from hybridspec.runtime.prefix_cache import PREFIX_CACHE_BYTES, PrefixCache
 from hybridspec.runtime.prompts import PromptLike, encode_prompt, is_batch, is_messages
 from hybridspec.runtime.proposers import SPECULATE_CHOICES, Proposers
-from hybridspec.runtime.scheduler import StepScheduler
+from hybridspec.runtime.scheduler import Scheduler
 from hybridspec.runtime.session import Session
 from hybridspec.runtime.stats import GenerationResult, GenerationStats
 from hybridspec.runtime.step import StepRunner
+from hybridspec.runtime.text import SequenceText
 from hybridspec.speculators.proposer import DEFAULT_DRAFTER_CONTEXT
 from hybridspec.speculators.registry import DRAFTER_KINDS
 
-__all__ = ["Engine", "GenerateOptions", "GenerationResult", "GenerationStats", "Session", "Stream", "DRAFTER_KINDS",
-           "SPECULATE_CHOICES"]
+__all__ = ["Engine", "SamplingOptions", "GenerationResult", "GenerationStats", "RequestHandle", "Session",
+           "DRAFTER_KINDS", "SPECULATE_CHOICES"]
 
 # Prompt tokens a decode step runs (chunked prefill; `Prefill.allot` shares them), in the pass of the other calls'
 # steps: they wait a step of about this many tokens' compute rather than a whole prompt's; 512 ran
-# fastest at four agents on this CPU (BENCHMARKS.md, the chunk size sweep).
+# fastest at four agents on this CPU (docs/history.md, "The prefill chunk of 512").
 PREFILL_CHUNK = 512
 
 
@@ -67,12 +71,12 @@ class Engine:
     whose prompt begins with the same tokens (None: PREFIX_CACHE_BYTES; 0: off). chat_template: a Jinja chat
     template (its text) that renders chat prompts instead of the tokenizer's own.
 
-    Admission (`hybridspec.runtime.admission`): at most `max_running_calls` calls run at once, their caches within
-    `kv_budget_bytes` of KV (default: what keeps the process within about half of the machine's memory); later calls
-    wait in arrival order, at most `max_waiting_calls` of them (one more raises `QueueFull`).
+    Admission (`hybridspec.runtime.admission`): at most `max_num_seqs` calls run at once, their caches within
+    `kv_cache_memory` bytes of KV (default: what keeps the process within about half of the machine's memory); later
+    calls wait in arrival order, at most `max_waiting` of them (one more raises `QueueFull`).
 
-    One Engine may serve several threads (`hybridspec.runtime.scheduler`): each call's decode steps join those of the
-    calls decoding then, and one pass of the target verifies every sequence's draft. A single prompt's uncached
+    One Engine may serve several threads: its loop (`hybridspec.runtime.loop`) runs every running call's step in one
+    pass of the target, which verifies every sequence's draft. A single prompt's uncached
     tokens run in those passes too, `prefill_chunk` prompt tokens per step, half to the oldest prompt and the rest
     shortest first (its last chunk with its first step), so the others go on decoding while it prefills (chunked
     prefill); the positions another running call has run of the same tokens are copied from that call (in-flight
@@ -86,8 +90,8 @@ class Engine:
                  drafter_context: int = DEFAULT_DRAFTER_CONTEXT,
                  drafter_bf16: bool | None = None, prefix_cache_bytes: int | None = None,
                  prefill_chunk: int = PREFILL_CHUNK, chat_template: str | None = None,
-                 max_running_calls: int | None = None, kv_budget_bytes: int | None = None,
-                 max_waiting_calls: int | None = None):
+                 max_num_seqs: int | None = None, kv_cache_memory: int | None = None,
+                 max_waiting: int | None = None):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target, self.tokenizer = target, tokenizer
@@ -104,21 +108,22 @@ class Engine:
         self.stats = GenerationStats()  # cumulative over every call
         budget = PREFIX_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
         self.prefix_cache: PrefixCache | None = PrefixCache(budget) if budget > 0 else None
-        self.admission = Admission(Limits.default(budget, max_running_calls, kv_budget_bytes, max_waiting_calls))
-        self._running: list[CallState] = []  # calls begun and not ended, oldest first (a step may hold some of them)
-        self.prefill = Prefill(target, self.prefix_cache, self._running, prefill_chunk, drafter_context)
-        self.step = StepRunner(target, self.router, self.prefill, self.prefix_cache, self._decode)
+        self.admission = Admission(Limits.default(budget, max_num_seqs, kv_cache_memory, max_waiting))
+        self.prefill = Prefill(target, self.prefix_cache, prefill_chunk, drafter_context)
+        self.step = StepRunner(target, self.router, self.prefill, self.prefix_cache)
         self.passes = self.step.passes  # the target's passes by kind, cumulative (the server's pass-time counters)
-        self.scheduler: StepScheduler[CallState] = StepScheduler(self.step, running=lambda: len(self._running))
+        self.loop = EngineLoop(self.admission, Scheduler(self.prefill), self.step, self._begin, self._end)
+        self.proposers.exclusive = self.loop.paused  # a proposer made on first use is made between steps
         self._request_ids = itertools.count()
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
-                        max_seq_len: int | None = None, **kwargs: Any) -> "Engine":
-        """An engine on "smollm2" (the embedded model, converted on first use) or a local Hugging Face directory."""
+                        max_model_len: int | None = None, **kwargs: Any) -> "Engine":
+        """An engine on "smollm2" (the embedded model, converted on first use) or a local Hugging Face directory;
+        max_model_len: the context (default: the model's; `hybridspec serve --max-model-len`)."""
         from hybridspec.model.loading import load_tokenizer
 
-        return cls(TargetModel.from_pretrained(name_or_path, dtype=dtype, max_seq_len=max_seq_len),
+        return cls(TargetModel.from_pretrained(name_or_path, dtype=dtype, max_seq_len=max_model_len),
                    load_tokenizer(name_or_path), **kwargs)
 
     def _eos_ids(self) -> frozenset[int]:
@@ -150,113 +155,50 @@ class Engine:
         return encode_prompt(self.tokenizer, prompt, self.target.vocab_size, self.target.max_seq_len, tools=tools,
                              chat_template=self.chat_template)
 
-    def generate(self, prompt_or_messages: PromptLike | Sequence[PromptLike],
-                 max_new_tokens: int = DEFAULTS.max_new_tokens, temperature: float = DEFAULTS.temperature,
-                 top_p: float = DEFAULTS.top_p, top_k: int = DEFAULTS.top_k,
-                 speculate: str | Proposer | FeatureProposer | None = DEFAULTS.speculate,
-                 num_speculative_tokens: int | None = DEFAULTS.num_speculative_tokens,
-                 tree: bool | None = DEFAULTS.tree, stop: str | Sequence[str] | None = DEFAULTS.stop,
-                 seed: int | None = DEFAULTS.seed, response_format: Mapping[str, Any] | None = None,
-                 tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping[str, Any] | None = None,
-                 parallel_tool_calls: bool = DEFAULTS.parallel_tool_calls,
-                 grammar_drafts: bool = DEFAULTS.grammar_drafts) -> GenerationResult | list[GenerationResult]:
-        """Generate for one prompt (text, chat messages or token ids), or a list of prompts as one batch.
-
-        temperature 0 is greedy; otherwise sampling with top_k / top_p. speculate: "suffix" (the engine's suffix
-        cache: prompt and past responses), "ngram", a model drafter ("peagle", "lstm", "eagle3"; num_speculative_tokens
-        then defaults to the K it was trained for), a hybrid ("suffix+peagle", ...: the suffix draft where the text
-        repeats, the drafter's elsewhere), "none", or a Proposer. tree=True drafts token trees: the suffix cache's, or a
-        drafter's greedy chain with its runner-up tokens as siblings; num_speculative_tokens then counts tree nodes.
-        tree=None (default) lets the proposer choose: trees for drafters and hybrids, chains for the suffix cache
-        (the faster on a CPU, where verifying many tokens costs more than a plain step).
-        Stops at EOS, at any of `stop` (the text is cut before it), or after max_new_tokens.
-
-        Structured output, as OpenAI's API defines it: response_format {"type": "json_object"} or {"type":
-        "json_schema", "json_schema": {"schema": ..., "strict": ...}}; tools (function tools, rendered by the chat
-        template) with tool_choice "auto" (text, or calls once one starts), "required", a named function
-        ({"type": "function", "function": {"name": ...}}) or "none", and parallel_tool_calls. The calls come back
-        parsed in the result's `tool_calls` (and the rest of the text in `content`). Decoding follows the grammar
-        exactly as plain constrained decoding would; drafts are checked against it, and with grammar_drafts the
-        tokens it forces are drafted too (source "grammar" in the stats).
-        """
+    def generate(self, prompt_or_messages: PromptLike | Sequence[PromptLike], options: SamplingOptions | None = None,
+                 **overrides: Any) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (text, chat messages or token ids), or a list of prompts as one batch, with
+        `options` (default: `SamplingOptions()`) and any of its fields overridden by keyword
+        (`generate(prompt, max_new_tokens=64, temperature=0.7)`). With tools the calls come back parsed in the
+        result's `tool_calls` (and the rest of the text in `content`). Blocks until the call has ended; its steps run
+        on the engine's loop, beside every other call's."""
         batch = is_batch(prompt_or_messages)
-        call = self._start_call(list(prompt_or_messages) if batch else [prompt_or_messages], dict(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, speculate=speculate,
-            num_speculative_tokens=num_speculative_tokens, tree=tree, stop=stop, seed=seed,
-            response_format=response_format, tools=tools, tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls, grammar_drafts=grammar_drafts))
-        for _ in self._steps(call):
-            pass
-        results = call.results(self._decode)
+        handle = self.submit(list(prompt_or_messages) if batch else [prompt_or_messages],
+                             make_options(options, overrides))
+        results = handle.wait()
         return results if batch else results[0]
 
-    def stream(self, prompt_or_messages: PromptLike, **options: Any) -> Stream:
-        """Generate for one prompt, yielding text deltas as tokens are committed (keyword arguments of `generate`).
-        The prompt and options are checked here, before the first delta is asked for."""
-        call = self._start_call([prompt_or_messages], options)
-        return Stream(call, self._steps(call), self._decode, self._cancel)
+    def stream(self, prompt_or_messages: PromptLike, options: SamplingOptions | None = None,
+               **overrides: Any) -> RequestHandle:
+        """Generate for one prompt: its handle, whose iteration yields text deltas as tokens are committed
+        (`.result` once it has ended; `.cancel()` ends it early). The prompt and options are checked here."""
+        return self.submit([prompt_or_messages], make_options(options, overrides))
 
-    def session(self, system: str | None = None, **defaults: Any) -> Session:
-        """A multi-turn conversation that keeps its KV cache and feeds the suffix cache turn after turn.
+    def session(self, system: str | None = None, options: SamplingOptions | None = None, **defaults: Any) -> Session:
+        """A multi-turn conversation that keeps its KV cache and feeds the suffix cache turn after turn, each turn
+        with `options` (and `defaults` over them, e.g. speculate="suffix", max_new_tokens=256)."""
+        return Session(self, system=system, options=make_options(options, defaults))
 
-        `defaults` are `generate` arguments used for every turn (e.g. speculate="suffix", max_new_tokens=256)."""
-        return Session(self, system=system, **defaults)
-
-    # ------------------------------------------------------------------------------------------------ a call
-
-    def _start_call(self, prompts: Sequence[PromptLike], options: Mapping[str, Any]) -> CallState:
-        """A call's validated options, proposer and sequences (one per prompt), in line for admission (`QueueFull`
-        if the line is full); it holds nothing shared until it begins (`_begin`), so a call dropped before its first
-        step leaves nothing behind but its place in line (`Stream.close` gives that up)."""
-        with self.scheduler.lock:  # proposers load lazily
-            params, proposer = resolve_options(options, self.proposers.get, self.num_speculative_tokens)
-        seqs = [SequenceState(request_id=f"hs-{next(self._request_ids)}", tokens=ids, prompt_len=len(ids))
-                for ids in (self.encode(p, options.get("tools")) for p in prompts)]
-        rules = StopRules(self.eos_token_ids, params.max_new_tokens, self.target.max_seq_len)
+    def submit(self, prompts: Sequence[PromptLike], options: SamplingOptions = DEFAULT_OPTIONS) -> RequestHandle:
+        """Check a call (its options against the proposer they name, its prompts, its grammar) and put it in line
+        for the loop; its handle. `QueueFull` if the line is full; an `InvalidParameter` names a bad input. A call
+        dropped before it ran leaves nothing behind."""
+        resolved = resolve(options, self.proposers.get, self.num_speculative_tokens)
+        ids = [self.encode(p, options.tools) for p in prompts]
         constraints = None
-        if params.grammar is not None:
-            compiled = self.grammars.compile(params.grammar)
-            constraints = [self.grammars.constraint(compiled) for _ in seqs]
-        call = CallState(seqs, None, proposer, params, rules, GenerationStats(), rows=list(range(len(seqs))),
-                         constraints=constraints)
-        self.admission.enqueue(call, self.prefill.kv_bytes(call))
-        return call
+        if options.grammar is not None:
+            compiled = self.grammars.compile(options.grammar)
+            constraints = [self.grammars.constraint(compiled) for _ in ids]
+        handle = RequestHandle()
+        seqs = [SequenceState(f"hs-{next(self._request_ids)}", tokens, len(tokens),
+                              SequenceText(self._decode, options.stop, options.call_tools is not None))
+                for tokens in ids]
+        rules = StopRules(self.eos_token_ids, options.max_new_tokens, self.target.max_seq_len)
+        call = CallState(seqs, options, resolved, rules, weakref.ref(handle), constraints=constraints)
+        self.loop.submit(call, self.prefill.kv_bytes(call))
+        return handle
 
-    def _steps(self, call: CallState) -> Iterator[None]:
-        """Run a call: wait for admission, prefill and start its requests on the proposer, then decode steps (shared
-        with the calls of other threads) until every sequence finished or the call is cancelled; yields after each
-        step."""
-        try:
-            queued = self.admission.wait(call)
-        except BaseException:
-            self.admission.leave(call)
-            raise
-        if queued is None:  # cancelled while it waited: it never ran
-            return
-        call.stats.queue_s = queued
-        try:
-            with self.scheduler.lock:
-                self._running.append(call)
-                self._begin(call)
-            self.admission.hold(call, call.cache.nbytes)
-            while call.rows and not call.cancelled:
-                self.scheduler.join_step(call)
-                if call.error is not None:
-                    raise call.error
-                yield
-        finally:  # also when a caller abandons its stream: its requests are aborted, its place and KV freed
-            with self.scheduler.lock:
-                self._running.remove(call)
-                self._end(call)
-                idle = not self._running
-            self.admission.leave(call)
-            if idle:
-                release_free_memory()
-
-    def _cancel(self, call: CallState) -> None:
-        """End a call from any thread: it leaves the line if it waits, the batch after its current step if it runs."""
-        call.cancelled = True
-        self.admission.cancel(call)
+    # ----------------------------------------------------------------------------------------- a call, in the loop
 
     def _begin(self, call: CallState) -> None:
         """Take the call's cache and run or schedule its prompts (`Prefill.begin`), then start each sequence on the

@@ -1,21 +1,42 @@
-"""The options of one call (`GenerateOptions`, with their defaults) and their validation against the proposer."""
+"""`SamplingOptions`: everything one call asks for, in one frozen object that checks itself when it is made. Every
+front end builds one per request (`Engine.generate(prompt, options, **overrides)`, `stream`, `Session.send`, the
+server's request bodies through `to_options`), and the engine resolves it against the proposer it names (`resolve`).
+
+An `InvalidParameter` names the option at fault by its name here; the server reports it under the request's own field
+name (`hybridspec.serve.protocol.REQUEST_FIELDS`).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from hybridspec.errors import InvalidParameter
-from hybridspec.grammar.constraint import GrammarSpec, check_tools, grammar_spec
+from hybridspec.errors import InvalidParameter, InvalidParameterType
+from hybridspec.grammar.constraint import GrammarSpec, check_tools, checked_grammar_spec
 from hybridspec.proposal import FeatureProposer, Proposer
+from hybridspec.runtime.proposers import SPECULATE_CHOICES
 from hybridspec.verifier.reference import check_sampling_params
 
 
 @dataclass(frozen=True)
-class GenerateOptions:
-    """The options of one call, with their defaults: `generate`'s keyword arguments (`stream` and `Session.send` take
-    the same). See `Engine.generate` for what each means."""
+class SamplingOptions:
+    """The options of one call, with the Python API's defaults (greedy, 256 new tokens, suffix speculation).
+
+    temperature 0 is greedy; otherwise sampling with top_k (0: off) and top_p. speculate: "suffix" (the engine's
+    suffix cache: prompt and past responses), "ngram", a model drafter ("peagle", "fasteagle", "lstm", "eagle3";
+    num_speculative_tokens then defaults to the K it was trained for), a hybrid ("suffix+peagle", ...: the suffix
+    draft where the text repeats, the drafter's elsewhere), "none", or a `Proposer`. tree=True drafts token trees,
+    num_speculative_tokens then counting nodes; None lets the proposer choose (trees for drafters and hybrids, chains
+    for the suffix cache). A call stops at EOS, at any of `stop` (its text is cut before it), or after max_new_tokens.
+
+    Structured output as OpenAI's API defines it: response_format {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"schema": ...}}; tools (function tools, rendered by the chat template) with tool_choice "auto"
+    (text, or calls once one starts), "required", a named function or "none", and parallel_tool_calls. Decoding
+    follows the grammar exactly as plain constrained decoding would; with grammar_drafts the tokens it forces are
+    drafted too (the draft source "grammar").
+    """
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -23,68 +44,105 @@ class GenerateOptions:
     top_k: int = 0
     speculate: str | Proposer | FeatureProposer | None = "suffix"
     num_speculative_tokens: int | None = None  # None: the drafter's trained K, else the engine's
-    tree: bool | None = None  # None: the proposer's preference (prefers_trees)
-    stop: str | Sequence[str] | None = None
+    tree: bool | None = None
+    stop: str | Sequence[str] | None = None  # kept as a tuple of strings
     seed: int | None = None
     response_format: Mapping[str, Any] | None = None
     tools: Sequence[Mapping[str, Any]] | None = None
-    tool_choice: str | Mapping[str, Any] | None = None  # None: "auto" with tools
+    tool_choice: str | Mapping[str, Any] | None = None  # None: "auto" where tools are given
     parallel_tool_calls: bool = True
-    grammar_drafts: bool = True  # under a grammar, draft the tokens it forces (when speculating)
+    grammar_drafts: bool = True
+    # derived when made: the grammar the output must match, and the tools its text is parsed for (None: no calls)
+    grammar: GrammarSpec | None = field(init=False, repr=False, compare=False)
+    call_tools: tuple[dict, ...] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not _integer(self.max_new_tokens) or self.max_new_tokens <= 0:
+            raise InvalidParameter(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}",
+                                   "max_new_tokens")
+        for name in ("temperature", "top_p"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
+                raise InvalidParameter(f"{name} must be a number, got {getattr(self, name)!r}", name)
+        if not _integer(self.top_k):
+            raise InvalidParameter(f"top_k must be an integer, got {self.top_k!r}", "top_k")
+        check_sampling_params(self.temperature, self.top_k, self.top_p)
+        if isinstance(self.speculate, str) and self.speculate not in SPECULATE_CHOICES:
+            raise InvalidParameter(f"speculate must be one of {SPECULATE_CHOICES} or a Proposer, got "
+                                   f"{self.speculate!r}", "speculate")
+        k = self.num_speculative_tokens
+        if k is not None and (not _integer(k) or k < 0):
+            raise InvalidParameter(f"num_speculative_tokens must be an integer >= 0, got {k!r}",
+                                   "num_speculative_tokens")
+        if self.tree is not None and not isinstance(self.tree, bool):
+            raise InvalidParameter(f"tree must be True, False or None, got {self.tree!r}", "tree")
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise InvalidParameter("stop strings must be non-empty strings", "stop")
+        if self.seed is not None and not _integer(self.seed):
+            raise InvalidParameter(f"seed must be an integer, got {self.seed!r}", "seed")
+        tools, choice = check_tools(self.tools, self.tool_choice)
+        grammar = checked_grammar_spec(self.response_format, tools, choice, bool(self.parallel_tool_calls))
+        set_field = object.__setattr__  # frozen: the checked forms are set once, here
+        set_field(self, "temperature", float(self.temperature))
+        set_field(self, "top_p", float(self.top_p))
+        set_field(self, "stop", stops)
+        set_field(self, "grammar", grammar)
+        set_field(self, "call_tools", tuple(tools) if tools and choice != "none" else None)
+
+    def replace(self, **overrides: Any) -> "SamplingOptions":
+        """These options with some changed (checked again); a TypeError names any that is no option."""
+        unknown = set(overrides) - OPTION_NAMES
+        if unknown:
+            raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))} (the options are SamplingOptions' "
+                            f"fields: {', '.join(sorted(OPTION_NAMES))})")
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
-DEFAULTS = GenerateOptions()
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass
-class CallParams:
-    """GenerateOptions validated and resolved against the proposer."""
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingOptions) if f.init)
+DEFAULT_OPTIONS = SamplingOptions()
 
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
+
+def make_options(options: SamplingOptions | None, overrides: Mapping[str, Any],
+                 defaults: SamplingOptions = DEFAULT_OPTIONS) -> SamplingOptions:
+    """`options` (or `defaults`) with `overrides` applied: what `generate(prompt, options, **overrides)` runs."""
+    if options is not None and not isinstance(options, SamplingOptions):
+        raise InvalidParameterType(f"options must be a SamplingOptions, got {type(options).__name__} (keyword "
+                                   f"arguments override single options)", "options")
+    return (options or defaults).replace(**overrides)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A call's options resolved against the engine: its proposer (None: no speculation), its draft budget, chains or
+    trees, and the generator its sampling draws from."""
+
+    proposer: Proposer | FeatureProposer | None
     num_speculative_tokens: int
     tree: bool
-    stop: tuple[str, ...]
     generator: torch.Generator | None
-    grammar: GrammarSpec | None = None  # what the output must match (response_format, tool calls)
-    grammar_drafts: bool = True
-    tools: list[dict] | None = None  # the call's tools where it may call them (its text is parsed for tool calls)
 
 
-def resolve_options(options: Mapping[str, Any], proposer_for: Callable[[Any], Proposer | FeatureProposer | None],
-                    default_k: int) -> tuple[CallParams, Proposer | FeatureProposer | None]:
-    """Validated parameters and the proposer (`proposer_for(speculate)`) from `generate`'s keyword arguments: an
-    `InvalidParameter` names a bad one (`.param`), a TypeError unknown ones."""
-    unknown = set(options) - {f.name for f in fields(GenerateOptions)}
-    if unknown:
-        raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")
-    o = GenerateOptions(**options)
-    if not isinstance(o.max_new_tokens, int) or o.max_new_tokens <= 0:
-        raise InvalidParameter(f"max_new_tokens must be a positive integer, got {o.max_new_tokens!r}",
-                               "max_new_tokens")
-    check_sampling_params(o.temperature, o.top_k, o.top_p)
-    proposer = proposer_for(o.speculate)
-    k = o.num_speculative_tokens
-    if k is None:  # the proposer's own budget (a drafter's: the K it was trained for), else the engine's
+def resolve(options: SamplingOptions, proposer_for: Callable[[Any], Proposer | FeatureProposer | None],
+            default_k: int) -> Resolved:
+    """The proposer `options.speculate` names (`proposer_for`), the budget (its own, a drafter's trained K, where
+    none is given; else the engine's `default_k`) and tree=None resolved by its preference."""
+    proposer = proposer_for(options.speculate)
+    k = options.num_speculative_tokens
+    if k is None:
         k = proposer.num_speculative_tokens if proposer is not None else default_k
-    if not isinstance(k, int) or k < 0:
-        raise InvalidParameter(f"num_speculative_tokens must be an integer >= 0, got {k!r}", "num_speculative_tokens")
-    stops = (o.stop,) if isinstance(o.stop, str) else tuple(o.stop or ())
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise InvalidParameter("stop strings must be non-empty strings", "stop")
-    if o.seed is not None and not isinstance(o.seed, int):
-        raise InvalidParameter(f"seed must be an integer, got {o.seed!r}", "seed")
-    generator = torch.Generator().manual_seed(o.seed) if o.seed is not None else None
-    tree = o.tree
+    tree = options.tree
     if tree is None:
         tree = proposer is not None and proposer.prefers_trees and proposer.drafts_trees
     elif tree and proposer is not None and not proposer.drafts_trees:
         raise InvalidParameter(f"tree=True needs a proposer that drafts trees, not {type(proposer).__name__} "
                                "(its drafts_trees is False)", "tree")
-    grammar = grammar_spec(o.response_format, o.tools, o.tool_choice, o.parallel_tool_calls)
-    tools, tool_choice = check_tools(o.tools, o.tool_choice)
-    params = CallParams(o.max_new_tokens, float(o.temperature), int(o.top_k), float(o.top_p), k, bool(tree), stops,
-                        generator, grammar, bool(o.grammar_drafts), tools if tool_choice != "none" else None)
-    return params, proposer
+    generator = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
+    return Resolved(proposer, int(k), bool(tree), generator)

@@ -40,12 +40,12 @@ class PromptChunk:
 
 
 class Prefill:
-    """The prompts of an engine's calls. running: the engine's running calls, oldest first (lenders of shared
-    positions). defer: a single prompt runs in its decode steps' passes (False: in a pass of its own, at begin)."""
+    """The prompts of an engine's calls. defer: a single prompt runs in its decode steps' passes (False: in a pass of
+    its own, at begin)."""
 
-    def __init__(self, target: TargetModel, prefix_cache: PrefixCache | None, running: list[CallState],
-                 prefill_chunk: int, drafter_context: int, defer: bool = True) -> None:
-        self.target, self.prefix_cache, self.running = target, prefix_cache, running
+    def __init__(self, target: TargetModel, prefix_cache: PrefixCache | None, prefill_chunk: int,
+                 drafter_context: int, defer: bool = True) -> None:
+        self.target, self.prefix_cache = target, prefix_cache
         self.prefill_chunk, self.drafter_context, self.defer = prefill_chunk, drafter_context, defer
 
     def begin(self, call: CallState) -> list[TargetFeatures | None]:
@@ -82,7 +82,7 @@ class Prefill:
 
     def need(self, call: CallState) -> int:
         """The cache slots a call's rows need: the longest prompt, the new tokens and the last step's draft."""
-        return min(max(len(s.tokens) for s in call.seqs) + call.params.max_new_tokens + KV_HEADROOM_TOKENS,
+        return min(max(len(s.tokens) for s in call.seqs) + call.options.max_new_tokens + KV_HEADROOM_TOKENS,
                    self.target.max_seq_len)
 
     def kv_bytes(self, call: CallState) -> int:
@@ -90,20 +90,19 @@ class Prefill:
         capacity = cache_capacity(self.need(call), self.target.max_seq_len, self.prefix_cache is not None)
         return len(call.seqs) * capacity * self.target.kv_bytes_per_token
 
-    def share(self, call: CallState, stepping: list[CallState]) -> bool:
-        """Before a step's pass: copy into `call`'s cache what running calls have computed of its pending prompt.
-        Returns whether `call` runs in this pass (False: a call begun earlier runs, in this very pass, the position
-        `call` would run next; it waits a step and copies it after)."""
-        return call.pending_prompt is None or not self._share(call, stepping)
+    def share(self, call: CallState, running: list[CallState]) -> bool:
+        """Before a step's pass over the `running` calls (oldest first): copy into `call`'s cache what they have
+        computed of its pending prompt. Returns whether `call` runs in this pass (False: a call begun earlier runs,
+        in this very pass, the position `call` would run next; it waits a step and copies it after)."""
+        return call.pending_prompt is None or not self._share(call, running)
 
     def allot(self, calls: list[CallState]) -> list[int]:
         """Each call's share of a step's `prefill_chunk` prompt tokens (0 for a call with no pending prompt): the oldest
         pending prompt takes up to half first, so that none waits for ever; the shortest pending prompts then take
         what they need (an agent's next call is a few hundred uncached tokens behind thousands of cached ones: it
         starts decoding at once rather than after every cold prompt ahead of it; shortest first also minimises the
-        mean wait); whatever is left goes back to the oldest."""
-        pending = sorted((i for i, c in enumerate(calls) if c.pending_prompt is not None),
-                         key=lambda i: self.running.index(calls[i]))
+        mean wait); whatever is left goes back to the oldest. `calls` are in the order they began, oldest first."""
+        pending = [i for i, c in enumerate(calls) if c.pending_prompt is not None]
         shares = [0] * len(calls)
         if not pending:
             return shares
@@ -125,7 +124,7 @@ class Prefill:
             return PromptChunk([])
         if share <= 0:
             return PromptChunk([], decodes=False)
-        if len(pending) <= (min(share, self.target.tree_prompt_chunk) if call.params.tree else share):
+        if len(pending) <= (min(share, self.target.tree_prompt_chunk) if call.resolved.tree else share):
             chunk = PromptChunk(pending)
         else:
             chunk = PromptChunk(pending[:share], decodes=False)
@@ -149,7 +148,7 @@ class Prefill:
         call.drafter_context, call.drafter_features = None, []
         call.proposer.prompt_features(call.seqs[0].request_id, TargetFeatures(aux, final))
 
-    def _share(self, call: CallState, stepping: list[CallState]) -> bool:
+    def _share(self, call: CallState, running: list[CallState]) -> bool:
         """Copy the positions of `call`'s pending prompt that a running call has computed already (agents of one
         framework share its long system prompt). Returns True when a call begun earlier runs the position `call`
         would run next in this step's pass. Positions whose features the proposer reads are always run here."""
@@ -159,7 +158,7 @@ class Prefill:
             return False
         mine = np.asarray(prompt[:limit], dtype=np.int64)
         best, source, wait = done, None, False
-        for other in self.running:
+        for other in running:
             if other is call or other.cache is None or other.cache.batch_size != 1:
                 continue
             shared = common_prefix(np.asarray(other.seqs[0].tokens, dtype=np.int64), mine)
@@ -167,13 +166,12 @@ class Prefill:
                 best, source = min(shared, other.cache.lengths[0]), other
             # a call begun earlier whose chunk of this pass runs position `done`, which `call` shares with it
             ahead = other.cache.lengths[0] <= done < min(shared, other.cache.lengths[0] + self.prefill_chunk)
-            wait = wait or (ahead and other.pending_prompt is not None and any(other is c for c in stepping)
-                            and self.running.index(other) < self.running.index(call))
+            wait = wait or (ahead and other.pending_prompt is not None and running.index(other) < running.index(call))
         if source is not None:
             call.cache.copy_prefix(0, source.cache, 0, best, start=done)
             call.pending_prompt = prompt[best:-1] or None
             call.stats.prefill_tokens -= best - done
-            return self._share(call, stepping)  # a copy from one may leave positions another runs
+            return self._share(call, running)  # a copy from one may leave positions another runs
         return wait
 
     def _no_hidden(self, layers: int) -> torch.Tensor:

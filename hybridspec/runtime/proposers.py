@@ -2,11 +2,13 @@
 first use and checked against the target) and suffix + drafter hybrids, each made once per engine."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import threading
 from importlib import resources
 from importlib.abc import Traversable
-from typing import Any, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
@@ -55,6 +57,9 @@ class Proposers:
         self.measure_draft_cost = measure_draft_cost
         self._suffix_cache = suffix_cache
         self._made: dict[str, Proposer | FeatureProposer] = {}
+        self._making = threading.RLock()  # callers of several threads may ask for the same new one
+        # what a proposer is made under: its engine's loop held between steps (`EngineLoop.paused`)
+        self.exclusive: Callable[[], ContextManager[None]] = contextlib.nullcontext
 
     def get(self, speculate: str | Proposer | FeatureProposer | None) -> Proposer | FeatureProposer | None:
         """The proposer for a `speculate=` value: a name of SPECULATE_CHOICES, None / "none" (no speculation) or a
@@ -72,7 +77,9 @@ class Proposers:
         if speculate == "suffix":
             return self.suffix_cache
         if speculate not in self._made:
-            self._made[speculate] = self._make(speculate)
+            with self._making, self.exclusive():
+                if speculate not in self._made:
+                    self._made[speculate] = self._make(speculate)
         return self._made[speculate]
 
     @property
@@ -81,8 +88,10 @@ class Proposers:
         if self._suffix_cache is None:
             from hybridspec.suffix import SuffixCache
 
-            self._suffix_cache = SuffixCache(num_speculative_tokens=self.num_speculative_tokens,
-                                             vocab_size=self.target.vocab_size)
+            with self._making:
+                if self._suffix_cache is None:
+                    self._suffix_cache = SuffixCache(num_speculative_tokens=self.num_speculative_tokens,
+                                                     vocab_size=self.target.vocab_size)
         return self._suffix_cache
 
     def _make(self, speculate: str) -> Proposer | FeatureProposer:

@@ -1,78 +1,71 @@
-"""How concurrent calls share one engine: a lock granted in arrival order, and decode steps that run every call
-waiting for one in a single pass of the target (continuous batching).
+"""The scheduler: what each running call does in the next step, as a typed plan (`StepPlan`) the step runs.
 
-A call's thread asks for its next step with `StepScheduler.join_step`; whichever thread gets the lock first runs the
-step for every call queued then, and the others find their step done. An error in one call's part of a step is
-delivered to that call's thread (`CallState.fail`); the other calls go on.
+Every running call is in every step (continuous batching: one pass of the target verifies every call's draft). A
+call with a pending prompt first copies what other running calls have computed of it, then the step's prompt tokens
+are shared out (`Prefill.allot`: half to the oldest prompt, the rest shortest first); a call whose prompt got no share
+sits the step out, and one whose last chunk runs in this pass decodes with it. Each row of a decoding call gets its
+draft budget (`draft_budget`: no more than asked, than the context holds, or than are still wanted).
 """
 from __future__ import annotations
 
-import threading
-from collections import deque
-from typing import Any, Callable, Generic, TypeVar
+from dataclasses import dataclass, field
 
-Call = TypeVar("Call")
-
-
-class TurnLock:
-    """A reentrant lock granted in arrival order: a thread that releases it and asks again queues behind the threads
-    already waiting, so concurrent calls advance a step each in turn (a plain lock lets one call run to its end)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._waiting: deque[int] = deque()
-        self._owner: int | None = None
-        self._depth = 0
-
-    def __enter__(self) -> "TurnLock":
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return self
-            self._waiting.append(me)
-            while self._owner is not None or self._waiting[0] != me:
-                self._cond.wait()
-            self._waiting.popleft()
-            self._owner, self._depth = me, 1
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        with self._cond:
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
-                self._cond.notify_all()
+from hybridspec.router import StepLoad
+from hybridspec.runtime.call import CallState
+from hybridspec.runtime.commit import draft_budget
+from hybridspec.runtime.prefill import Prefill, PromptChunk
 
 
-class StepScheduler(Generic[Call]):
-    """Runs `run_step(calls)` for every call whose thread is waiting for its next decode step. Anything else that
-    touches shared state (a call's prefill, its end) runs under `lock` too.
+@dataclass(eq=False)
+class CallPlan:
+    """One call's part of a step: the prompt tokens it runs in the pass (`chunk`; `chunk.features`: how many of the
+    chunk's last positions' target features its drafter reads), and where it decodes (`chunk.decodes`), each row's
+    draft budget (rows as the call's `rows`)."""
 
-    running(): how many calls are running (begun, not ended). A thread that gets to run a step while some of them have
-    not asked for it yet waits up to `gather_s` for them: a thread a moment late (handing its text delta to an HTTP
-    response, say) would otherwise miss the step and run the next one alone, a pass of the target for fewer rows."""
+    call: CallState
+    chunk: PromptChunk
+    budgets: list[int] = field(default_factory=list)
 
-    def __init__(self, run_step: Callable[[list[Call]], None], running: Callable[[], int] | None = None,
-                 gather_s: float = 0.002) -> None:
-        self.lock = TurnLock()
-        self._run_step = run_step
-        self._running, self._gather_s = running, gather_s
-        self._waiting: list[Call] = []
-        self._arrived = threading.Condition()  # guards _waiting
+    @property
+    def decodes(self) -> bool:
+        return self.chunk.decodes
 
-    def join_step(self, call: Call) -> None:
-        """Return once `call`'s next decode step has run: run by this thread, with every call waiting then, or by
-        another thread that got the lock first."""
-        with self._arrived:
-            self._waiting.append(call)
-            self._arrived.notify_all()
-        with self.lock:
-            with self._arrived:
-                if not any(c is call for c in self._waiting):
-                    return  # another thread ran this call's step
-                if self._running is not None:
-                    expected = self._running()
-                    self._arrived.wait_for(lambda: len(self._waiting) >= expected, timeout=self._gather_s)
-                batch, self._waiting = self._waiting, []
-            self._run_step(batch)
+
+@dataclass
+class StepPlan:
+    """One step: the calls' parts, and the last step's load (what a draft token cost then), which the proposers
+    price drafts by (None: a row alone)."""
+
+    calls: list[CallPlan]
+    load: StepLoad | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.chunk.tokens) for p in self.calls)
+
+
+class Scheduler:
+    """Plans steps over an engine's running calls (`schedule`), its prompts through `prefill`."""
+
+    def __init__(self, prefill: Prefill) -> None:
+        self.prefill = prefill
+
+    def schedule(self, running: list[CallState], load: StepLoad | None = None) -> StepPlan:
+        """The next step of the `running` calls (oldest first). A call whose prompt sharing fails fails alone."""
+        calls = []
+        for call in running:
+            try:
+                if self.prefill.share(call, running):
+                    calls.append(call)
+            except Exception as e:  # noqa: BLE001 - one call's failure must not end the others'
+                call.fail(e)
+        plans = []
+        for call, share in zip(calls, self.prefill.allot(calls)):
+            chunk = self.prefill.chunk(call, share)
+            if not (chunk.decodes or chunk.tokens):
+                continue  # its prompt got no share of this step
+            budgets = [draft_budget(call.resolved.num_speculative_tokens, len(call.seqs[i].tokens),
+                                    len(call.seqs[i].generated), call.rules) for i in call.rows] \
+                if chunk.decodes else []
+            plans.append(CallPlan(call, chunk, budgets))
+        return StepPlan(plans, load)

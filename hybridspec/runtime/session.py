@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Collection, Mapping, Protocol, Sequence
 
+from hybridspec.runtime.options import SamplingOptions, make_options
 from hybridspec.runtime.prompts import Message, check_messages, choose_template
 from hybridspec.runtime.stats import GenerationResult, GenerationStats
 
@@ -14,7 +15,7 @@ class Generator(Protocol):
     chat_template: str | None
     eos_token_ids: Collection[int]
 
-    def generate(self, prompt: list[int], **options: Any) -> GenerationResult: ...
+    def generate(self, prompt: list[int], options: SamplingOptions | None = None) -> GenerationResult: ...
 
 
 class Session:
@@ -28,9 +29,10 @@ class Session:
 
     _REPLY = "\x00hybridspec-reply\x00"  # stands for the previous reply when rendering what follows it
 
-    def __init__(self, engine: Generator, system: str | None = None, **defaults: Any) -> None:
+    def __init__(self, engine: Generator, system: str | None = None, options: SamplingOptions | None = None,
+                 **defaults: Any) -> None:
         self.engine = engine
-        self.defaults = dict(defaults)
+        self.options = make_options(options, defaults)  # every turn's, unless a turn overrides some
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.tokens: list[int] = []  # the conversation so far, as the model saw and wrote it
         self.stats = GenerationStats()
@@ -61,10 +63,12 @@ class Session:
         # first turn, or a template that does not render the reply verbatim: tokenise the whole conversation
         return tokenizer.encode(self._render(self.messages + new_messages, tools), add_special_tokens=False)
 
-    def send(self, message: str | Message | Sequence[Message], **kwargs: Any) -> GenerationResult:
-        """Add a user message (a string), a message dict (any role, e.g. a tool observation) or several, and reply.
-        With tools (here or in the session's defaults) the reply's `tool_calls` are parsed; the reply stays in the
-        conversation as the model wrote it, calls and all, so the next turn's prompt extends it token for token."""
+    def send(self, message: str | Message | Sequence[Message], options: SamplingOptions | None = None,
+             **overrides: Any) -> GenerationResult:
+        """Add a user message (a string), a message dict (any role, e.g. a tool observation) or several, and reply
+        with `options` (default: the session's) and `overrides` over them. With tools the reply's `tool_calls` are
+        parsed; the reply stays in the conversation as the model wrote it, calls and all, so the next turn's prompt
+        extends it token for token."""
         if isinstance(message, str):
             new = [{"role": "user", "content": message}]
         elif isinstance(message, Mapping):
@@ -72,8 +76,8 @@ class Session:
         else:
             new = [dict(m) for m in message]
         new = check_messages(new)
-        options = {**self.defaults, **kwargs}
-        result = self.engine.generate(self.prompt_tokens(new, options.get("tools")), **options)
+        options = make_options(options, overrides, self.options)
+        result = self.engine.generate(self.prompt_tokens(new, options.tools), options)
         # The reply stays in the conversation as the model wrote it (up to the stop string's end, if any).
         self.tokens = result.prompt_token_ids + result.token_ids
         self.messages += new + [{"role": "assistant",

@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the proposer of requests that do not name one: suffix (default), ngram, peagle, lstm, "
                              "eagle3, suffix+peagle, ..., or none")
     parser.add_argument("--max-tokens", type=int, default=1024,
-                        help="the limit of requests that set no max_tokens (default 1024)")
+                        help="the limit of requests that set no max_tokens (default 1024: OpenAI's defaults where a "
+                             "request leaves a field out, temperature 1 included)")
     parser.add_argument("--max-model-len", type=int, default=None, help="the context (default: the model's)")
     parser.add_argument("--prefix-cache-bytes", type=int, default=None,
                         help="the KV budget of automatic prefix caching (default 2 GiB; 0: off)")
@@ -68,12 +69,12 @@ def _main(args: argparse.Namespace) -> int:
     import prometheus_client
     import uvicorn
 
+    from hybridspec.errors import InvalidParameter
     from hybridspec.model.machine import limit_allocator_arenas, set_threads
     from hybridspec.runtime.engine import PREFILL_CHUNK, Engine
     from hybridspec.runtime.prompts import load_chat_template
+    from hybridspec.serve.app import SERVER_DEFAULTS
 
-    if args.max_tokens <= 0:
-        raise SystemExit("--max-tokens must be positive")
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:
         raise SystemExit("--prefill-chunk must be positive")
     try:
@@ -84,25 +85,29 @@ def _main(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "max_waiting" else 1):
             raise SystemExit(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'max_waiting' else 'positive'}")
+    try:  # an unknown name fails here, at start, not at the first request
+        defaults = SERVER_DEFAULTS.replace(max_new_tokens=args.max_tokens, speculate=args.speculate,
+                                           grammar_drafts=args.grammar_drafts)
+    except InvalidParameter as e:
+        raise SystemExit(f"--{e.param.replace('max_new_tokens', 'max_tokens').replace('_', '-')}: {e}")
     threads = set_threads(args.threads)
-    limit_allocator_arenas()  # before uvicorn's request threads exist
-    engine = Engine.from_pretrained(args.model, max_seq_len=args.max_model_len,
+    limit_allocator_arenas()
+    engine = Engine.from_pretrained(args.model, max_model_len=args.max_model_len,
                                     prefix_cache_bytes=args.prefix_cache_bytes,
                                     prefill_chunk=args.prefill_chunk or PREFILL_CHUNK, chat_template=chat_template,
-                                    max_running_calls=args.max_num_seqs, kv_budget_bytes=args.kv_cache_memory,
-                                    max_waiting_calls=args.max_waiting)
-    try:  # an unknown name fails here, at start, not at the first request
-        engine.stream("x", speculate=args.speculate, max_new_tokens=1).close()
+                                    max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
+                                    max_waiting=args.max_waiting)
+    try:  # a drafter that does not fit the model fails here too
+        engine.proposers.get(defaults.speculate)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"--speculate: {e}")
     prometheus_client.disable_created_metrics()  # no `_created` series beside every counter (as vLLM)
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
-    app = create_app(engine, served_model_name=name, speculate=args.speculate, max_tokens=args.max_tokens,
-                     grammar_drafts=args.grammar_drafts)
+    app = create_app(engine, served_model_name=name, defaults=defaults)
     limits = engine.admission.limits
     print(f"hybridspec serve: {name} on http://{args.host}:{args.port}/v1 (speculate={args.speculate}; "
-          f"{threads} threads; at most {limits.max_running} requests "
-          f"running in {limits.kv_budget_bytes / 2**30:.1f} GiB of KV, {limits.max_waiting} waiting)", flush=True)
+          f"{threads} threads; at most {limits.max_num_seqs} requests "
+          f"running in {limits.kv_cache_memory / 2**30:.1f} GiB of KV, {limits.max_waiting} waiting)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

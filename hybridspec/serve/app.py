@@ -1,21 +1,17 @@
 """The OpenAI-compatible app on an `Engine`: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`,
 `/metrics`.
 
-Every HTTP request is one engine call (`Engine.stream`), so concurrent requests share decode steps (continuous
-batching) and each gets what it would get alone. Tools, tool_choice and response_format go to the engine, which
-constrains the output with a grammar; a reply's `<tool_call>` blocks come back as OpenAI's `tool_calls` (streamed as
-`delta.tool_calls` once each call is complete). The engine blocks, so its calls run in worker threads, one step per
-thread hop while streaming: the event loop never waits on a step. A streaming client that goes away is cancelled at
-the next step, or leaves the line if it waits (its requests aborted, its place and KV freed). Past the engine's
-limits a request waits for a place; past its queue's, it is answered 429 (`rate_limit_exceeded`, with
+Every HTTP request is one engine call: its body becomes the engine's options (`to_options`, over the server's
+defaults), the call is submitted, and its handle's text (with tools: its content and tool-call deltas, parsed once by
+the engine) is awaited on the event loop as the engine's loop commits it; concurrent requests share the engine's steps
+(continuous batching) and each gets what it would get alone. A streaming client that goes away cancels its call, which
+leaves the line if it waits or the batch before the next step (its requests aborted, its place and KV freed). Past
+the engine's limits a request waits for a place; past its queue's, it is answered 429 (`rate_limit_exceeded`, with
 `Retry-After`).
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import re
-import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -29,7 +25,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridspec.errors import ContextLengthExceeded, InvalidParameter, QueueFull
-from hybridspec.grammar.tool_calls import Event, ToolCallStreamParser, parse_tool_calls
+from hybridspec.grammar.tool_calls import Event
+from hybridspec.runtime.options import SamplingOptions
 from hybridspec.serve.metrics import Metrics, finish_reason
 from hybridspec.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_response,
                                        param_path)
@@ -40,29 +37,23 @@ from hybridspec.serve.responses import (AssistantMessage, ChatChoice, ChatChunkC
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics")
-# The engine's names of a request's parameters (`InvalidParameter.param`) -> the request's fields. The prompt is the
-# endpoint's field; a chat message's fields ("messages[1].content") are named alike in both; the others the server
-# never sets from a request (tree, num_speculative_tokens) name no field.
-REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                  "speculate": "speculate", "stop": "stop", "seed": "seed", "tool_choice": "tool_choice",
-                  "parallel_tool_calls": "parallel_tool_calls"}
 PROMPT_FIELDS = {CHAT: "messages", COMPLETIONS: "prompt"}
-NESTED_FIELDS = ("messages", "tools", "response_format")  # fields whose inner names the engine's params use as is
+# What a request that leaves a field out gets: OpenAI's API defaults (temperature 1, which clients written against it
+# expect), and a longer reply than the Python API's 256 tokens (an agent's tool call and its reasoning run longer).
+SERVER_DEFAULTS = SamplingOptions(max_new_tokens=1024, temperature=1.0)
 # JSON nesting a body may have: far beyond real requests (a tool's schema 40 levels deep fits); a deeper one is refused
 # here rather than recursed into later (json, pydantic, the chat template, the grammar compiler: a RecursionError)
 MAX_DEPTH = 100
 
 
-def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suffix", max_tokens: int = 1024,
-               registry: CollectorRegistry | None = None, grammar_drafts: bool = True) -> FastAPI:
-    """The server's app on `engine`. speculate: the proposer of requests that do not name one (the request field
-    `speculate` overrides it); max_tokens: the limit of requests that set neither max_tokens nor
-    max_completion_tokens; grammar_drafts: under a grammar, draft the tokens it forces (`Engine.generate`). Metrics
-    go to `registry` (default: a new one, this app's own)."""
+def create_app(engine, served_model_name: str = "smollm2", defaults: SamplingOptions = SERVER_DEFAULTS,
+               registry: CollectorRegistry | None = None) -> FastAPI:
+    """The server's app on `engine`. defaults: what a request that leaves a field out gets (`SERVER_DEFAULTS`; its
+    `speculate` is the proposer of requests that name none, its `max_new_tokens` the limit of those that set neither
+    max_tokens nor max_completion_tokens). Metrics go to `registry` (default: a new one, this app's own)."""
     app = FastAPI(title="hybridspec", version=_version(), docs_url=None, redoc_url=None)
-    server = _Server(engine, served_model_name, speculate, max_tokens,
-                     Metrics(registry, getattr(engine, "admission", None), getattr(engine, "passes", None)),
-                     grammar_drafts)
+    server = _Server(engine, served_model_name, defaults,
+                     Metrics(registry, getattr(engine, "admission", None), getattr(engine, "passes", None)))
     app.state.server = server
     app.state.metrics = server.metrics
 
@@ -101,13 +92,12 @@ def create_app(engine, served_model_name: str = "smollm2", speculate: str = "suf
     @app.post(CHAT)
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        return await server.complete(CHAT, body, messages, body.max_completion_tokens or body.max_tokens)
+        return await server.complete(CHAT, body, [m.model_dump(exclude_none=True) for m in body.messages])
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
-        return await server.complete(COMPLETIONS, body, body.prompt, body.max_tokens)
+        return await server.complete(COMPLETIONS, body, body.prompt)
 
     return app
 
@@ -197,77 +187,60 @@ class _SSE(StreamingResponse):
 
 
 class _Server:
-    def __init__(self, engine, model: str, speculate: str, max_tokens: int, metrics: Metrics, grammar_drafts: bool):
-        self.engine, self.model, self.speculate, self.max_tokens = engine, model, speculate, max_tokens
-        self.metrics, self.grammar_drafts = metrics, grammar_drafts
+    def __init__(self, engine, model: str, defaults: SamplingOptions, metrics: Metrics):
+        self.engine, self.model, self.defaults, self.metrics = engine, model, defaults, metrics
         self.created = int(time.time())
 
-    def options(self, body, max_tokens: int | None) -> dict[str, Any]:
-        """The engine's options for a request (OpenAI's defaults: temperature 1, top_p 1)."""
+    async def complete(self, endpoint: str, body, prompt):
         if body.model is not None and body.model != self.model:
             raise APIError(f"The model `{body.model}` does not exist: this server serves `{self.model}`", "model",
                            404, "model_not_found", "not_found_error")
-        tools = body.tool_options() if isinstance(body, ChatCompletionRequest) else {}
-        response_format = body.response_format and body.response_format.model_dump(by_alias=True, exclude_none=True)
-        return dict(max_new_tokens=max_tokens or self.max_tokens,
-                    temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
-                    speculate=body.speculate or self.speculate, stop=body.stop, seed=body.seed,
-                    response_format=response_format, grammar_drafts=self.grammar_drafts, **tools)
-
-    async def complete(self, endpoint: str, body, prompt, max_tokens: int | None):
-        options = self.options(body, max_tokens)
-        try:  # the call validates its options and prompt at once (tokenising it takes the engine's lock: a thread)
-            stream = await run_in_threadpool(self.engine.stream, prompt, **options)
+        try:  # the options and prompt are checked at once (tokenising a long prompt takes a while: a thread)
+            options = body.to_options(self.defaults)
+            handle = await run_in_threadpool(self.engine.stream, prompt, options)
         except InvalidParameter as e:  # anything else the engine raises is the server's fault: a 500
             code = "context_length_exceeded" if isinstance(e, ContextLengthExceeded) else None
-            raise APIError(str(e), self.field(e.param, endpoint, body), code=code) from None
+            raise APIError(str(e), body.request_field(e.param, PROMPT_FIELDS[endpoint]), code=code) from None
         except QueueFull as e:  # as OpenAI's rate limits answer
             self.metrics.refused.inc()
             raise APIError(str(e), None, 429, "rate_limit_exceeded", "requests",
                            headers={"Retry-After": str(int(e.retry_after))}) from None
         ids = Ids(endpoint, self.model)
-        calls_tools = isinstance(body, ChatCompletionRequest) and body.calls_tools()
+        calls_tools = options.call_tools is not None
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _SSE(self._events(endpoint, stream, ids, include_usage, calls_tools),
+            return _SSE(self._events(endpoint, handle, ids, include_usage, calls_tools),
                         headers={"Cache-Control": "no-cache"})
-        pump = _Pump(stream)
         try:
-            async for _ in pump:
+            async for _ in handle.outputs():
                 pass
         except Exception:  # the engine failed: the server's error handler answers 500
             self.metrics.ended(endpoint, "error")
             raise
         except BaseException:  # cancelled (the server stops)
             self.metrics.ended(endpoint, "abort")
-            pump.cancel()
+            handle.cancel()
             raise
-        result = stream.result
+        result = handle.result
         message = _message(result, calls_tools) if ids.chat else None
         reason = finish_reason(result.finish_reason, bool(message and message.tool_calls))
         self.metrics.ended(endpoint, reason, result)
         return _json(ids.response(result, reason, message))
 
-    async def _events(self, endpoint: str, stream, ids: "Ids", include_usage: bool,
+    async def _events(self, endpoint: str, handle, ids: "Ids", include_usage: bool,
                       calls_tools: bool) -> AsyncIterator[str]:
-        """The SSE body: a role chunk (chat), text deltas (with tools: content and tool-call deltas, as
-        `ToolCallStreamParser` sends them), the chunk with the finish reason, the usage chunk if asked for,
-        `[DONE]`. Any way this generator ends before the engine call did cancels that call. (A response whose client
-        is gone before its first byte never starts it: the engine call, never started, holds nothing.)"""
+        """The SSE body: a role chunk (chat), text deltas (with tools: the content and tool-call deltas the engine
+        parsed), the chunk with the finish reason, the usage chunk if asked for, `[DONE]`. Any way this generator
+        ends before the engine call did cancels that call."""
         ended = False
-        pump = _Pump(stream)
-        parser = ToolCallStreamParser() if calls_tools else None
         try:
             if ids.chat:
                 yield _event(ids.role_chunk())
-            async for delta in pump:
-                for event in parser.feed(delta) if parser else [delta]:
+            async for text, events in handle.outputs():
+                for event in events if calls_tools else [text]:
                     yield _event(ids.chunk(event))
-            for event in parser.finish() if parser else []:
-                yield _event(ids.chunk(event))
-            result, ended = stream.result, True
-            reason = finish_reason(result.finish_reason, bool(parser and parser.calls))
+            result, ended = handle.result, True
+            reason = finish_reason(result.finish_reason, bool(calls_tools and result.tool_calls))
             self.metrics.ended(endpoint, reason, result)
             yield _event(ids.chunk(None, reason))
             if include_usage:
@@ -282,73 +255,17 @@ class _Server:
         finally:
             if not ended:  # the client went away (this task cancelled, or the generator closed)
                 self.metrics.ended(endpoint, "abort")
-                pump.cancel()
-
-    @staticmethod
-    def field(param: str, endpoint: str, body) -> str | None:
-        """The request field named by the engine's parameter `param` (REQUEST_FIELDS; the fields of messages, tools
-        and response_format as the engine names them, "tools[0].function.parameters")."""
-        if param == "prompt":
-            return PROMPT_FIELDS[endpoint]
-        if re.split(r"[.\[]", param, maxsplit=1)[0] in NESTED_FIELDS:
-            return param
-        if param == "max_new_tokens" and getattr(body, "max_completion_tokens", None) is not None:
-            return "max_completion_tokens"
-        return REQUEST_FIELDS.get(param)
-
-
-class _Pump:
-    """Runs an engine stream to its end in a thread of its own and hands its text deltas to the event loop as they
-    come (`async for delta in pump`). The thread goes straight back for the next decode step, so concurrent requests
-    share steps as in-process calls do: a thread hop per delta would leave a request out of every step that starts
-    while its delta is on its way. `cancel()` ends the engine call at its next step (the thread closes the stream)."""
-
-    _END = object()
-
-    def __init__(self, stream) -> None:
-        self.stream, self._cancelled = stream, threading.Event()
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._thread: threading.Thread | None = None
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        if self._thread is None:  # never started: it gives up its place in line
-            self.stream.close()
-        else:  # it leaves the line, or the batch at its next step, prompt chunks included
-            self.stream.cancel()
-
-    def _run(self) -> None:
-        try:
-            for delta in self.stream:
-                if self._cancelled.is_set():
-                    break
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
-        except Exception as e:  # noqa: BLE001 - the engine's error, raised on the event loop's side
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, e)
-        finally:
-            self.stream.close()  # here, where the stream runs: a no-op once it has ended
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, self._END)
-
-    async def __aiter__(self) -> AsyncIterator[str]:
-        self._thread = threading.Thread(target=self._run, name="hybridspec-request", daemon=True)
-        self._thread.start()
-        while (item := await self._queue.get()) is not self._END:
-            if isinstance(item, Exception):
-                raise item
-            yield item
+                handle.cancel()
 
 
 def _message(result, calls_tools: bool) -> AssistantMessage:
-    """A chat reply: its text, or with tools its calls and the text beside them (the engine's parse where it made one,
-    the same `parse_tool_calls` otherwise)."""
+    """A chat reply: its text, or with tools its calls and the text beside them (as the engine parsed them)."""
     if not calls_tools:
         return AssistantMessage(content=result.text)
-    calls = getattr(result, "tool_calls", None)
-    content, calls = (result.content, calls) if calls is not None else parse_tool_calls(result.text)
-    if not calls:
-        return AssistantMessage(content=content or "")
-    return AssistantMessage(content=content, tool_calls=[ToolCall.model_validate(call) for call in calls])
+    if not result.tool_calls:
+        return AssistantMessage(content=result.content or "")
+    return AssistantMessage(content=result.content,
+                            tool_calls=[ToolCall.model_validate(call) for call in result.tool_calls])
 
 
 def _event(body: BaseModel) -> str:

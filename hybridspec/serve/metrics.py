@@ -56,7 +56,7 @@ class Metrics:
         if admission is not None:
             self.running.set_function(lambda: admission.running)
             self.waiting.set_function(lambda: admission.waiting)
-            self.kv_usage.set_function(lambda: admission.kv_bytes / admission.limits.kv_budget_bytes)
+            self.kv_usage.set_function(lambda: admission.kv_bytes / admission.limits.kv_cache_memory)
         if passes is not None:
             r.register(_PassSeconds(passes))
         self.refused = Counter("hybridspec:requests_refused", "Requests answered 429: the queue was full",

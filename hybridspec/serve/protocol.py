@@ -1,5 +1,9 @@
 """The OpenAI request bodies of the server (pydantic), and OpenAI-style errors (the responses: `responses`).
 
+Each request converts to the engine's one options object (`to_options`), over the server's defaults; an error the
+engine raises names the option by its own name, which `request_field` turns back into the request's field through
+one table (`REQUEST_FIELDS`).
+
 Request fields the OpenAI API defines that do not change the output here (`user`, `metadata`, `store`, ...) are
 accepted and ignored; those that would change it and are not supported (`UNSUPPORTED`: `n` > 1, log-probabilities,
 penalties, the legacy `functions`, ...; `CHAT_ONLY` on text completions: tools) are rejected with a 400 naming the
@@ -8,15 +12,22 @@ alone tells (a tool_choice naming no tool); the engine checks what needs its gra
 """
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from hybridspec.runtime.options import SamplingOptions
 from hybridspec.serve.responses import ErrorInfo, ErrorResponse
 
 ROLES = ("system", "user", "assistant", "tool")
+# The engine's options (`SamplingOptions`, `InvalidParameter.param`) -> the request fields that set them. The prompt is
+# the endpoint's field ("messages" or "prompt"); an option not here (tree, num_speculative_tokens) no request sets.
+REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                  "speculate": "speculate", "stop": "stop", "seed": "seed", "response_format": "response_format",
+                  "tools": "tools", "tool_choice": "tool_choice", "parallel_tool_calls": "parallel_tool_calls"}
 
 
 class APIError(Exception):
@@ -234,6 +245,28 @@ class _Request(BaseModel):
             raise ValueError("stop must be a non-empty string or a list of them")
         return stops or None
 
+    def to_options(self, defaults: SamplingOptions) -> SamplingOptions:
+        """The engine's options for this request: `defaults` (the server's) with what the request sets."""
+        return defaults.replace(**self.option_values())
+
+    def option_values(self) -> dict[str, Any]:
+        """The options this request sets, by the engine's names."""
+        values = dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                      top_k=None if self.top_k is None else max(0, self.top_k), speculate=self.speculate,
+                      stop=self.stop, seed=self.seed,
+                      response_format=self.response_format and self.response_format.model_dump(
+                          by_alias=True, exclude_none=True))
+        return {name: value for name, value in values.items() if value is not None}
+
+    def request_field(self, param: str, prompt_field: str) -> str | None:
+        """The field of this request that an engine error's `param` names (`REQUEST_FIELDS`; a chat message's,
+        a tool's or response_format's inner fields as the engine names them, "tools[0].function.parameters")."""
+        if param == "prompt":
+            return prompt_field
+        if re.split(r"[.\[]", param, maxsplit=1)[0] in ("messages", "tools", "response_format"):
+            return param
+        return REQUEST_FIELDS.get(param)
+
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -269,12 +302,23 @@ class ChatCompletionRequest(_Request):
             raise field_error(type(self), "tools", "two tools have the same name", names)
         return self
 
-    def tool_options(self) -> dict[str, Any]:
-        """The engine's tool options: the tools as plain dicts, the choice ("auto" or "none" without tools: None)."""
-        tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []] or None
-        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
-        return dict(tools=tools, tool_choice=choice if tools else None,
-                    parallel_tool_calls=self.parallel_tool_calls is not False)
+    def option_values(self) -> dict[str, Any]:
+        """The options this request sets: the common ones, max_completion_tokens over max_tokens, and the tools as
+        plain dicts with their choice ("auto" or "none" without tools: unset)."""
+        values = super().option_values()
+        if self.max_completion_tokens is not None:
+            values["max_new_tokens"] = self.max_completion_tokens
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+        if tools:
+            choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else \
+                self.tool_choice
+            values.update(tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls is not False)
+        return values
+
+    def request_field(self, param: str, prompt_field: str) -> str | None:
+        if param == "max_new_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"  # the field the limit came from
+        return super().request_field(param, prompt_field)
 
     def calls_tools(self) -> bool:
         """Whether the output may hold tool calls (to be parsed into `tool_calls`)."""
