@@ -289,7 +289,9 @@ def test_serve_flags_are_checked_before_any_model_loads(capsys):
             parse_size(bad)
     for flag, value, message in (("--max-num-seqs", "0", "--max-num-seqs must be positive"),
                                  ("--max-waiting", "-1", "--max-waiting must be >= 0"),
-                                 ("--threads", "0", "--threads must be positive")):
+                                 ("--threads", "0", "--threads must be positive"),
+                                 ("--max-tokens", "0", "--max-tokens: max_new_tokens must be a positive integer"),
+                                 ("--speculate", "eagle", "--speculate: speculate must be one of")):
         with pytest.raises(SystemExit, match=message):
             cli_main(["serve", flag, value])
     with pytest.raises(SystemExit) as e:

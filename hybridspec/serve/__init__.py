@@ -7,7 +7,9 @@ client, mini-swe-agent, ...).
 Endpoints: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models, /health, /metrics
 (Prometheus). Chat requests may send `tools` / `tool_choice` (Hermes-style <tool_call> blocks in the chat template,
 constrained by a grammar, returned as OpenAI's `tool_calls`) and any request `response_format` (JSON, a JSON schema).
-A request may pick its proposer with the extra body field `speculate`. `create_app(engine)` builds the
+A request may pick its proposer with the extra body field `speculate`. A field a request leaves out gets OpenAI's
+default (temperature 1; max_tokens up to --max-tokens), not the Python API's greedy 256 tokens: clients written
+against OpenAI's API expect its defaults (`hybridspec.serve.app.SERVER_DEFAULTS`). `create_app(engine)` builds the
 app for any engine (tests, embedding in another ASGI server).
 """
 from __future__ import annotations
