@@ -1,5 +1,5 @@
-"""The runtime: the `Engine` API, a call's state, the decode step (propose -> route -> verify -> update), prefill in
-chunks with prefix sharing, the scheduler that lets concurrent calls share steps, and the rules that commit tokens.
-
-The engine (`engine`) takes calls; each decode step is one function of `step`; a prompt's tokens go through `prefill`.
+"""The runtime: the `Engine` API (`engine`), the one loop thread that runs every call (`loop`), the typed plan of a
+step (`scheduler`), the step itself (`step`: propose -> grammar -> route -> verify -> commit), prefill in chunks with
+prefix sharing (`prefill`), a call's options (`options`), its text (`text`) and its caller's handle (`handle`), and
+the rules that commit tokens (`commit`). docs/architecture.md reads them in order.
 """
