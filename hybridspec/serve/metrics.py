@@ -73,7 +73,8 @@ class Metrics:
         self.itl = Histogram("hybridspec:inter_token_latency_seconds", "Per generated token after the first: the "
                              "request's mean time per token after its first", buckets=ITL_BUCKETS, registry=r)
         self.queue_time = Histogram("hybridspec:request_queue_time_seconds", "A request's time waiting for a place "
-                                    "to run", buckets=E2E_BUCKETS, registry=r)
+                                    "to run, until the engine's loop began it (the step in flight included)",
+                                    buckets=E2E_BUCKETS, registry=r)
         self.e2e = Histogram("hybridspec:e2e_request_latency_seconds", "A request's time in the engine",
                              buckets=E2E_BUCKETS, registry=r)
         source = ["source"]
