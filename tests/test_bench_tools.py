@@ -14,7 +14,7 @@ import bench_tools
 from bench_tools import (ACR_SCHEMA, JSON_BODY, TOOL_BODY, TOOLS, StructuredCall, add_checks, add_ratios, chat_call,
                          chat_template_path, counter_deltas, json_calls, parse_counters, parsed, prompt_ids,
                          reply_output, select_methods, server_command, split_action, targets, tool_calls,
-                         tool_messages, valid)
+                         tool_messages, tool_targets, valid)
 from harness import CallRecord, summarize_runs
 
 MINI = "THOUGHT: list the backends.\n\n```bash\nls -F django/db/backends/\n```"
@@ -197,7 +197,13 @@ def test_checks_ratios_and_targets():
     assert goals["serve_suffix_vs_none@1"] == {"ratio": 2.0, "target": 1.5, "pass": True, "identical": True}
     assert goals["serve_suffix_vs_nogrammar@1"]["ratio"] == 1.25
     best = goals["serve_suffix_vs_best_vllm@1"]
-    assert best["best_vllm"] == "vllm-suffix" and best["target"] == 1.2 and best["pass"] == (best["ratio"] >= 1.2)
+    assert best["best_vllm"] == "vllm-suffix" and best["target"] == 1.3 and best["pass"] == (best["ratio"] >= 1.3)
+    assert overall["serve-suffix"]["tokens_per_call"] == 10
+    tools = dict(tables["tools"], **{"serve-suffix-spaced": {**tables["tools"]["serve-suffix"], "tokens_per_call": 14},
+                                     "serve-suffix-messages": {**tables["tools"]["serve-suffix"], "tok_s": 9.9}})
+    goals = tool_targets(tools)
+    assert goals["spaced_tokens_per_call_vs_compact@1"] == {"ratio": 1.4, "target": 1.3, "pass": True}
+    assert goals["messages_vs_chat@1"]["ratio"] == round(9.9 / tables["tools"]["serve-suffix"]["tok_s"], 3)
 
 
 @pytest.mark.slow
@@ -210,17 +216,18 @@ def test_a_smoke_run_of_hybridspec_serve_with_tools_and_a_json_schema(tmp_path, 
     assert result["not_run"] == {} and result["outputs_compared"] == "tool_calls"
     assert set(result["workloads"]) == {"overall", "tools", "json"}
     level = result["workloads"]["overall"]["concurrency-1"]
-    assert set(level) == {"serve-none", "serve-suffix"}
+    assert set(level) == {"serve-none", "serve-suffix", "serve-suffix-responses", "serve-suffix-messages"}
     for name, s in level.items():
-        assert s["calls"] == 3 and s["tok_s"] > 0 and s["prompt_token_mismatches"] == 0, name
-        assert s["identical_calls"] == s["same_calls"] == 3, name  # speculation exact under the grammar
+        calls = 2 if name == "serve-suffix-messages" else 3  # Anthropic's API: the tool calls only
+        assert s["calls"] == calls and s["tok_s"] > 0 and s["prompt_token_mismatches"] == 0, name
+        assert s["identical_calls"] == s["same_calls"] == calls, name  # exact under the grammar, through any API
         assert s["vs_none"] is not None and s["vs_best_vllm"] is None
     tools = result["workloads"]["tools"]["concurrency-1"]["serve-suffix"]
     assert tools["valid_calls"] == 2, result["replies"]  # every reply calls bash with a command
     server = level["serve-suffix"]["server"]
     assert server["generation_tokens"] == level["serve-suffix"]["new_tokens"]
     assert server.get("spec_decode_num_draft_tokens[grammar]", 0) > 0  # the grammar's forced tokens were drafted
-    assert "serve_suffix_vs_none@1" in result["targets"]
+    assert {"serve_suffix_vs_none@1", "responses_vs_chat@1", "messages_vs_chat@1"} <= set(result["targets"])
     assert "serve-suffix" in capsys.readouterr().out
 
 

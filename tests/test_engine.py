@@ -306,7 +306,8 @@ def test_bad_input_gives_clear_errors(engine):
         engine.generate("abc", num_speculative_tokens=-1)
     with pytest.raises(TypeError, match="a prompt is a string"):
         engine.generate([1.5])
-    with pytest.raises(ValueError, match=r"messages\[0\]\.role: None is not one of system, user, assistant, tool"):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role: None is not one of system, developer, user, "
+                                         r"assistant"):
         engine.session().send({"content": "no role"})
 
 

@@ -98,8 +98,12 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_rejects_and_forced_tokens
     assert constraint.prepare(Proposal.chain(good + encode("<"), source="suffix"), 64, False).proposal.token_ids == good
     # with grammar drafts: the rest of the forced text (the call's fixed head for the only tool) follows the draft
     drafted = constraint.prepare(Proposal.chain(good, source="suffix"), budget=64, forced=True)
-    chain = drafted.proposal
-    assert engine.tokenizer.decode(chain.token_ids) == '<tool_call>\n{"name": "bash", "arguments": {'
+    chain = drafted.proposal  # compact JSON: the only property's key is forced too
+    assert engine.tokenizer.decode(chain.token_ids) == '<tool_call>\n{"name": "bash", "arguments": {"command": "'
+    spaced = engine.grammars.constraint(engine.grammars.compile(grammar_spec(tools=BASH, tool_choice="required",
+                                                                             compact=False)))
+    free = spaced.prepare(Proposal.chain(good, source="suffix"), budget=64, forced=True).proposal
+    assert engine.tokenizer.decode(free.token_ids) == '<tool_call>\n{"name": "bash", "arguments": {'
     assert drafted.forced == len(chain) - len(good) > 0 and chain.source == "suffix"
     assert drafted.masks.shape[0] == 1 + len(chain)
     # routed to a prefix, the pass takes the masks of that prefix's states
@@ -283,3 +287,31 @@ def test_greedy_steps_on_the_bfloat16_head_take_the_grammars_maximum(tiny_model,
         for speculate in ("none", "suffix"):
             assert engine.generate(p, max_new_tokens=30, speculate=speculate, **GRAMMARS["json_schema"]).token_ids \
                 == ref
+
+
+def free_whitespace(text: str) -> list[str]:
+    """Whitespace outside JSON strings other than the one space after `,` and `:` that `json.dumps` writes."""
+    found, in_string, escaped = [], False, False
+    for i, c in enumerate(text):
+        if in_string:
+            escaped, in_string = (not escaped and c == "\\"), in_string and (escaped or c != '"')
+        elif c == '"':
+            in_string = True
+        elif c.isspace() and not (c == " " and i and text[i - 1] in ",:"):
+            found.append(c)
+    return found
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_compact_json_has_no_free_whitespace_and_the_other_grammar_is_kept(engine, compact):
+    prompt = [5, 6, 7, 8, 9]
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+              "required": ["a", "b"]}
+    for options in ({"tools": BASH, "tool_choice": "required"},
+                    {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}):
+        texts = [engine.generate(prompt + [10 + seed], max_new_tokens=60, temperature=1.0, seed=seed,
+                                 compact_json=compact, **options).text for seed in range(6)]
+        if "tools" in options:
+            texts = [t.split('"arguments": ', 1)[1].rsplit("}\n</tool_call>", 1)[0] for t in texts if "arguments" in t]
+        spaces = [c for t in texts for c in free_whitespace(t)]
+        assert texts and bool(spaces) != compact, (options, texts)  # a random model spends tokens on it where free

@@ -210,27 +210,32 @@ def test_client_gone_mid_stream_is_cancelled(server, engine):
 
 
 class FakeHandle:
-    """What the server reads of an engine call (`RequestHandle`): its outputs, each text delta with the tool-call
-    events the engine's parser makes of it (with tools), then its result; `error` is raised after the deltas, as a
-    call whose proposer or target failed."""
+    """What the server reads of an engine call (`RequestHandle`): its deltas, each text with the tool-call events the
+    engine's parser makes of it (with tools), then its result; `error` is raised after the deltas, as a call whose
+    proposer or target failed."""
 
     def __init__(self, deltas: list[str], finish: str = "eos", tools: bool = False, error: Exception | None = None):
         from hybridspec.grammar.tool_calls import ToolCallStreamParser, collect
+        from hybridspec.runtime.handle import Delta
 
         parser = ToolCallStreamParser() if tools else None
-        self._outputs = [(d, parser.feed(d) if parser else []) for d in deltas]
+        self._outputs = [Delta(0, d, parser.feed(d) if parser else []) for d in deltas]
         if parser is not None:
-            self._outputs.append(("", parser.finish()))
-        content, calls = collect(e for _, events in self._outputs for e in events) if tools else (None, None)
+            self._outputs.append(Delta(0, "", parser.finish()))
+        content, calls = collect(e for d in self._outputs for e in d.events) if tools else (None, None)
         self._final, self._error = Result("".join(deltas), finish, content, calls), error
-        self.result, self.cancelled = None, False
+        self.results, self.cancelled = None, False
+
+    @property
+    def result(self):
+        return self.results[0] if self.results else None
 
     async def outputs(self):
         for output in self._outputs:
             yield output
         if self._error is not None:
             raise self._error
-        self.result = self._final
+        self.results = [self._final]
 
     def cancel(self):
         self.cancelled = True
@@ -242,10 +247,11 @@ class Result:
 
         self.text, self.finish_reason, self.content, self.tool_calls = text, finish, content, tool_calls
         self.token_ids, self.prompt_token_ids, self.stats = list(text), [0], GenerationStats()
+        self.logprobs, self.stop = None, None
 
 
 class BrokenEngine:
-    def stream(self, prompt, options):
+    def submit(self, prompts, options, streamed=False):
         return FakeHandle(["a"], error=RuntimeError("the target fell over"))
 
 
@@ -295,11 +301,13 @@ BAD = [  # endpoint, body (a dict, or raw bytes), the param the error names, its
     (CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens", 400),
     (CHAT, {"messages": USER, "max_tokens": -3}, "max_tokens", 400),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", 400),
-    (CHAT, {"messages": USER, "n": 2}, "n", 400),
+    (CHAT, {"messages": USER, "n": 17}, "n", 400),
+    (CHAT, {"messages": USER, "n": 0}, "n", 400),
     (CHAT, {"messages": USER, "speculate": "telepathy"}, "speculate", 400),
     (CHAT, {"messages": USER, "speculate": "peagle"}, "speculate", 400),  # the shipped head is SmolLM2's
     (COMPLETIONS, {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
-    (CHAT, {"messages": USER, "logprobs": True}, "logprobs", 400),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs", 400),  # without logprobs: true
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", 400),
     (CHAT, {"messages": USER, "frequency_penalty": 0.5}, "frequency_penalty", 400),
     (CHAT, {"messages": USER, "model": "gpt-4"}, "model", 404),
     (CHAT, b'{"messages": [{"role": "user", "content": "hi"}', None, 400),
@@ -310,7 +318,8 @@ BAD = [  # endpoint, body (a dict, or raw bytes), the param the error names, its
     (COMPLETIONS, {"prompt": [5, 99999]}, "prompt", 400),
     (COMPLETIONS, {"prompt": LONG}, "prompt", 400),
     (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo", 400),
-    (COMPLETIONS, {"prompt": "hi", "n": 3, "stream": True}, "n", 400),
+    (COMPLETIONS, {"prompt": "hi", "n": 30, "stream": True}, "n", 400),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs", 400),
 ]
 
 
@@ -349,8 +358,8 @@ def test_bad_input_leaves_the_server_serving(server, client):
     assert out.usage.completion_tokens <= 5
 
 
-REFUSED = {"n": 2, "best_of": 3, "frequency_penalty": 0.5, "presence_penalty": -1, "logprobs": True, "top_logprobs": 2,
-           "logit_bias": {"5": 1}, "functions": [{"name": "f"}], "function_call": {"name": "f"}, "echo": True,
+REFUSED = {"best_of": 3, "frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"5": 1},
+           "functions": [{"name": "f"}], "function_call": {"name": "f"}, "echo": True,
            "suffix": "}",  # a value UNSUPPORTED refuses, per field; and CHAT_ONLY's on text completions:
            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}
 
@@ -379,7 +388,7 @@ class RefusingEngine:
     class target:
         max_seq_len = 64
 
-    def stream(self, prompt, options):
+    def submit(self, prompts, options, streamed=False):
         raise self.error
 
 

@@ -235,7 +235,7 @@ BAD = [  # endpoint, body (a dict, or raw bytes), the param the error names
     (CHAT, {"tool_choice": NAMED_G}, "tool_choice"),
     (CHAT, {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     (CHAT, {"tools": TOOLS, "tool_choice": 5}, "tool_choice"),
-    (CHAT, {"tools": TOOLS, "n": 2}, "n"),
+    (CHAT, {"tools": TOOLS, "n": 17}, "n"),
     (CHAT, {"tools": [F, F]}, "tools"),
     (CHAT, {"tools": [{"type": "function"}]}, "tools[0].function"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
@@ -301,8 +301,8 @@ class RecordingEngine:
     def __init__(self):
         self.deltas, self.finish, self.calls = [], "eos", []
 
-    def stream(self, prompt, options):
-        self.calls.append((prompt, options))
+    def submit(self, prompts, options, streamed=False):
+        self.calls.append((prompts[0], options))
         return FakeHandle(self.deltas, self.finish, tools=options.call_tools is not None)
 
 
@@ -356,17 +356,27 @@ def test_the_server_sends_the_calls_the_engine_parsed(recorded):
     assert set(deltas[2]["tool_calls"][0]) == {"index", "id", "type", "function"}
     assert deltas[3] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": "</tool_call>"}'}}]}
     assert deltas[-1] == {} and events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    # tool_choice none: the text as it is; a reply cut at the limit stays "length"
+    # tool_choice none: the text as it is; a reply the limit cut after its calls were complete reports them
     out = httpx.post(server.url + CHAT, json={**body, "tool_choice": "none"}).json()["choices"][0]
     assert out["message"] == {"role": "assistant", "content": "".join(REPLY)} and out["finish_reason"] == "stop"
     engine.finish = "length"
     out = httpx.post(server.url + CHAT, json=body).json()["choices"][0]
-    assert out["finish_reason"] == "length" and len(out["message"]["tool_calls"]) == 2
+    assert out["finish_reason"] == "tool_calls" and len(out["message"]["tool_calls"]) == 2
+    engine.deltas = REPLY[:2] + ['{"name": "g", "arguments": {"n": 2}']  # cut inside the last call's end markup
+    out = httpx.post(server.url + CHAT, json=body).json()["choices"][0]
+    assert out["finish_reason"] == "tool_calls" and calls(out["message"])[-1] == ("g", {"n": 2})
+    engine.deltas = REPLY[:2] + ['{"name": "g", "argu']  # cut before its arguments: text, and the limit
+    out = httpx.post(server.url + CHAT, json=body).json()["choices"][0]
+    assert out["finish_reason"] == "tool_calls" and len(out["message"]["tool_calls"]) == 1
+    assert out["message"]["content"].endswith('<tool_call>\n{"name": "g", "argu')
+    engine.deltas = ['<tool_call>\n{"name": "g", "argu']
+    out = httpx.post(server.url + CHAT, json=body).json()["choices"][0]
+    assert out["finish_reason"] == "length" and not out["message"].get("tool_calls")
 
 
 def test_engine_errors_on_tool_fields_name_them():
     class Refusing(RecordingEngine):
-        def stream(self, prompt, options):
+        def submit(self, prompts, options, streamed=False):
             raise self.error
 
     engine = Refusing()

@@ -34,10 +34,12 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # also what keeps a name from br
 class GrammarSpec:
     """What a call's output must match. kind: "json_schema" (`body`: the schema; a JSON object for json_object) or
     "tools" (`body`: the tools, tool_choice and parallel_tool_calls); `body` is JSON in the caller's property order,
-    which the grammar keeps."""
+    which the grammar keeps. compact: the JSON has no free whitespace (`", "` and `": "` between its parts, as
+    `json.dumps` writes it; vLLM's `disable-any-whitespace`); False allows any whitespace between its tokens."""
 
     kind: str
     body: str
+    compact: bool = True
 
 
 def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict], str | dict]:
@@ -82,13 +84,14 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict], str | dict]:
 
 
 def grammar_spec(response_format: Mapping[str, Any] | None = None, tools: Sequence[Mapping] | None = None,
-                 tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True) -> GrammarSpec | None:
+                 tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True,
+                 compact: bool = True) -> GrammarSpec | None:
     """The grammar a call's options ask for, or None. An `InvalidParameter` names a bad field."""
-    return checked_grammar_spec(response_format, *check_tools(tools, tool_choice), parallel_tool_calls)
+    return checked_grammar_spec(response_format, *check_tools(tools, tool_choice), parallel_tool_calls, compact)
 
 
 def checked_grammar_spec(response_format: Mapping[str, Any] | None, tools: list[dict], tool_choice: str | dict,
-                         parallel_tool_calls: bool) -> GrammarSpec | None:
+                         parallel_tool_calls: bool, compact: bool = True) -> GrammarSpec | None:
     """`grammar_spec` of tools and a tool_choice `check_tools` has checked already."""
     kind = "text"
     if response_format is not None:
@@ -103,29 +106,36 @@ def checked_grammar_spec(response_format: Mapping[str, Any] | None, tools: list[
                                "response_format")
     if tool_choice != "none":
         body = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": bool(parallel_tool_calls)}
-        return GrammarSpec("tools", json.dumps(body))
+        return GrammarSpec("tools", json.dumps(body), compact)
     if kind == "json_object":
-        return GrammarSpec("json_schema", json.dumps({"type": "object"}))
+        return GrammarSpec("json_schema", json.dumps({"type": "object"}), compact)
     if kind == "json_schema":  # enforced whether or not `strict` is set, as vLLM does
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, Mapping) else None
         if not isinstance(schema, Mapping):
             raise InvalidParameter("response_format.json_schema.schema must be a JSON schema object",
                                    "response_format.json_schema")
-        return GrammarSpec("json_schema", json.dumps(schema))
+        return GrammarSpec("json_schema", json.dumps(schema), compact)
     return None
 
 
-def tool_calls_tag(tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool) -> Any:
+def tool_calls_tag(tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool, compact: bool = True) -> Any:
     """xgrammar's structural tag for Hermes tool calls: "auto" is free text in which a call, once begun, follows its
-    function's schema; "required" and a named function are calls only (one per line), then the end."""
-    from xgrammar.structural_tag import (JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat,
-                                         TriggeredTagsFormat)
+    function's schema (compact: as `json.dumps` writes it); "required" and a named function are calls only (one per
+    line), then the end."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import (GrammarFormat, JSONSchemaFormat, StructuralTag, TagFormat,
+                                         TagsWithSeparatorFormat, TriggeredTagsFormat)
+
+    def arguments(schema: dict) -> Any:
+        if not compact:
+            return JSONSchemaFormat(json_schema=schema)
+        return GrammarFormat(grammar=str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)))
 
     if isinstance(tool_choice, Mapping):
         tools = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
     tags = [TagFormat(begin=TOOL_CALL_BEGIN.replace("{name}", t["function"]["name"]),
-                      content=JSONSchemaFormat(json_schema=t["function"]["parameters"]), end=TOOL_CALL_END)
+                      content=arguments(t["function"]["parameters"]), end=TOOL_CALL_END)
             for t in tools]
     if tool_choice == "auto":
         return StructuralTag(format=TriggeredTagsFormat(triggers=["<tool_call>"], tags=tags,
@@ -152,8 +162,8 @@ class GrammarCompiler:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         try:
             if spec.kind == "json_schema":
-                return self._compiler.compile_json_schema(spec.body)
-            return self._compiler.compile_structural_tag(tool_calls_tag(**json.loads(spec.body)))
+                return self._compiler.compile_json_schema(spec.body, any_whitespace=not spec.compact)
+            return self._compiler.compile_structural_tag(tool_calls_tag(**json.loads(spec.body), compact=spec.compact))
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors for a bad schema subclass these
             param = "tools" if spec.kind == "tools" else "response_format"
             raise InvalidParameter(f"{param}: the grammar cannot be built: {e}", param) from e

@@ -10,7 +10,8 @@ the blocks) and OpenAI-shaped calls; `ToolCallStreamParser` does the same increm
 non-streamed parse is the streamed one run on the whole text, so the two always agree.
 
 Rules: a block runs from `<tool_call>` to the first `</tool_call>` outside a JSON string (an argument may hold the tag)
-or to the end of the text (a call cut by a stop string before its end tag). A block whose body is a JSON object with a
+or to the end of the text (a call cut by a stop string or the token limit before its end tag: where only the end
+markup is missing, the call's closing `}` included, it is still a call). A block whose body is a JSON object with a
 non-empty string "name" and an object "arguments" (or none, or a string holding a JSON object) is a call; any other
 block stays content, tags and all, never an error. Content is the text outside the calls, stripped; None if empty.
 """
@@ -126,6 +127,9 @@ class ToolCallStreamParser:
 
     def _block(self, body: str, end: str, events: list[Event]) -> None:
         call = _call(body)
+        if call is None and not end:  # cut in its end markup (`}\n</tool_call>` in the grammar), or just before it
+            whole = body[:len(body) - _partial_tag(body, TOOL_CALL_END)].rstrip()
+            call = _call(whole) or _call(whole + "}")
         if call is None:
             self._content(TOOL_CALL_BEGIN + body + end, events)
             return

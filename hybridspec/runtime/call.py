@@ -15,9 +15,9 @@ from hybridspec.model.inputs import StepOutput
 from hybridspec.model.kv_cache import KVCache
 from hybridspec.proposal import FeatureProposer, Proposer
 from hybridspec.runtime.commit import StopRules
-from hybridspec.runtime.handle import RequestHandle
+from hybridspec.runtime.handle import Delta, RequestHandle
 from hybridspec.runtime.options import Resolved, SamplingOptions
-from hybridspec.runtime.stats import GenerationResult, GenerationStats
+from hybridspec.runtime.stats import GenerationResult, GenerationStats, TokenLogprob
 from hybridspec.runtime.text import SequenceText
 from hybridspec.speculators import TargetFeatures
 from hybridspec.verifier import process_logits
@@ -31,10 +31,19 @@ class SequenceState:
     text: SequenceText  # the generated tokens as text, decoded as they are committed
     finish_reason: str | None = None
     extends: Hashable | None = None  # a finished request whose prompt + response this prompt begins with
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, where the call asks for them
+    logprobs_sent: int = 0  # of those, handed to the caller already
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    def delta(self, index: int, finished: bool = False) -> Delta | None:
+        """What this sequence added since its last delta (its text released whole once it has finished)."""
+        text, events = self.text.release(finished or self.finish_reason is not None)
+        logprobs = self.logprobs[self.logprobs_sent:] if self.logprobs is not None else []
+        self.logprobs_sent += len(logprobs)
+        return Delta(index, text, events, logprobs) if text or events or logprobs else None
 
 
 @dataclass(eq=False)
@@ -56,10 +65,14 @@ class CallState:
     drafter_features: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # gathered so far
     constraints: list[Constraint] | None = None  # each sequence's grammar state, where a grammar constrains it
     error: Exception | None = None  # what ended the call in a step
+    streamed: bool = False  # its caller reads its deltas (else only its results)
     start: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
         self.rows = list(range(len(self.seqs)))
+        if self.options.logprobs is not None:
+            for seq in self.seqs:
+                seq.logprobs = []
 
     @property
     def proposer(self) -> Proposer | FeatureProposer | None:
@@ -107,13 +120,18 @@ class CallState:
         else:
             self.proposer.append(seq.request_id, committed)
 
+    def deltas(self, finished: bool = False) -> list[Delta]:
+        """What each sequence added since the last deltas."""
+        return [d for i, seq in enumerate(self.seqs) if (d := seq.delta(i, finished)) is not None]
+
     def results(self) -> list[GenerationResult]:
         """Each sequence's result, once every one has finished (its text released whole)."""
         results = []
         for seq in self.seqs:
             seq.text.release(finished=True)
             result = GenerationResult(text=seq.text.text, token_ids=seq.generated, finish_reason=seq.finish_reason,
-                                      prompt_token_ids=seq.tokens[:seq.prompt_len], stats=self.stats)
+                                      prompt_token_ids=seq.tokens[:seq.prompt_len], stats=self.stats,
+                                      logprobs=seq.logprobs, stop=seq.text.stop)
             if self.options.call_tools is not None:  # the call could call its tools: its text's calls, parsed
                 result.content, result.tool_calls = seq.text.tool_calls()
             results.append(result)

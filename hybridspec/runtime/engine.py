@@ -172,17 +172,19 @@ class Engine:
                **overrides: Any) -> RequestHandle:
         """Generate for one prompt: its handle, whose iteration yields text deltas as tokens are committed
         (`.result` once it has ended; `.cancel()` ends it early). The prompt and options are checked here."""
-        return self.submit([prompt_or_messages], make_options(options, overrides))
+        return self.submit([prompt_or_messages], make_options(options, overrides), streamed=True)
 
     def session(self, system: str | None = None, options: SamplingOptions | None = None, **defaults: Any) -> Session:
         """A multi-turn conversation that keeps its KV cache and feeds the suffix cache turn after turn, each turn
         with `options` (and `defaults` over them, e.g. speculate="suffix", max_new_tokens=256)."""
         return Session(self, system=system, options=make_options(options, defaults))
 
-    def submit(self, prompts: Sequence[PromptLike], options: SamplingOptions = DEFAULT_OPTIONS) -> RequestHandle:
+    def submit(self, prompts: Sequence[PromptLike], options: SamplingOptions = DEFAULT_OPTIONS,
+               streamed: bool = False) -> RequestHandle:
         """Check a call (its options against the proposer they name, its prompts, its grammar) and put it in line
-        for the loop; its handle. `QueueFull` if the line is full; an `InvalidParameter` names a bad input. A call
-        dropped before it ran leaves nothing behind."""
+        for the loop; its handle (streamed: its `Delta`s come as they are committed, every sequence's). `QueueFull`
+        if the line is full; an `InvalidParameter` names a bad input. A call dropped before it ran leaves nothing
+        behind. Prompts that are the same run once and share their KV (n samples of one prompt)."""
         resolved = resolve(options, self.proposers.get, self.num_speculative_tokens)
         ids = [self.encode(p, options.tools) for p in prompts]
         constraints = None
@@ -194,7 +196,8 @@ class Engine:
                               SequenceText(self._decode, options.stop, options.call_tools is not None))
                 for tokens in ids]
         rules = StopRules(self.eos_token_ids, options.max_new_tokens, self.target.max_seq_len)
-        call = CallState(seqs, options, resolved, rules, weakref.ref(handle), constraints=constraints)
+        call = CallState(seqs, options, resolved, rules, weakref.ref(handle), constraints=constraints,
+                         streamed=streamed)
         self.loop.submit(call, self.prefill.kv_bytes(call))
         return handle
 

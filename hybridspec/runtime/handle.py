@@ -6,12 +6,24 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from hybridspec.grammar.tool_calls import Event
-from hybridspec.runtime.stats import GenerationResult
+from hybridspec.runtime.stats import GenerationResult, TokenLogprob
 
 ON_LOOP = threading.local()  # `active` on an engine's loop thread, which must never wait for its own calls
+
+
+@dataclass
+class Delta:
+    """What one step added to one of a call's sequences (`index`): its text, with tools the content and tool-call
+    events parsed from that text, and with `logprobs` the log-probabilities of the tokens it committed."""
+
+    index: int
+    text: str
+    events: list[Event] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class RequestHandle:
@@ -24,7 +36,7 @@ class RequestHandle:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._outputs: deque[tuple[str, list[Event]]] = deque()
+        self._outputs: deque[Delta] = deque()
         self._ended = False
         self._notify: Callable[[], None] | None = None  # an asyncio consumer's wake-up
         self.cancelled = False
@@ -33,10 +45,10 @@ class RequestHandle:
 
     # ------------------------------------------------------------------------------------------- the loop's side
 
-    def push(self, text: str, events: list[Event]) -> None:
-        """New text of the call's (single) sequence, and its tool-call events."""
+    def push(self, delta: Delta) -> None:
+        """What a step added to one of the call's sequences."""
         with self._cond:
-            self._outputs.append((text, events))
+            self._outputs.append(delta)
             self._cond.notify_all()
         self._poke()
 
@@ -97,11 +109,11 @@ class RequestHandle:
                 if self.error is not None:
                     raise self.error
                 raise StopIteration
-            if item[0]:
-                return item[0]
+            if item.text and item.index == 0:
+                return item.text
 
-    async def outputs(self) -> AsyncIterator[tuple[str, list[Event]]]:
-        """The text deltas and tool-call events, awaited on the running event loop (never blocking it)."""
+    async def outputs(self) -> AsyncIterator[Delta]:
+        """Every `Delta` of the call as it comes, awaited on the running event loop (never blocking it)."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
         self._notify = lambda: loop.call_soon_threadsafe(ready.set)

@@ -100,10 +100,9 @@ class EngineLoop:
         for part in plan.calls:
             call = part.call
             handle = call.handle
-            if handle is not None and len(call.seqs) == 1 and not call.done:
-                text, events = call.seqs[0].text.release(finished=False)
-                if text or events:
-                    handle.push(text, events)
+            if handle is not None and call.streamed and not call.done:
+                for delta in call.deltas():
+                    handle.push(delta)
         for call in [c for c in self.running if c.done]:
             self._finish(call)
 
@@ -128,8 +127,7 @@ class EngineLoop:
         elif handle.cancelled or any(s.finish_reason is None for s in call.seqs):
             handle.end(None)
         else:
-            if len(call.seqs) == 1:
-                text, events = call.seqs[0].text.release(finished=True)
-                if text or events:
-                    handle.push(text, events)
+            if call.streamed:
+                for delta in call.deltas(finished=True):
+                    handle.push(delta)
             handle.end(call.results())

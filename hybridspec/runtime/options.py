@@ -35,7 +35,11 @@ class SamplingOptions:
     "json_schema": {"schema": ...}}; tools (function tools, rendered by the chat template) with tool_choice "auto"
     (text, or calls once one starts), "required", a named function or "none", and parallel_tool_calls. Decoding
     follows the grammar exactly as plain constrained decoding would; with grammar_drafts the tokens it forces are
-    drafted too (the draft source "grammar").
+    drafted too (the draft source "grammar"). logprobs: each committed token's log-probability under the target
+    (temperature 1; under a grammar, the masked distribution) and the `logprobs` most probable tokens beside it,
+    exact whatever was drafted (the verification pass computed them); None: none. compact_json: the JSON of tool
+    calls and json_schema replies is written as `json.dumps` writes it (no free whitespace: fewer tokens, all of them
+    forced or drafted); False allows any.
     """
 
     max_new_tokens: int = 256
@@ -51,7 +55,9 @@ class SamplingOptions:
     tools: Sequence[Mapping[str, Any]] | None = None
     tool_choice: str | Mapping[str, Any] | None = None  # None: "auto" where tools are given
     parallel_tool_calls: bool = True
+    compact_json: bool = True  # JSON under a grammar without free whitespace (False: any, as before)
     grammar_drafts: bool = True
+    logprobs: int | None = None  # the committed tokens' log-probabilities and the top `logprobs` (0-20) beside each
     # derived when made: the grammar the output must match, and the tools its text is parsed for (None: no calls)
     grammar: GrammarSpec | None = field(init=False, repr=False, compare=False)
     call_tools: tuple[dict, ...] | None = field(init=False, repr=False, compare=False)
@@ -73,6 +79,9 @@ class SamplingOptions:
         if k is not None and (not _integer(k) or k < 0):
             raise InvalidParameter(f"num_speculative_tokens must be an integer >= 0, got {k!r}",
                                    "num_speculative_tokens")
+        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidParameter(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}",
+                                   "logprobs")
         if self.tree is not None and not isinstance(self.tree, bool):
             raise InvalidParameter(f"tree must be True, False or None, got {self.tree!r}", "tree")
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -81,7 +90,8 @@ class SamplingOptions:
         if self.seed is not None and not _integer(self.seed):
             raise InvalidParameter(f"seed must be an integer, got {self.seed!r}", "seed")
         tools, choice = check_tools(self.tools, self.tool_choice)
-        grammar = checked_grammar_spec(self.response_format, tools, choice, bool(self.parallel_tool_calls))
+        grammar = checked_grammar_spec(self.response_format, tools, choice, bool(self.parallel_tool_calls),
+                                       bool(self.compact_json))
         set_field = object.__setattr__  # frozen: the checked forms are set once, here
         set_field(self, "temperature", float(self.temperature))
         set_field(self, "top_p", float(self.top_p))
@@ -100,6 +110,9 @@ class SamplingOptions:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 def _integer(value: Any) -> bool:

@@ -60,8 +60,10 @@ class Prefill:
         for seq, ext in zip(call.seqs, extends):
             seq.extends = ext
         todo = [seq.tokens[call.cache.lengths[row]:-1] for row, seq in enumerate(call.seqs)]  # the last: step input
-        call.stats.sequences += len(call.seqs)
-        call.stats.prompt_tokens += sum(seq.prompt_len for seq in call.seqs)
+        copies = self._same_prompts(call, todo)
+        ran = [seq for row, seq in enumerate(call.seqs) if row not in dict(copies)]  # copies count as one prompt
+        call.stats.sequences += len(ran)
+        call.stats.prompt_tokens += sum(seq.prompt_len for seq in ran)
         call.stats.prefill_tokens += sum(len(t) for t in todo)
         late = not call.wants_target_features or getattr(call.proposer, "late_prompt_features", False)
         if len(todo) == 1 and todo[0] and late and self.defer:
@@ -78,7 +80,25 @@ class Prefill:
             elif context:  # every position is cached: the drafter goes on from the request this prompt extends
                 features = [TargetFeatures(self._no_hidden(len(self.target.aux_layer_ids)), self._no_hidden(1))
                             for _ in call.seqs]
+            for row, source in copies:  # a prompt the batch holds twice ran once: its KV is copied
+                call.cache.copy_prefix(row, call.cache, source, call.cache.lengths[source],
+                                       start=call.cache.lengths[row])
+                features[row] = features[source]
         return features
+
+    @staticmethod
+    def _same_prompts(call: CallState, todo: list[list[int]]) -> list[tuple[int, int]]:
+        """(row, source row) of the batch's rows whose prompt and cached prefix an earlier row has too (n samples of
+        one prompt): their tokens to run are left out (`todo` emptied) and their KV copied from the source after."""
+        first: dict[tuple, int] = {}
+        copies = []
+        for row, seq in enumerate(call.seqs):
+            key = (call.cache.lengths[row], tuple(seq.tokens))
+            if todo[row] and key in first:
+                copies.append((row, first[key]))
+                todo[row] = []
+            first.setdefault(key, row)
+        return copies
 
     def need(self, call: CallState) -> int:
         """The cache slots a call's rows need: the longest prompt, the new tokens and the last step's draft."""

@@ -15,7 +15,7 @@ from hybridspec.errors import ContextLengthExceeded, InvalidParameter, InvalidPa
 
 Message = Mapping[str, Any]
 PromptLike = str | Sequence[int] | Sequence[Message]
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's "developer" is the template's "system"
 TOOLS_TEMPLATE = "chatml_tools.jinja"  # in hybridspec/grammar/templates/
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}
@@ -56,7 +56,7 @@ def check_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if role == "tool" and (call_id is not None or calling) and (not isinstance(call_id, str) or not call_id):
             raise InvalidParameter(f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers",
                                    f"messages[{i}].tool_call_id")
-        checked.append({**message, "role": role, "content": content})
+        checked.append({**message, "role": "system" if role == "developer" else role, "content": content})
     return checked
 
 

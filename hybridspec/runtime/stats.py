@@ -148,6 +148,16 @@ class GenerationStats:
                     cached_tokens=self.cached_tokens)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target (its distribution at temperature 1, under a grammar the
+    masked one), and the `top` most probable tokens there with theirs, most probable first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class GenerationResult:
     """One sequence's output. token_ids include a final EOS token when generation stopped on one (text does not)."""
@@ -161,3 +171,5 @@ class GenerationResult:
     # ({"id", "type": "function", "function": {"name", "arguments": a JSON string}}); None without tools.
     content: str | None = None
     tool_calls: list[dict] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, where the call asked for them
+    stop: str | None = None  # the stop string that ended it (finish_reason "stop")

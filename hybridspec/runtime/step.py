@@ -32,7 +32,7 @@ from hybridspec.runtime.commit import commit_tokens
 from hybridspec.runtime.prefill import Prefill
 from hybridspec.runtime.prefix_cache import PrefixCache
 from hybridspec.runtime.scheduler import CallPlan, StepPlan
-from hybridspec.runtime.stats import PassTimes
+from hybridspec.runtime.stats import PassTimes, TokenLogprob
 from hybridspec.verifier import VerifyResult, process_logits, verify_batch
 
 
@@ -81,6 +81,18 @@ def step_input(step: CallStep) -> StepInput:
     return StepInput(call.cache, [call.seqs[i].tokens[-1] for i in call.rows], [d.token_ids for d in step.drafts],
                      [d.parents for d in step.drafts], prompt=chunk.tokens, drafter_context=chunk.features,
                      token_masks=step.masks or None)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the logits of the position that produced it ([n, V], one row a token), and
+    the `top` most probable tokens there."""
+    if not tokens:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    best = logprobs.topk(top, dim=-1) if top else None
+    return [TokenLogprob(t, lp, tuple(zip(best.indices[j].tolist(), best.values[j].tolist())) if best is not None
+                         else ()) for j, (t, lp) in enumerate(zip(tokens, chosen))]
 
 
 class StepRunner:
@@ -198,9 +210,10 @@ class StepRunner:
         inputs = [step_input(s) for s in steps]
         start = time.perf_counter()
         try:
-            outs = self.target.step_many(
+            outs = self.target.step_many(  # a greedy step needs its logits exact only where they may be the maximum
                 inputs, return_hidden=any(s.call.wants_target_features for s in steps),
-                argmax_only=all(s.call.options.greedy for s in steps if s.plan.decodes))
+                argmax_only=all(s.call.options.greedy and s.call.options.logprobs is None
+                                for s in steps if s.plan.decodes))
         except Exception as e:  # noqa: BLE001 - the pass failed for every call in it
             for step in steps:
                 step.call.fail(e)
@@ -240,6 +253,9 @@ class StepRunner:
             committed = self.commit(call, seq, result.tokens(draft))
             call.cache.truncate(row, len(seq.tokens) - 1)  # a stop inside the committed tokens drops the rest
             call.feed_proposer(row, seq, committed, step.out, kept_slots)
+            if seq.logprobs is not None:
+                seq.logprobs += token_logprobs(step.out.logits[row, kept_slots[:len(committed)]], committed,
+                                               call.options.logprobs)
             if call.constraints is not None:  # the grammar's work after verification
                 call.constraints[i].accept(committed)
             forced = step.forced[row] if step.forced else 0  # the grammar's tokens at the draft's end: their own source

@@ -57,6 +57,7 @@ class SequenceText:
         self.stops = tuple(stops)
         self._hold = max(map(len, self.stops), default=1) - 1
         self._stop_at: int | None = None  # where the first stop string begins
+        self.stop: str | None = None  # ... and which it is
         self._released = 0
         self._finished = False
         self.parser = ToolCallStreamParser() if tools else None
@@ -83,9 +84,9 @@ class SequenceText:
         would have ended the sequence then: only the new text and the `_hold` characters before it are searched)."""
         text = self._detokenizer.text
         lo = max(0, start - self._hold)
-        found = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
+        found = [(i, s) for i, s in ((text.find(s, lo), s) for s in self.stops) if i >= 0]
         if found:
-            self._stop_at = min(found)
+            self._stop_at, self.stop = min(found)
         return bool(found)
 
     def release(self, finished: bool) -> tuple[str, list[Event]]:

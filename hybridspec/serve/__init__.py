@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "ChatML tools template")
     parser.add_argument("--no-grammar-drafts", dest="grammar_drafts", action="store_false",
                         help="under a grammar (tools, response_format) do not draft the tokens it forces")
+    parser.add_argument("--no-compact-json", dest="compact_json", action="store_false",
+                        help="let tool calls' and json_schema replies' JSON hold any whitespace (default: none but "
+                             "the one space json.dumps writes after ',' and ':')")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: the machine's physical cores)")
     parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
@@ -89,7 +92,7 @@ def _main(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'max_waiting' else 'positive'}")
     try:  # an unknown name fails here, at start, not at the first request
         defaults = SERVER_DEFAULTS.replace(max_new_tokens=args.max_tokens, speculate=args.speculate,
-                                           grammar_drafts=args.grammar_drafts)
+                                           grammar_drafts=args.grammar_drafts, compact_json=args.compact_json)
     except InvalidParameter as e:
         raise SystemExit(f"--{e.param.replace('max_new_tokens', 'max_tokens').replace('_', '-')}: {e}")
     threads = set_threads(args.threads)

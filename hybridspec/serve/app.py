@@ -1,19 +1,19 @@
-"""The OpenAI-compatible app on an `Engine`: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`,
-`/metrics`.
+"""The app on an `Engine`: the APIs agents speak, one engine call per request. OpenAI's chat and text completions
+(`chat.py`), OpenAI's Responses API (`openai_responses.py`), Anthropic's Messages API (`anthropic_messages.py`), and
+`/v1/models`, `/health`, `/metrics`.
 
-Every HTTP request is one engine call: its body becomes the engine's options (`to_options`, over the server's
-defaults), the call is submitted, and its handle's text (with tools: its content and tool-call deltas, parsed once by
-the engine) is awaited on the event loop as the engine's loop commits it; concurrent requests share the engine's steps
-(continuous batching) and each gets what it would get alone. A streaming client that goes away cancels its call, which
-leaves the line if it waits or the batch before the next step (its requests aborted, its place and KV freed). Past
-the engine's limits a request waits for a place; past its queue's, it is answered 429 (`rate_limit_exceeded`, with
-`Retry-After`).
+Every request is one engine call: its body becomes the engine's options (over the server's defaults), the call is
+submitted, and its handle's deltas (text, with tools the content and tool-call deltas the engine parsed) are awaited
+on the event loop as the engine's loop commits them; concurrent requests share the engine's steps (continuous
+batching) and each gets what it would get alone. A streaming client that goes away cancels its call, which leaves the
+line if it waits or the batch before the next step (its requests aborted, its place and KV freed). Past the engine's
+limits a request waits for a place; past its queue's, it is answered 429 (with `Retry-After`). Errors come in the
+shape of the API asked (OpenAI's `{"error": {...}}`, Anthropic's `{"type": "error", "error": {...}}`).
 """
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -25,19 +25,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridspec.errors import ContextLengthExceeded, InvalidParameter, QueueFull
-from hybridspec.grammar.tool_calls import Event
 from hybridspec.runtime.options import SamplingOptions
-from hybridspec.serve.metrics import Metrics, finish_reason
-from hybridspec.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_response,
-                                       param_path)
-from hybridspec.serve.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                        ChatCompletionChunk, Completion, CompletionChoice, CompletionChunk, Delta,
-                                        ErrorInfo, ErrorResponse, ModelCard, ModelList, PromptTokensDetails, ToolCall,
-                                        ToolCallDelta, Usage)
+from hybridspec.serve import anthropic_messages, chat, openai_responses
+from hybridspec.serve.metrics import Metrics
+from hybridspec.serve.protocol import APIError, error_response, param_path
+from hybridspec.serve.responses import ModelCard, ModelList
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics")
-PROMPT_FIELDS = {CHAT: "messages", COMPLETIONS: "prompt"}
+ENDPOINTS = (chat.CHAT, chat.COMPLETIONS, openai_responses.RESPONSES, anthropic_messages.MESSAGES,
+             anthropic_messages.COUNT_TOKENS, "/v1/models", "/health", "/metrics")
 # What a request that leaves a field out gets: OpenAI's API defaults (temperature 1, which clients written against it
 # expect), and a longer reply than the Python API's 256 tokens (an agent's tool call and its reasoning run longer).
 SERVER_DEFAULTS = SamplingOptions(max_new_tokens=1024, temperature=1.0)
@@ -47,32 +42,34 @@ MAX_DEPTH = 100
 
 
 def create_app(engine, served_model_name: str = "smollm2", defaults: SamplingOptions = SERVER_DEFAULTS,
-               registry: CollectorRegistry | None = None) -> FastAPI:
+               registry: CollectorRegistry | None = None,
+               response_store_bytes: int = openai_responses.STORE_BYTES) -> FastAPI:
     """The server's app on `engine`. defaults: what a request that leaves a field out gets (`SERVER_DEFAULTS`; its
-    `speculate` is the proposer of requests that name none, its `max_new_tokens` the limit of those that set neither
-    max_tokens nor max_completion_tokens). Metrics go to `registry` (default: a new one, this app's own)."""
+    `speculate` is the proposer of requests that name none, its `max_new_tokens` the limit of those that set no
+    limit). Metrics go to `registry` (default: a new one, this app's own). response_store_bytes: the memory the
+    Responses API's stored responses may take (`previous_response_id`; the oldest go first; 0: none kept)."""
     app = FastAPI(title="hybridspec", version=_version(), docs_url=None, redoc_url=None)
-    server = _Server(engine, served_model_name, defaults,
-                     Metrics(registry, getattr(engine, "admission", None), getattr(engine, "passes", None)))
+    server = Server(engine, served_model_name, defaults,
+                    Metrics(registry, getattr(engine, "admission", None), getattr(engine, "passes", None)))
     app.state.server = server
     app.state.metrics = server.metrics
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return e.response()
+        return _error(request, e)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        return _validation_error(e.errors()).response()
+        return _error(request, validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(str(e.detail), None, e.status_code, type=kind)
+        return _error(request, APIError(str(e.detail), None, e.status_code, type=kind))
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, e: Exception) -> JSONResponse:
-        return error_response(f"internal error: {type(e).__name__}: {e}", None, 500, type="server_error")
+        return _error(request, APIError(f"internal error: {type(e).__name__}: {e}", None, 500, type="server_error"))
 
     app.add_middleware(_CountResponses, metrics=server.metrics)
 
@@ -86,38 +83,119 @@ def create_app(engine, served_model_name: str = "smollm2", defaults: SamplingOpt
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json(ModelList(data=[ModelCard(id=served_model_name, created=server.created,
-                                               max_model_len=engine.target.max_seq_len)]))
+        return server.json(ModelList(data=[server.model_card()]))
 
-    @app.post(CHAT)
-    async def chat_completions(request: Request):
-        body = await _parse(request, ChatCompletionRequest)
-        return await server.complete(CHAT, body, [m.model_dump(exclude_none=True) for m in body.messages])
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        server.check_model(model_id)
+        return server.json(server.model_card())
 
-    @app.post(COMPLETIONS)
-    async def completions(request: Request):
-        body = await _parse(request, CompletionRequest)
-        return await server.complete(COMPLETIONS, body, body.prompt)
-
+    chat.register(app, server)
+    openai_responses.register(app, server, openai_responses.ResponseStore(response_store_bytes))
+    anthropic_messages.register(app, server)
     return app
 
 
-async def _parse(request: Request, model: type[BaseModel]):
-    """The request body as `model`: JSON whatever the Content-Type says (curl -d sends a form's), no deeper than
-    MAX_DEPTH."""
-    try:
-        data = json.loads(await request.body())
-    except ValueError as e:
-        raise APIError(f"the body is not valid JSON: {e}", None, code="json_invalid") from None
-    except RecursionError:
-        raise APIError(f"the body is nested more than {MAX_DEPTH} levels deep", None) from None
-    field = _too_deep(data, MAX_DEPTH)
-    if field is not None:
-        raise APIError(f"{field or 'the body'} is nested more than {MAX_DEPTH} levels deep", field or None)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise _validation_error(e.errors()) from None
+def _error(request: Request, e: APIError) -> JSONResponse:
+    """An error in the shape of the API the request asked: Anthropic's under /v1/messages, else OpenAI's."""
+    if request.url.path.startswith(anthropic_messages.MESSAGES):
+        return anthropic_messages.error_response(e)
+    return e.response()
+
+
+def validation_error(errors: list) -> APIError:
+    """pydantic's first error as a 400 naming the field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = param_path(first.get("loc", ()))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return APIError(f"{param}: {message}" if param else f"the body: {message}", param)
+
+
+class Server:
+    """What every API's routes share: the engine, the served model's name, the defaults of a request's options, the
+    metrics; parsing a body, starting an engine call with the API's errors, awaiting or streaming its end."""
+
+    def __init__(self, engine, model: str, defaults: SamplingOptions, metrics: Metrics):
+        self.engine, self.model, self.defaults, self.metrics = engine, model, defaults, metrics
+        self.created = int(time.time())
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.model, created=self.created, max_model_len=self.engine.target.max_seq_len)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise APIError(f"The model `{model}` does not exist: this server serves `{self.model}`", "model", 404,
+                           "model_not_found", "not_found_error")
+
+    async def parse(self, request: Request, model: type[BaseModel]):
+        """The request body as `model`: JSON whatever the Content-Type says (curl -d sends a form's), no deeper than
+        MAX_DEPTH, its model the served one."""
+        try:
+            data = json.loads(await request.body())
+        except ValueError as e:
+            raise APIError(f"the body is not valid JSON: {e}", None, code="json_invalid") from None
+        except RecursionError:
+            raise APIError(f"the body is nested more than {MAX_DEPTH} levels deep", None) from None
+        field = _too_deep(data, MAX_DEPTH)
+        if field is not None:
+            raise APIError(f"{field or 'the body'} is nested more than {MAX_DEPTH} levels deep", field or None)
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e.errors()) from None
+        self.check_model(getattr(body, "model", None))
+        return body
+
+    def options(self, body, prompt_field: str) -> SamplingOptions:
+        """The engine's options for a request (`to_options` over the server's defaults), its errors as 400s naming
+        the request's field."""
+        try:
+            return body.to_options(self.defaults)
+        except InvalidParameter as e:
+            raise APIError(str(e), body.request_field(e.param, prompt_field)) from None
+
+    async def start(self, endpoint: str, body, prompts: list, options: SamplingOptions, prompt_field: str = ""):
+        """Submit the engine call of `prompts` (its deltas streamed to its handle); an `InvalidParameter` is a 400
+        naming the request's field, `QueueFull` a 429. Tokenising a long prompt takes a while: a thread does it."""
+        prompt_field = prompt_field or chat.PROMPT_FIELDS.get(endpoint, "messages")
+        try:
+            return await run_in_threadpool(self.engine.submit, prompts, options, True)
+        except InvalidParameter as e:  # anything else the engine raises is the server's fault: a 500
+            code = "context_length_exceeded" if isinstance(e, ContextLengthExceeded) else None
+            raise APIError(str(e), body.request_field(e.param, prompt_field), code=code) from None
+        except QueueFull as e:  # as OpenAI's rate limits answer
+            self.metrics.refused.inc()
+            raise APIError(str(e), None, 429, "rate_limit_exceeded", "requests",
+                           headers={"Retry-After": str(int(e.retry_after))}) from None
+
+    async def finish(self, endpoint: str, handle) -> list:
+        """Await the call's end; its results (an engine failure is counted and raised: the error handler's 500)."""
+        try:
+            async for _ in handle.outputs():
+                pass
+        except Exception:
+            self.metrics.ended(endpoint, "error")
+            raise
+        except BaseException:  # cancelled (the server stops)
+            self.metrics.ended(endpoint, "abort")
+            handle.cancel()
+            raise
+        return handle.results
+
+    def token_text(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token])
+
+    def count_tokens(self, prompt, tools) -> int:
+        return len(self.engine.encode(prompt, tools))
+
+    @staticmethod
+    def json(body: BaseModel | dict) -> Response:
+        text = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
+        return Response(text, media_type="application/json")
+
+    @staticmethod
+    def sse(events: AsyncIterator[str]) -> StreamingResponse:
+        return _SSE(events, headers={"Cache-Control": "no-cache"})
 
 
 def _too_deep(data: Any, limit: int) -> str | None:
@@ -131,14 +209,6 @@ def _too_deep(data: Any, limit: int) -> str | None:
                     return field
                 stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
     return None
-
-
-def _validation_error(errors: list) -> APIError:
-    """pydantic's first error as a 400 naming the field."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = param_path(first.get("loc", ()))
-    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    return APIError(f"{param}: {message}" if param else f"the body: {message}", param)
 
 
 def _version() -> str:
@@ -186,136 +256,4 @@ class _SSE(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-class _Server:
-    def __init__(self, engine, model: str, defaults: SamplingOptions, metrics: Metrics):
-        self.engine, self.model, self.defaults, self.metrics = engine, model, defaults, metrics
-        self.created = int(time.time())
-
-    async def complete(self, endpoint: str, body, prompt):
-        if body.model is not None and body.model != self.model:
-            raise APIError(f"The model `{body.model}` does not exist: this server serves `{self.model}`", "model",
-                           404, "model_not_found", "not_found_error")
-        try:  # the options and prompt are checked at once (tokenising a long prompt takes a while: a thread)
-            options = body.to_options(self.defaults)
-            handle = await run_in_threadpool(self.engine.stream, prompt, options)
-        except InvalidParameter as e:  # anything else the engine raises is the server's fault: a 500
-            code = "context_length_exceeded" if isinstance(e, ContextLengthExceeded) else None
-            raise APIError(str(e), body.request_field(e.param, PROMPT_FIELDS[endpoint]), code=code) from None
-        except QueueFull as e:  # as OpenAI's rate limits answer
-            self.metrics.refused.inc()
-            raise APIError(str(e), None, 429, "rate_limit_exceeded", "requests",
-                           headers={"Retry-After": str(int(e.retry_after))}) from None
-        ids = Ids(endpoint, self.model)
-        calls_tools = options.call_tools is not None
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _SSE(self._events(endpoint, handle, ids, include_usage, calls_tools),
-                        headers={"Cache-Control": "no-cache"})
-        try:
-            async for _ in handle.outputs():
-                pass
-        except Exception:  # the engine failed: the server's error handler answers 500
-            self.metrics.ended(endpoint, "error")
-            raise
-        except BaseException:  # cancelled (the server stops)
-            self.metrics.ended(endpoint, "abort")
-            handle.cancel()
-            raise
-        result = handle.result
-        message = _message(result, calls_tools) if ids.chat else None
-        reason = finish_reason(result.finish_reason, bool(message and message.tool_calls))
-        self.metrics.ended(endpoint, reason, result)
-        return _json(ids.response(result, reason, message))
-
-    async def _events(self, endpoint: str, handle, ids: "Ids", include_usage: bool,
-                      calls_tools: bool) -> AsyncIterator[str]:
-        """The SSE body: a role chunk (chat), text deltas (with tools: the content and tool-call deltas the engine
-        parsed), the chunk with the finish reason, the usage chunk if asked for, `[DONE]`. Any way this generator
-        ends before the engine call did cancels that call."""
-        ended = False
-        try:
-            if ids.chat:
-                yield _event(ids.role_chunk())
-            async for text, events in handle.outputs():
-                for event in events if calls_tools else [text]:
-                    yield _event(ids.chunk(event))
-            result, ended = handle.result, True
-            reason = finish_reason(result.finish_reason, bool(calls_tools and result.tool_calls))
-            self.metrics.ended(endpoint, reason, result)
-            yield _event(ids.chunk(None, reason))
-            if include_usage:
-                yield _event(ids.usage_chunk(result))
-            yield "data: [DONE]\n\n"
-        except Exception as e:  # the engine failed mid-stream (its call has ended): say so in the stream
-            if not ended:
-                ended = True
-                self.metrics.ended(endpoint, "error")
-            yield _event(ErrorResponse(error=ErrorInfo(message=f"{type(e).__name__}: {e}", type="server_error")))
-            yield "data: [DONE]\n\n"
-        finally:
-            if not ended:  # the client went away (this task cancelled, or the generator closed)
-                self.metrics.ended(endpoint, "abort")
-                handle.cancel()
-
-
-def _message(result, calls_tools: bool) -> AssistantMessage:
-    """A chat reply: its text, or with tools its calls and the text beside them (as the engine parsed them)."""
-    if not calls_tools:
-        return AssistantMessage(content=result.text)
-    if not result.tool_calls:
-        return AssistantMessage(content=result.content or "")
-    return AssistantMessage(content=result.content,
-                            tool_calls=[ToolCall.model_validate(call) for call in result.tool_calls])
-
-
-def _event(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json()}\n\n"
-
-
-def _json(body: BaseModel) -> Response:
-    return Response(body.model_dump_json(), media_type="application/json")
-
-
-class Ids:
-    """One request's response bodies: its id and timestamp on the chat or text completion models."""
-
-    def __init__(self, endpoint: str, model: str):
-        self.chat = endpoint == CHAT
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.model, self.created = model, int(time.time())
-
-    def _head(self) -> dict[str, Any]:
-        return {"id": self.id, "created": self.created, "model": self.model}
-
-    @staticmethod
-    def usage(result) -> Usage:
-        prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=result.stats.cached_tokens))
-
-    def response(self, result, reason: str, message: AssistantMessage | None) -> ChatCompletion | Completion:
-        """The whole response: chat's `message`, or the text."""
-        if self.chat:
-            return ChatCompletion(**self._head(), usage=self.usage(result),
-                                  choices=[ChatChoice(message=message, finish_reason=reason)])
-        return Completion(**self._head(), usage=self.usage(result),
-                          choices=[CompletionChoice(text=result.text, finish_reason=reason)])
-
-    def role_chunk(self) -> ChatCompletionChunk:
-        """A chat stream's first chunk: the role."""
-        return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(delta=Delta(role="assistant",
-                                                                                        content=""))])
-
-    def chunk(self, event: Event | None, reason: str | None = None) -> ChatCompletionChunk | CompletionChunk:
-        """A streamed chunk: text, a tool-call delta (chat), or nothing with the finish reason (chat's delta is then
-        {})."""
-        if self.chat:
-            delta = Delta(tool_calls=[ToolCallDelta.model_validate(event)]) if isinstance(event, dict) else \
-                Delta(content=event)
-            return ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(delta=delta, finish_reason=reason)])
-        return CompletionChunk(**self._head(), choices=[CompletionChoice(text=event or "", finish_reason=reason)])
-
-    def usage_chunk(self, result) -> ChatCompletionChunk | CompletionChunk:
-        """The last chunk with stream_options.include_usage: no choices, the usage."""
-        return (ChatCompletionChunk if self.chat else CompletionChunk)(**self._head(), choices=[],
-                                                                        usage=self.usage(result))
+__all__ = ["create_app", "SERVER_DEFAULTS", "Server", "error_response"]

@@ -16,11 +16,12 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 
 
 def finish_reason(engine_reason: str | None, tool_calls: bool = False) -> str:
-    """OpenAI's finish_reason for the engine's: "eos" and "stop" (a stop string) are both "stop", or "tool_calls"
-    where the reply called tools (a reply cut at its length limit stays "length")."""
-    if engine_reason == "length":
-        return "length"
-    return "tool_calls" if tool_calls else "stop"
+    """OpenAI's finish_reason for the engine's: "tool_calls" where the reply called tools, even where the length limit
+    cut its end markup after the calls' arguments were complete (a client acts on them; a call cut before that stays
+    text, and the reply "length"); else "length", or "stop" for "eos" and a stop string."""
+    if tool_calls:
+        return "tool_calls"
+    return "length" if engine_reason == "length" else "stop"
 
 
 class _PassSeconds:
@@ -89,15 +90,15 @@ class Metrics:
         self.spec_accepted_tokens = Counter("hybridspec:spec_decode_num_accepted_tokens", "Draft tokens the target "
                                             "accepted, by source", source, registry=r)
 
-    def ended(self, endpoint: str, reason: str, result=None) -> None:
-        """Count a request that left the engine with OpenAI's finish `reason` and its `GenerationResult` (the usage
-        it returned, its stats), or with "abort" (the client went away) or "error" (the engine failed) and no result,
-        which count nothing else."""
+    def ended(self, endpoint: str, reason: str, results=None) -> None:
+        """Count a request that left the engine with a finish `reason` and its `GenerationResult`s (one per choice:
+        the usage it returned, the call's stats), or with "abort" (the client went away) or "error" (the engine
+        failed) and none, which count nothing else."""
         self.requests.labels(endpoint, reason).inc()
-        if result is None:
+        if not results:
             return
-        stats = result.stats
-        n = len(result.token_ids)
+        result, stats = results[0], results[0].stats
+        n = sum(len(r.token_ids) for r in results)
         self.prompt_tokens.inc(len(result.prompt_token_ids))
         self.generation_tokens.inc(n)
         self.cached_tokens.inc(stats.cached_tokens)

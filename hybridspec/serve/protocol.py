@@ -22,12 +22,14 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from hybridspec.runtime.options import SamplingOptions
 from hybridspec.serve.responses import ErrorInfo, ErrorResponse
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_N = 16  # choices per request
 # The engine's options (`SamplingOptions`, `InvalidParameter.param`) -> the request fields that set them. The prompt is
 # the endpoint's field ("messages" or "prompt"); an option not here (tree, num_speculative_tokens) no request sets.
 REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                   "speculate": "speculate", "stop": "stop", "seed": "seed", "response_format": "response_format",
-                  "tools": "tools", "tool_choice": "tool_choice", "parallel_tool_calls": "parallel_tool_calls"}
+                  "tools": "tools", "tool_choice": "tool_choice", "parallel_tool_calls": "parallel_tool_calls",
+                  "logprobs": "logprobs"}
 
 
 class APIError(Exception):
@@ -179,12 +181,9 @@ class ResponseFormat(BaseModel):
 # nothing here, compared with ==; why others are not). Both endpoints check them all, so that echo on a chat request
 # (vLLM's extension) is refused there too rather than ignored; text completions refuse CHAT_ONLY's as well.
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "n": ((None, 1), "one choice per request: n must be 1"),
     "best_of": ((None, 1), "best_of must be 1"),
     "frequency_penalty": ((None, 0), "only 0"),
     "presence_penalty": ((None, 0), "only 0"),
-    "logprobs": ((None, False, 0), "no log-probabilities"),
-    "top_logprobs": ((None, 0), "no log-probabilities"),
     "logit_bias": ((None, {}), "no logit bias"),
     "functions": ((None, []), "the legacy functions API: use tools"),
     "function_call": ((None, "none", "auto"), "the legacy functions API: use tool_choice"),
@@ -218,6 +217,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
     refused: ClassVar[dict[str, tuple[tuple, str]]] = UNSUPPORTED
     model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)  # choices: samples of the prompt, which runs once
     max_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -253,10 +253,14 @@ class _Request(BaseModel):
         """The options this request sets, by the engine's names."""
         values = dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                       top_k=None if self.top_k is None else max(0, self.top_k), speculate=self.speculate,
-                      stop=self.stop, seed=self.seed,
+                      stop=self.stop, seed=self.seed, logprobs=self.top_logprob_count(),
                       response_format=self.response_format and self.response_format.model_dump(
                           by_alias=True, exclude_none=True))
         return {name: value for name, value in values.items() if value is not None}
+
+    def top_logprob_count(self) -> int | None:
+        """How many of the most probable tokens to return beside each token's log-probability (None: none)."""
+        return None
 
     def request_field(self, param: str, prompt_field: str) -> str | None:
         """The field of this request that an engine error's `param` names (`REQUEST_FIELDS`; a chat message's,
@@ -274,6 +278,11 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def top_logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -300,6 +309,8 @@ class ChatCompletionRequest(_Request):
                               choice.model_dump())
         if len(set(names)) < len(names):
             raise field_error(type(self), "tools", "two tools have the same name", names)
+        if self.top_logprobs and not self.logprobs:
+            raise field_error(type(self), "top_logprobs", "top_logprobs needs logprobs: true", self.top_logprobs)
         return self
 
     def option_values(self) -> dict[str, Any]:
@@ -328,6 +339,10 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     refused: ClassVar[dict[str, tuple[tuple, str]]] = {**UNSUPPORTED, **CHAT_ONLY}
     prompt: Any = Field(...)
+    logprobs: int | None = Field(None, ge=0, le=20)  # the legacy API's: how many most probable tokens beside each
+
+    def top_logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

@@ -53,10 +53,36 @@ class AssistantMessage(_Body):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(_Body):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobBody(TopLogprob):
+    """A token's log-probability in a chat choice's `logprobs.content`, with the most probable tokens beside it."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Body):
+    content: list[TokenLogprobBody]
+
+
+class CompletionLogprobs(_Body):
+    """A text completion choice's log-probabilities (the legacy shape): per token its text, log-probability, the
+    most probable tokens there ({text: log-probability}) and its offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(_Body):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str
 
 
@@ -98,7 +124,7 @@ class Delta(_Body):
 class ChatChunkChoice(_Body):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -117,7 +143,7 @@ class ChatCompletionChunk(_Body):
 class CompletionChoice(_Body):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
