@@ -25,3 +25,5 @@ export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
 # The peers' environment (ArcticInference's suffix tree beside hybridspec) for the comparison tests and benchmarks.
 ./scripts/setup_peers.sh >/dev/null
 ./scripts/setup_vllm.sh >/dev/null
+# The agent CLIs (Codex CLI, Claude Code) the client tests run against the server.
+./scripts/setup_clients.sh

@@ -169,12 +169,14 @@ def test_a_stream_cancelled_while_waiting_never_runs(tiny_model, tiny_tokenizer,
     engine = Engine(TargetModel(tiny_model), tiny_tokenizer, verify_cost=None, max_num_seqs=1)
     first = engine.stream(PROMPTS[0], max_new_tokens=24, temperature=0, speculate="none")
     next(first)  # running
-    waiting = engine.stream(PROMPTS[1], max_new_tokens=24, temperature=0, speculate="none")
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(list(waiting)), daemon=True)
-    thread.start()
-    settle(lambda: engine.admission.waiting == 1)
-    waiting.cancel()
+    with engine.loop.paused():  # the first call cannot end (and let the second in) before the second is cancelled
+        assert not first.ended
+        waiting = engine.stream(PROMPTS[1], max_new_tokens=24, temperature=0, speculate="none")
+        out: list = []
+        thread = threading.Thread(target=lambda: out.append(list(waiting)), daemon=True)
+        thread.start()
+        assert engine.admission.waiting == 1
+        waiting.cancel()
     thread.join(10)
     assert out == [[]] and waiting.result is None and waiting.ended
     assert engine.stats.calls == 0 and engine.admission.waiting == 0  # it never began

@@ -115,6 +115,16 @@ def test_plain_greedy_matches_transformers_generate(engine, tiny_model):
         assert ours.token_ids == ref.tolist()
 
 
+def test_ignore_eos_runs_a_call_to_its_length_through_the_same_tokens(engine):
+    prompt = next(p for p in random_prompts(20, seed=5)
+                  if engine.generate(p, max_new_tokens=60, speculate="none").finish_reason == "eos")
+    ended = engine.generate(prompt, max_new_tokens=60, speculate="none")
+    plain, suffix = (engine.generate(prompt, max_new_tokens=60, speculate=s, ignore_eos=True)
+                     for s in ("none", "suffix"))
+    assert plain.finish_reason == "length" and len(plain.token_ids) == 60
+    assert plain.token_ids[:len(ended.token_ids)] == ended.token_ids and suffix.token_ids == plain.token_ids
+
+
 PROPOSERS = ["random-chain", "random-tree", "oracle-chain", "oracle-tree", "suffix", "suffix-tree", "ngram"]
 
 
@@ -222,8 +232,11 @@ def test_a_stream_closed_early_aborts_its_request(engine):
     """A caller that stops reading a stream leaves nothing behind: the request is aborted on the proposer (not
     finished: its partial response does not enter the global index), and nothing stays live."""
     before = engine.suffix_cache.stats()
-    stream = engine.stream("Hello there", max_new_tokens=30)
+    stream = engine.stream("Hello there", max_new_tokens=400, ignore_eos=True)
     next(stream)
+    with engine.loop.paused():  # before the loop's next step: it cannot have finished
+        assert not stream.ended
+        stream.cancel()
     stream.close()
     after = engine.suffix_cache.stats()
     assert after["live_requests"] == 0

@@ -123,12 +123,15 @@ def test_a_drafters_prompt_runs_in_its_steps_passes(target_model, speculate, con
     results = {}
     for name, engine in (("apart", apart), ("fused", fused)):
         results[name] = engine.generate(prompt, max_new_tokens=24, speculate=speculate, tree=False)
-    other = chunked.stream(prompt[:6], max_new_tokens=400, speculate="none")
+    other = chunked.stream(prompt[:6], max_new_tokens=400, speculate="none", ignore_eos=True)
     next(other)  # a call running beside it: the prompt goes in chunks of 5
     steps, ran_in = chunked.loop.run_step, []  # each step of the engine: whether the chunked call ran in its pass
     chunked.loop.run_step = lambda plan: ran_in.append(
         any(p.call.seqs[0].prompt_len == len(prompt) for p in plan.calls)) or steps(plan)
-    results["chunked"] = chunked.generate(prompt, max_new_tokens=24, speculate=speculate, tree=False)
+    with chunked.loop.paused():  # in line before the other call's next step: it is still running when this begins
+        handle = chunked.stream(prompt, max_new_tokens=24, speculate=speculate, tree=False)
+    results["chunked"] = handle.wait()[0]
+    assert not other.ended
     other.close()
     want = results["apart"]
     for name, result in results.items():

@@ -29,6 +29,7 @@ BASH = [{"type": "function", "function": {"name": "bash", "parameters": {
     ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools[0].function.name"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_object"}, "tools": BASH}, "response_format"),
+    ({"ignore_eos": True, "tools": BASH}, "ignore_eos"),
 ])
 def test_options_are_checked_when_made_and_name_the_option(options, param):
     with pytest.raises(InvalidParameter) as e:
@@ -74,7 +75,11 @@ def test_a_request_converts_to_options_over_the_server_defaults_by_one_table():
     chat = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7, "max_tokens": 99, "top_k": -1,
         "stop": "x", "seed": 4, "speculate": "ngram", "tools": BASH, "tool_choice": "required",
-        "parallel_tool_calls": False})
+        "parallel_tool_calls": False, "ignore_eos": True})
+    with pytest.raises(InvalidParameter) as e:  # named by the request's field
+        chat.to_options(SERVER_DEFAULTS)
+    assert chat.request_field(e.value.param, "messages") == "ignore_eos"
+    chat.ignore_eos = None
     options = chat.to_options(SERVER_DEFAULTS)
     assert (options.max_new_tokens, options.top_k, options.stop, options.seed, options.speculate) == \
         (7, 0, ("x",), 4, "ngram")

@@ -379,16 +379,20 @@ def test_a_prompt_copies_what_a_running_call_ran_of_the_same_tokens(tiny_model, 
     """In-flight prefix sharing: a call that begins while another call runs (nothing in the prefix cache yet) copies
     the KV of the prompt tokens the two share from that call's cache and runs only the rest; outputs are those of
     each call alone (a drafter's: tests/test_engine_drafters.py)."""
-    engine = make_engine(tiny_model, tiny_tokenizer, prefill_chunk=8)
+    engine = make_engine(tiny_model, tiny_tokenizer, prefill_chunk=8, prefix_cache_bytes=0)  # shared in flight only
     rng = random.Random(11)
     system = tokens(rng, 60)
     first, second = system + tokens(rng, 10), system + tokens(rng, 7)
-    a = engine.stream(first, max_new_tokens=12, speculate=speculate)
-    a_text = next(a)  # a runs its whole prompt (no one else is running) and is still live
-    b = engine.stream(second, max_new_tokens=12, speculate=speculate)
+    a = engine.stream(first, max_new_tokens=200, speculate=speculate, ignore_eos=True)
+    a_text = next(a)  # a runs its whole prompt (no one else is running)
+    with engine.loop.paused():  # b is in line before a's next step: a is live when b begins
+        assert not a.ended
+        b = engine.stream(second, max_new_tokens=12, speculate=speculate)
     b_text = "".join(b)
+    assert not a.ended
     a_text += "".join(a)
-    assert a.result.token_ids == uncached.generate(first, max_new_tokens=12, speculate=speculate).token_ids
+    assert a.result.token_ids == uncached.generate(first, max_new_tokens=200, speculate=speculate,
+                                                   ignore_eos=True).token_ids
     assert b.result.token_ids == uncached.generate(second, max_new_tokens=12, speculate=speculate).token_ids
     assert a_text == a.result.text and b_text == b.result.text
     assert b.result.stats.prefill_tokens == len(second) - 1 - len(system)

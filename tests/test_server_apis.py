@@ -190,6 +190,9 @@ def test_messages_count_tokens_and_errors_in_anthropics_shape(server, claude, en
     counted = claude.messages.count_tokens(model=MODEL, system="s", messages=[{"role": "user", "content": "hello"}])
     assert counted.input_tokens == len(engine.encode([{"role": "system", "content": "s"},
                                                       {"role": "user", "content": "hello"}]))
+    inline = claude.messages.count_tokens(model=MODEL, messages=[  # Claude Code sends its system prompt so too
+        {"role": "system", "content": [{"type": "text", "text": "s"}]}, {"role": "user", "content": "hello"}])
+    assert inline.input_tokens == counted.input_tokens
     for body, status in (({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, 400),
                          ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400),
                          ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "model": "claude"}, 404)):

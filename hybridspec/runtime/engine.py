@@ -195,7 +195,8 @@ class Engine:
         seqs = [SequenceState(f"hs-{next(self._request_ids)}", tokens, len(tokens),
                               SequenceText(self._decode, options.stop, options.call_tools is not None))
                 for tokens in ids]
-        rules = StopRules(self.eos_token_ids, options.max_new_tokens, self.target.max_seq_len)
+        eos = frozenset() if options.ignore_eos else self.eos_token_ids
+        rules = StopRules(eos, options.max_new_tokens, self.target.max_seq_len)
         call = CallState(seqs, options, resolved, rules, weakref.ref(handle), constraints=constraints,
                          streamed=streamed)
         self.loop.submit(call, self.prefill.kv_bytes(call))

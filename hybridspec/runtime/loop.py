@@ -37,14 +37,23 @@ class EngineLoop:
         self._lock = threading.Lock()  # guards _thread against a call submitted as the loop goes idle
         self._thread: threading.Thread | None = None
         self._between_steps = threading.RLock()  # held by the loop while it works; `paused` takes it between steps
+        self._pausing = 0  # `paused` blocks waiting for the loop or in it: the loop waits before its next step
+        self._unpaused = threading.Condition(self._lock)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Hold the loop between two steps for the `with` block: work that must not run beside a step (making a
         proposer, which may time the drafter on this machine), or calls submitted to begin together (none of which
-        the block may wait for: the loop waits for the block)."""
-        with self._between_steps:
-            yield
+        the block may wait for: the loop waits for the block). The loop's current step is the last before it."""
+        with self._lock:
+            self._pausing += 1  # a lock is not fair: without this the loop could take it back step after step
+        try:
+            with self._between_steps:
+                yield
+        finally:
+            with self._lock:
+                self._pausing -= 1
+                self._unpaused.notify_all()
 
     def submit(self, call: CallState, kv_bytes: int) -> None:
         """Put `call` in line (`QueueFull`, in the caller's thread, if the line is full) and make sure the loop runs."""
@@ -58,6 +67,7 @@ class EngineLoop:
         ON_LOOP.active = True
         while True:
             with self._lock:
+                self._unpaused.wait_for(lambda: not self._pausing)
                 if not self.running and not self.admission.waiting:
                     self._thread = None
                     break

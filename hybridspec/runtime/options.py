@@ -29,7 +29,8 @@ class SamplingOptions:
     num_speculative_tokens then defaults to the K it was trained for), a hybrid ("suffix+peagle", ...: the suffix
     draft where the text repeats, the drafter's elsewhere), "none", or a `Proposer`. tree=True drafts token trees,
     num_speculative_tokens then counting nodes; None lets the proposer choose (trees for drafters and hybrids, chains
-    for the suffix cache). A call stops at EOS, at any of `stop` (its text is cut before it), or after max_new_tokens.
+    for the suffix cache). A call stops at EOS (unless ignore_eos: a fixed length, as benchmarks want), at any of
+    `stop` (its text is cut before it), or after max_new_tokens.
 
     Structured output as OpenAI's API defines it: response_format {"type": "json_object"} or {"type": "json_schema",
     "json_schema": {"schema": ...}}; tools (function tools, rendered by the chat template) with tool_choice "auto"
@@ -51,6 +52,7 @@ class SamplingOptions:
     tree: bool | None = None
     stop: str | Sequence[str] | None = None  # kept as a tuple of strings
     seed: int | None = None
+    ignore_eos: bool = False
     response_format: Mapping[str, Any] | None = None
     tools: Sequence[Mapping[str, Any]] | None = None
     tool_choice: str | Mapping[str, Any] | None = None  # None: "auto" where tools are given
@@ -92,6 +94,9 @@ class SamplingOptions:
         tools, choice = check_tools(self.tools, self.tool_choice)
         grammar = checked_grammar_spec(self.response_format, tools, choice, bool(self.parallel_tool_calls),
                                        bool(self.compact_json))
+        if self.ignore_eos and grammar is not None:
+            raise InvalidParameter("ignore_eos cannot be used with response_format or tools: the grammar ends the "
+                                   "output with its EOS", "ignore_eos")
         set_field = object.__setattr__  # frozen: the checked forms are set once, here
         set_field(self, "temperature", float(self.temperature))
         set_field(self, "top_p", float(self.top_p))

@@ -77,14 +77,19 @@ class MessagesRequest(BaseModel):
 
 def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
     """The chat messages of `system` and `messages`: tool results become tool messages (before the user's text
-    beside them), tool uses an assistant's tool calls; a 400 names a block that is not text or a tool's."""
-    system = body.system if isinstance(body.system, str) else "\n".join(
-        b.get("text", "") for b in body.system or [] if b.get("type") == "text")
+    beside them), tool uses an assistant's tool calls; a 400 names a block that is not text or a tool's. A message
+    with the role "system" (which Claude Code sends) joins the system prompt, which chat templates want first."""
+    systems = [text_of(body.system)] + [text_of(m.get("content")) for m in body.messages if m.get("role") == "system"]
+    system = "\n\n".join(s for s in systems if s)
     messages = [{"role": "system", "content": system}] if system else []
+    if all(m.get("role") == "system" for m in body.messages):
+        raise APIError("messages: a request needs a user or assistant message besides the system prompt", "messages")
     for i, message in enumerate(body.messages):
         role, content = message.get("role"), message.get("content")
+        if role == "system":
+            continue
         if role not in ("user", "assistant"):
-            raise APIError(f"messages.{i}.role: {role!r} is not user or assistant", f"messages.{i}.role")
+            raise APIError(f"messages.{i}.role: {role!r} is not user, assistant or system", f"messages.{i}.role")
         if isinstance(content, str):
             messages.append({"role": role, "content": content})
             continue
@@ -99,16 +104,21 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                 calls.append({"id": block.get("id"), "type": "function",
                               "function": {"name": block.get("name"), "arguments": block.get("input") or {}}})
             elif kind == "tool_result" and role == "user":
-                result = block.get("content")
-                text = result if isinstance(result, str) else "\n".join(
-                    b.get("text", "") for b in result or [] if isinstance(b, dict) and b.get("type") == "text")
-                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
+                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                                 "content": text_of(block.get("content"))})
             elif kind not in ("thinking", "redacted_thinking"):
                 raise APIError(f"{where}.type: {kind!r} blocks are not supported in a {role} message here (text, "
                                f"tool_use, tool_result are)", f"{where}.type")
         if texts or calls or role == "assistant":
             messages.append({"role": role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})})
     return messages
+
+
+def text_of(content: Any) -> str:
+    """The text of a system prompt or a message's content: a string, or its text blocks."""
+    if isinstance(content, str) or content is None:
+        return content or ""
+    return "\n".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
 
 
 def error_response(e: APIError) -> JSONResponse:

@@ -29,7 +29,7 @@ MAX_N = 16  # choices per request
 REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                   "speculate": "speculate", "stop": "stop", "seed": "seed", "response_format": "response_format",
                   "tools": "tools", "tool_choice": "tool_choice", "parallel_tool_calls": "parallel_tool_calls",
-                  "logprobs": "logprobs"}
+                  "logprobs": "logprobs", "ignore_eos": "ignore_eos"}
 
 
 class APIError(Exception):
@@ -228,6 +228,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     speculate: str | None = None  # hybridspec's extension: the proposer of this request ("suffix", "none", ...)
+    ignore_eos: bool | None = None  # vLLM's extension: run to max_tokens
 
     @model_validator(mode="before")
     @classmethod
@@ -253,7 +254,7 @@ class _Request(BaseModel):
         """The options this request sets, by the engine's names."""
         values = dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                       top_k=None if self.top_k is None else max(0, self.top_k), speculate=self.speculate,
-                      stop=self.stop, seed=self.seed, logprobs=self.top_logprob_count(),
+                      stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos, logprobs=self.top_logprob_count(),
                       response_format=self.response_format and self.response_format.model_dump(
                           by_alias=True, exclude_none=True))
         return {name: value for name, value in values.items() if value is not None}
