@@ -201,8 +201,10 @@ def test_checks_ratios_and_targets():
     assert overall["serve-suffix"]["tokens_per_call"] == 10
     tools = dict(tables["tools"], **{"serve-suffix-spaced": {**tables["tools"]["serve-suffix"], "tokens_per_call": 14},
                                      "serve-suffix-messages": {**tables["tools"]["serve-suffix"], "tok_s": 9.9}})
-    goals = tool_targets(tools)
-    assert goals["spaced_tokens_per_call_vs_compact@1"] == {"ratio": 1.4, "target": 1.3, "pass": True}
+    replies = {"serve-suffix": {"tokens_per_call": 50}, "serve-suffix-spaced": {"tokens_per_call": 60}}
+    goals = tool_targets(tools, replies)
+    assert goals["spaced_tokens_per_call_vs_compact@1[tools]"] == {"ratio": 1.4, "target": 1.3, "pass": True}
+    assert goals["spaced_tokens_per_call_vs_compact@1[json]"] == {"ratio": 1.2, "target": 1.3, "pass": False}
     assert goals["messages_vs_chat@1"]["ratio"] == round(9.9 / tables["tools"]["serve-suffix"]["tok_s"], 3)
 
 

@@ -102,6 +102,8 @@ def test_health_models_and_cli(server, capsys):
     assert e.value.code == 0 and "--served-model-name" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--prefill-chunk must be positive"):  # before any model loads
         cli_main(["serve", "--prefill-chunk", "0"])
+    with pytest.raises(SystemExit, match="--default-temperature: temperature"):
+        cli_main(["serve", "--default-temperature", "-1"])
 
 
 def test_chat_greedy_equals_engine(client, engine):

@@ -1,16 +1,18 @@
-"""`hybridspec serve`: an OpenAI-compatible HTTP server on the engine, for agent frameworks (litellm, the `openai`
-client, mini-swe-agent, ...).
+"""`hybridspec serve`: an HTTP server on the engine that speaks the APIs agent clients speak: OpenAI's chat
+completions (the `openai` client, litellm, mini-swe-agent, ...), OpenAI's Responses API (Codex CLI, the OpenAI Agents
+SDK) and Anthropic's Messages API (Claude Code, the `anthropic` SDK).
 
-    hybridspec serve                       # SmolLM2 on http://127.0.0.1:8000/v1, suffix speculation
+    hybridspec serve                       # SmolLM2 on http://127.0.0.1:8000, suffix speculation
     hybridspec serve ~/models/my-llama --port 8080 --served-model-name my-llama --speculate ngram
 
-Endpoints: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models, /health, /metrics
-(Prometheus). Chat requests may send `tools` / `tool_choice` (Hermes-style <tool_call> blocks in the chat template,
-constrained by a grammar, returned as OpenAI's `tool_calls`) and any request `response_format` (JSON, a JSON schema).
-A request may pick its proposer with the extra body field `speculate`. A field a request leaves out gets OpenAI's
-default (temperature 1; max_tokens up to --max-tokens), not the Python API's greedy 256 tokens: clients written
-against OpenAI's API expect its defaults (`hybridspec.serve.app.SERVER_DEFAULTS`). `create_app(engine)` builds the
-app for any engine (tests, embedding in another ASGI server).
+Endpoints: POST /v1/chat/completions, /v1/completions, /v1/responses (GET / DELETE /v1/responses/{id}),
+/v1/messages, /v1/messages/count_tokens (streaming or not); GET /v1/models, /v1/models/{id}, /health, /metrics
+(Prometheus). Tools (Hermes-style <tool_call> blocks in the chat template, constrained by a grammar, returned as each
+API's calls) and structured output (JSON, a JSON schema) in every API, with compact JSON by default. A request may
+pick its proposer with the extra body field `speculate`. A field a request leaves out gets the API's default
+(temperature 1; max_tokens up to --max-tokens), not the Python API's greedy 256 tokens: clients written against those
+APIs expect their defaults (`hybridspec.serve.app.SERVER_DEFAULTS`). `create_app(engine)` builds the app for any
+engine (tests, embedding in another ASGI server).
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def create_app(*args, **kwargs):
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions)",
+    parser = subparsers.add_parser("serve", help="HTTP server: OpenAI's chat completions and Responses API, "
+                                   "Anthropic's Messages API",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default="smollm2",
                         help="'smollm2' (the embedded model, the default) or a local Hugging Face model directory")
@@ -40,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=1024,
                         help="the limit of requests that set no max_tokens (default 1024: OpenAI's defaults where a "
                              "request leaves a field out, temperature 1 included)")
+    parser.add_argument("--default-temperature", type=float, default=1.0, metavar="T",
+                        help="the temperature of requests that set none (default 1, the APIs' own; 0: greedy, for "
+                             "clients that send none, e.g. Claude Code, on a small model)")
     parser.add_argument("--max-model-len", type=int, default=None, help="the context (default: the model's)")
     parser.add_argument("--prefix-cache-bytes", type=int, default=None,
                         help="the KV budget of automatic prefix caching (default 2 GiB; 0: off)")
@@ -92,9 +98,11 @@ def _main(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'max_waiting' else 'positive'}")
     try:  # an unknown name fails here, at start, not at the first request
         defaults = SERVER_DEFAULTS.replace(max_new_tokens=args.max_tokens, speculate=args.speculate,
+                                           temperature=args.default_temperature,
                                            grammar_drafts=args.grammar_drafts, compact_json=args.compact_json)
     except InvalidParameter as e:
-        raise SystemExit(f"--{e.param.replace('max_new_tokens', 'max_tokens').replace('_', '-')}: {e}")
+        flags = {"max_new_tokens": "max-tokens", "temperature": "default-temperature"}
+        raise SystemExit(f"--{flags.get(e.param, e.param.replace('_', '-'))}: {e}")
     threads = set_threads(args.threads)
     limit_allocator_arenas()
     engine = Engine.from_pretrained(args.model, max_model_len=args.max_model_len,
