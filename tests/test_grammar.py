@@ -315,3 +315,32 @@ def test_compact_json_has_no_free_whitespace_and_the_other_grammar_is_kept(engin
             texts = [t.split('"arguments": ', 1)[1].rsplit("}\n</tool_call>", 1)[0] for t in texts if "arguments" in t]
         spaces = [c for t in texts for c in free_whitespace(t)]
         assert texts and bool(spaces) != compact, (options, texts)  # a random model spends tokens on it where free
+
+
+class DeadEnd:
+    """A matcher at a state that allows no token at all (a schema that cannot be completed, found as it is reached)."""
+
+    def fill_next_token_bitmask(self, masks, row: int = 0) -> bool:
+        masks[row].zero_()
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def accept_token(self, token: int) -> bool:
+        return False
+
+    def rollback(self, n: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_grammar_that_allows_nothing_ends_its_call_with_an_error_naming_the_field(tree):
+    from hybridspec.grammar.constraint import Constraint
+
+    constraint = Constraint(DeadEnd(), 64, lambda text: [], param="tools")
+    proposal = Proposal(token_ids=[5, 6], parents=[-1, -1], probs=[1.0, 1.0], score=2.0) if tree else \
+        Proposal.chain([5, 6])
+    with pytest.raises(InvalidParameter, match="allows nothing more") as e:
+        constraint.prepare(proposal, budget=4, forced=True)
+    assert e.value.param == "tools"

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, TimeoutError
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -144,48 +147,127 @@ def tool_calls_tag(tools: list[dict], tool_choice: str | dict, parallel_tool_cal
                                                         stop_after_first=not parallel_tool_calls))
 
 
-class GrammarCompiler:
-    """Compiles `GrammarSpec`s for one tokenizer (xgrammar caches compiled grammars by content) and makes each
-    sequence its `Constraint`. stop_token_ids: the tokens that end generation, allowed once the grammar is complete."""
+MAX_SCHEMA_BYTES = 128 << 10  # an 8,000-value enum (100 KB) compiles in 0.1 s here, a 10,000-value one (129 KB) in 4 s
+COMPILE_TIMEOUT_S = 10.0
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] [^:]+:\d+: ")
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+
+class GrammarCompiler:
+    """Compiles `GrammarSpec`s for one tokenizer and makes each sequence its `Constraint`. stop_token_ids: the tokens
+    that end generation, allowed once the grammar is complete.
+
+    What a request may cost is bounded: schemas past `max_schema_bytes` (their JSON; a tool's description does not
+    count) are refused before compiling, and a compile that runs past `timeout_s` is answered with an
+    `InvalidParameter` while it finishes in the background. Compiles run in threads of their own (xgrammar releases
+    the GIL), each spec once: the same schema again, even while it compiles, waits for that compile (the last
+    `cache_size` specs are kept)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 max_schema_bytes: int = MAX_SCHEMA_BYTES, timeout_s: float = COMPILE_TIMEOUT_S,
+                 cache_size: int = 64) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.max_schema_bytes, self.timeout_s, self.cache_size = max_schema_bytes, timeout_s, cache_size
         self._compiler = None
+        self._lock = threading.Lock()
+        self._compiles: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridspec-grammar")
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar; an `InvalidParameter` where xgrammar refuses the schema or tools."""
+        """The compiled grammar; an `InvalidParameter` (param "tools" or "response_format") where the schema is too
+        large, takes too long, cannot be compiled or can never be satisfied."""
+        param = "tools" if spec.kind == "tools" else "response_format"
+        size = schema_bytes(spec)
+        if size > self.max_schema_bytes:
+            raise InvalidParameter(f"{param}: the schema is {size} bytes of JSON; this server compiles at most "
+                                   f"{self.max_schema_bytes}", param)
+        with self._lock:
+            future = self._compiles.get(spec)
+            if future is None or (future.done() and _unexpected(future.exception())):  # a fault: try again
+                future = self._compiles[spec] = self._pool.submit(self._compile, spec, param)
+                while len(self._compiles) > self.cache_size:
+                    self._compiles.popitem(last=False)
+            self._compiles.move_to_end(spec)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except InvalidParameter as e:  # the same refusal as the first time, raised afresh (a traceback of its own)
+            raise InvalidParameter(str(e), e.param) from None
+        except TimeoutError:
+            raise InvalidParameter(f"{param}: the schema takes more than {self.timeout_s:g} s to compile (a large "
+                                   f"enum or a deeply nested schema)", param) from None
+
+    def _compile(self, spec: GrammarSpec, param: str) -> Any:
         import xgrammar as xgr
 
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         try:
             if spec.kind == "json_schema":
-                return self._compiler.compile_json_schema(spec.body, any_whitespace=not spec.compact)
-            return self._compiler.compile_structural_tag(tool_calls_tag(**json.loads(spec.body), compact=spec.compact))
+                compiled = self._compiler.compile_json_schema(spec.body, any_whitespace=not spec.compact)
+            else:
+                compiled = self._compiler.compile_structural_tag(
+                    tool_calls_tag(**json.loads(spec.body), compact=spec.compact))
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors for a bad schema subclass these
-            param = "tools" if spec.kind == "tools" else "response_format"
-            raise InvalidParameter(f"{param}: the grammar cannot be built: {e}", param) from e
+            raise InvalidParameter(f"{param}: the schema cannot be compiled: {compiler_reason(e)}", param) from None
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        if not bool(mask.any()):
+            raise InvalidParameter(f"{param}: no output can satisfy the schema (a $ref that only refers to itself?)",
+                                   param)
+        return compiled
 
-    def constraint(self, compiled: Any) -> "Constraint":
+    def constraint(self, compiled: Any, param: str = "response_format") -> "Constraint":
+        """A sequence's state in `compiled`; `param`: what its errors name ("tools" or "response_format")."""
         import xgrammar as xgr
 
-        return Constraint(xgr.GrammarMatcher(compiled), self.vocab_size, self._encode)
+        return Constraint(xgr.GrammarMatcher(compiled), self.vocab_size, self._encode, param)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _unexpected(error: BaseException | None) -> bool:
+    return error is not None and not isinstance(error, InvalidParameter)
+
+
+def schema_bytes(spec: GrammarSpec) -> int:
+    """The size of what the grammar is compiled from: the schema, or the tools' parameter schemas."""
+    if spec.kind != "tools":
+        return len(spec.body)
+    tools = json.loads(spec.body)["tools"]
+    return sum(len(json.dumps(t["function"].get("parameters") or {})) for t in tools)
+
+
+def compiler_reason(e: Exception) -> str:
+    """xgrammar's error in a sentence a client can act on: its message without the C++ source location, or where
+    it reports an internal check, what that means."""
+    text = _CPP_PREFIX.sub("", str(e).strip()).strip()
+    if not text or "Check failed" in text or "\n" in text:
+        return "it uses a construct the grammar compiler does not support (e.g. a pattern it cannot convert)"
+    return text
 
 
 class Constraint:
     """One sequence's grammar state (an xgrammar matcher at its committed tokens). Every method leaves the matcher
     where it found it but `accept`."""
 
-    def __init__(self, matcher: Any, vocab_size: int, encode: Callable[[str], list[int]]) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, encode: Callable[[str], list[int]],
+                 param: str = "response_format") -> None:
         import xgrammar as xgr
 
-        self.matcher, self.vocab_size, self.encode = matcher, vocab_size, encode
+        self.matcher, self.vocab_size, self.encode, self.param = matcher, vocab_size, encode, param
         self._scratch = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def _check_alive(self, mask: torch.Tensor, filled: bool) -> None:
+        """An `InvalidParameter` where the grammar allows no token after the committed ones (not even the end): a
+        schema that cannot be completed, found only as the output reaches that point."""
+        if filled and not self.matcher.is_terminated() and not bool(mask.any()):
+            raise InvalidParameter(f"{self.param}: the output reached a point where the schema allows nothing more "
+                                   f"(a schema that can never be satisfied)", self.param)
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Advance past committed tokens (the target chose them from masked distributions: the grammar allows them)."""
@@ -240,6 +322,7 @@ class Constraint:
                 needed |= matcher.fill_next_token_bitmask(masks, row)
 
         fill(0)
+        self._check_alive(masks[0], needed)
         kept = 0
         for token in proposal.token_ids:
             if matcher.is_terminated() or not matcher.accept_token(token):
@@ -294,6 +377,7 @@ class Constraint:
                     self.matcher.rollback(1)
 
         visit(0)
+        self._check_alive(masks[0], needed)
         kept.sort()
         rows = torch.tensor([0] + [1 + i for i in kept])
         return GrammarDraft(proposal.subset(kept), 0, masks[rows] if needed else None)

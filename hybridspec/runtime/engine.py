@@ -37,7 +37,7 @@ from hybridspec.runtime.loop import EngineLoop
 from hybridspec.runtime.options import DEFAULT_OPTIONS, SamplingOptions, make_options, resolve
 from hybridspec.runtime.prefill import Prefill
 from hybridspec.runtime.prefix_cache import PREFIX_CACHE_BYTES, PrefixCache
-from hybridspec.runtime.prompts import PromptLike, encode_prompt, is_batch, is_messages
+from hybridspec.runtime.prompts import PromptLike, encode_prompt, is_batch, is_messages, longest_token_chars
 from hybridspec.runtime.proposers import SPECULATE_CHOICES, Proposers
 from hybridspec.runtime.scheduler import Scheduler
 from hybridspec.runtime.session import Session
@@ -115,6 +115,7 @@ class Engine:
         self.loop = EngineLoop(self.admission, Scheduler(self.prefill), self.step, self._begin, self._end)
         self.proposers.exclusive = self.loop.paused  # a proposer made on first use is made between steps
         self._request_ids = itertools.count()
+        self._token_chars: int | None = None  # the longest token's characters: a prompt's least tokens, at a glance
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
@@ -150,10 +151,13 @@ class Engine:
     def encode(self, prompt: PromptLike, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Token ids of a prompt: text as is, chat messages through the chat template (with `tools` where given), or
         token ids."""
+        if self._token_chars is None:
+            self._token_chars = longest_token_chars(self.tokenizer)
         if not is_messages(prompt):  # tools are part of a chat prompt only
-            return encode_prompt(self.tokenizer, prompt, self.target.vocab_size, self.target.max_seq_len)
+            return encode_prompt(self.tokenizer, prompt, self.target.vocab_size, self.target.max_seq_len,
+                                 token_chars=self._token_chars)
         return encode_prompt(self.tokenizer, prompt, self.target.vocab_size, self.target.max_seq_len, tools=tools,
-                             chat_template=self.chat_template)
+                             chat_template=self.chat_template, token_chars=self._token_chars)
 
     def generate(self, prompt_or_messages: PromptLike | Sequence[PromptLike], options: SamplingOptions | None = None,
                  **overrides: Any) -> GenerationResult | list[GenerationResult]:
@@ -190,7 +194,8 @@ class Engine:
         constraints = None
         if options.grammar is not None:
             compiled = self.grammars.compile(options.grammar)
-            constraints = [self.grammars.constraint(compiled) for _ in ids]
+            param = "tools" if options.grammar.kind == "tools" else "response_format"
+            constraints = [self.grammars.constraint(compiled, param) for _ in ids]
         handle = RequestHandle()
         seqs = [SequenceState(f"hs-{next(self._request_ids)}", tokens, len(tokens),
                               SequenceText(self._decode, options.stop, options.call_tools is not None))

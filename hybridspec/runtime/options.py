@@ -65,9 +65,9 @@ class SamplingOptions:
     call_tools: tuple[dict, ...] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not _integer(self.max_new_tokens) or self.max_new_tokens <= 0:
-            raise InvalidParameter(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}",
-                                   "max_new_tokens")
+        if not _integer(self.max_new_tokens) or not 0 < self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise InvalidParameter(f"max_new_tokens must be a positive integer up to {MAX_NEW_TOKENS}, got "
+                                   f"{self.max_new_tokens!r}", "max_new_tokens")
         for name in ("temperature", "top_p"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
                 raise InvalidParameter(f"{name} must be a number, got {getattr(self, name)!r}", name)
@@ -89,8 +89,8 @@ class SamplingOptions:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidParameter("stop strings must be non-empty strings", "stop")
-        if self.seed is not None and not _integer(self.seed):
-            raise InvalidParameter(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and (not _integer(self.seed) or not -2**63 <= self.seed < 2**64):
+            raise InvalidParameter(f"seed must be a 64-bit integer, got {self.seed!r}", "seed")
         tools, choice = check_tools(self.tools, self.tool_choice)
         grammar = checked_grammar_spec(self.response_format, tools, choice, bool(self.parallel_tool_calls),
                                        bool(self.compact_json))
@@ -118,6 +118,7 @@ class SamplingOptions:
 
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_NEW_TOKENS = 2**31 - 1  # no context is longer; a reply past the context's end stops there ("length")
 
 
 def _integer(value: Any) -> bool:

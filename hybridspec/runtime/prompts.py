@@ -93,19 +93,58 @@ def is_messages(prompt: Any) -> bool:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and any(isinstance(m, Mapping) for m in prompt)
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters any one token's text holds: a prompt of n characters has at least n / this many tokens.
+    The vocabulary's own strings (byte-level BPE's spell a byte as one character, a UTF-8 character's bytes as
+    several) are never shorter than the text they decode to."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(t) for t in vocab), default=0) or 64
+
+
+def prompt_chars(prompt: Any) -> int:
+    """The characters of a prompt's text (a chat prompt's message contents, whatever their shape); 0 for token ids."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if not is_messages(prompt):
+        return 0
+    total, todo = 0, [m.get("content") for m in prompt if isinstance(m, Mapping)]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, Mapping):
+            todo.extend(item.values())
+        elif isinstance(item, Sequence) and not isinstance(item, (bytes, bytearray)):
+            todo.extend(item)
+    return total
+
+
 def encode_prompt(tokenizer: Any, prompt: PromptLike, vocab_size: int, max_seq_len: int,
-                  tools: Sequence[Mapping[str, Any]] | None = None, chat_template: str | None = None) -> list[int]:
+                  tools: Sequence[Mapping[str, Any]] | None = None, chat_template: str | None = None,
+                  token_chars: int | None = None) -> list[int]:
     """Token ids of a prompt: text as is, chat messages through a chat template, or token ids. A chat prompt is
     rendered with `tools` (OpenAI function tools) by `chat_template` (a template's text), by default the
     tokenizer's own, or the shipped ChatML tools template where that one ignores tools. An `InvalidParameter` says
     what is wrong with the prompt (nothing else runs): `param` "prompt", or the chat message's field;
-    `ContextLengthExceeded` where it does not fit the context."""
+    `ContextLengthExceeded` where it does not fit the context, before tokenizing where its text alone is longer than
+    the context's tokens of `token_chars` characters each (`longest_token_chars`) could hold."""
+    if token_chars is not None and (chars := prompt_chars(prompt)) > token_chars * max_seq_len:
+        raise ContextLengthExceeded(f"the prompt has {chars} characters, at least {chars // token_chars} tokens; the "
+                                    f"model's context is {max_seq_len}", "prompt")
+    if isinstance(prompt, (list, tuple)) and not is_messages(prompt) and len(prompt) >= max_seq_len:  # before each id
+        raise ContextLengthExceeded(f"the prompt has {len(prompt)} tokens; the model's context is {max_seq_len} (at "
+                                    f"least one token must remain to generate)", "prompt")
     if isinstance(prompt, str):
+        _check_unicode(prompt, "prompt")
         ids = tokenizer.encode(prompt)
     elif is_messages(prompt):
-        ids = render_messages(tokenizer, check_messages(prompt), tools, chat_template)
-    elif all(isinstance(t, numbers.Integral) or (getattr(t, "dim", None) is not None and t.dim() == 0)
-             for t in prompt):  # token ids: a list, or a 1-d tensor
+        messages = check_messages(prompt)
+        for i, message in enumerate(messages):
+            _check_unicode(message.get("content"), f"messages[{i}].content")
+        ids = render_messages(tokenizer, messages, tools, chat_template)
+    elif hasattr(prompt, "__iter__") and all(
+            isinstance(t, numbers.Integral) or (getattr(t, "dim", None) is not None and t.dim() == 0)
+            for t in prompt):  # token ids: a list, or a 1-d tensor
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
@@ -120,6 +159,19 @@ def encode_prompt(tokenizer: Any, prompt: PromptLike, vocab_size: int, max_seq_l
         raise ContextLengthExceeded(f"the prompt has {len(ids)} tokens; the model's context is {max_seq_len} (at "
                                     f"least one token must remain to generate)", "prompt")
     return ids
+
+
+def _check_unicode(content: Any, param: str) -> None:
+    """An `InvalidParameter` where text holds a lone surrogate ("\\ud800": valid in JSON, in no tokenizer)."""
+    texts = [content] if isinstance(content, str) else [
+        p.get("text") for p in content or [] if isinstance(p, Mapping)] if isinstance(content, list) else []
+    for text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidParameter(f"{param} holds text that is not valid Unicode (a lone surrogate)",
+                                       param) from None
 
 
 def is_batch(prompt_or_prompts: Any) -> bool:

@@ -17,6 +17,7 @@ engine (tests, embedding in another ASGI server).
 from __future__ import annotations
 
 import argparse
+import os
 
 __all__ = ["create_app", "register"]
 
@@ -33,7 +34,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default="smollm2",
                         help="'smollm2' (the embedded model, the default) or a local Hugging Face model directory")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for others, "
+                             "with --api-key)")
+    parser.add_argument("--api-key", default=os.environ.get("HYBRIDSPEC_API_KEY") or None,
+                        help="the key every /v1 route and /metrics want (Authorization: Bearer KEY, or x-api-key); "
+                             "default $HYBRIDSPEC_API_KEY, else none")
+    parser.add_argument("--max-body-size", type=parse_size, default=None, metavar="BYTES",
+                        help="the largest request body (default 16M); larger ones get a 413, unread")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the model argument's last path component)")
@@ -116,7 +124,8 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--speculate: {e}")
     prometheus_client.disable_created_metrics()  # no `_created` series beside every counter (as vLLM)
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
-    app = create_app(engine, served_model_name=name, defaults=defaults)
+    app = create_app(engine, served_model_name=name, defaults=defaults, api_key=args.api_key,
+                     **({"max_body_bytes": args.max_body_size} if args.max_body_size else {}))
     limits = engine.admission.limits
     print(f"hybridspec serve: {name} on http://{args.host}:{args.port}/v1 (speculate={args.speculate}; "
           f"{threads} threads; at most {limits.max_num_seqs} requests "

@@ -132,7 +132,7 @@ def register(app, server) -> None:
     @app.post(MESSAGES)
     async def messages(request: Request):
         body = await server.parse(request, MessagesRequest)
-        return await respond(server, body)
+        return await respond(server, body, request)
 
     @app.post(COUNT_TOKENS)
     async def count_tokens(request: Request):
@@ -148,14 +148,14 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int = 1  # not part of a count_tokens request
 
 
-async def respond(server, body: MessagesRequest):
+async def respond(server, body: MessagesRequest, request: Request):
     messages = chat_messages(body)
     options = server.options(body, "messages")
     handle = await server.start(MESSAGES, body, [messages], options, "messages")
     reply = Reply(server.model, options.call_tools is not None)
     if body.stream:
         return server.sse(_events(server, handle, reply))
-    results = await server.finish(MESSAGES, handle)
+    results = await server.finish(MESSAGES, handle, request, body, "messages")
     server.metrics.ended(MESSAGES, reply.stop_reason(results[0]), results)
     return server.json(reply.message(results[0]))
 

@@ -12,6 +12,8 @@ shape of the API asked (OpenAI's `{"error": {...}}`, Anthropic's `{"type": "erro
 """
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import time
 from typing import Any, AsyncIterator
@@ -39,18 +41,25 @@ SERVER_DEFAULTS = SamplingOptions(max_new_tokens=1024, temperature=1.0)
 # JSON nesting a body may have: far beyond real requests (a tool's schema 40 levels deep fits); a deeper one is refused
 # here rather than recursed into later (json, pydantic, the chat template, the grammar compiler: a RecursionError)
 MAX_DEPTH = 100
+# A request body's bytes: an agent's whole 128k-token conversation with its tools is a few MB; past this, a 413 before
+# the body is read
+MAX_BODY_BYTES = 16 << 20
 
 
 def create_app(engine, served_model_name: str = "smollm2", defaults: SamplingOptions = SERVER_DEFAULTS,
                registry: CollectorRegistry | None = None,
-               response_store_bytes: int = openai_responses.STORE_BYTES) -> FastAPI:
+               response_store_bytes: int = openai_responses.STORE_BYTES, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The server's app on `engine`. defaults: what a request that leaves a field out gets (`SERVER_DEFAULTS`; its
     `speculate` is the proposer of requests that name none, its `max_new_tokens` the limit of those that set no
     limit). Metrics go to `registry` (default: a new one, this app's own). response_store_bytes: the memory the
-    Responses API's stored responses may take (`previous_response_id`; the oldest go first; 0: none kept)."""
+    Responses API's stored responses may take (`previous_response_id`; the oldest go first; 0: none kept).
+    api_key: where set, every /v1 route and /metrics want it (`Authorization: Bearer KEY`, or `x-api-key: KEY` as
+    Anthropic's clients send it); /health stays open. max_body_bytes: a larger body is a 413, unread."""
     app = FastAPI(title="hybridspec", version=_version(), docs_url=None, redoc_url=None)
     server = Server(engine, served_model_name, defaults,
-                    Metrics(registry, getattr(engine, "admission", None), getattr(engine, "passes", None)))
+                    Metrics(registry, getattr(engine, "admission", None), getattr(engine, "passes", None)),
+                    max_body_bytes)
     app.state.server = server
     app.state.metrics = server.metrics
 
@@ -67,11 +76,17 @@ def create_app(engine, served_model_name: str = "smollm2", defaults: SamplingOpt
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return _error(request, APIError(str(e.detail), None, e.status_code, type=kind))
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody receives it
+
     @app.exception_handler(Exception)
     async def _server_error(request: Request, e: Exception) -> JSONResponse:
         return _error(request, APIError(f"internal error: {type(e).__name__}: {e}", None, 500, type="server_error"))
 
-    app.add_middleware(_CountResponses, metrics=server.metrics)
+    if api_key:
+        app.add_middleware(_RequireKey, key=api_key)
+    app.add_middleware(_CountResponses, metrics=server.metrics)  # added last: it runs first, and counts the 401s
 
     @app.get("/health")
     async def health() -> dict:
@@ -97,8 +112,12 @@ def create_app(engine, served_model_name: str = "smollm2", defaults: SamplingOpt
 
 
 def _error(request: Request, e: APIError) -> JSONResponse:
+    return error_for(request.url.path, e)
+
+
+def error_for(path: str, e: APIError) -> JSONResponse:
     """An error in the shape of the API the request asked: Anthropic's under /v1/messages, else OpenAI's."""
-    if request.url.path.startswith(anthropic_messages.MESSAGES):
+    if path.startswith(anthropic_messages.MESSAGES):
         return anthropic_messages.error_response(e)
     return e.response()
 
@@ -115,8 +134,10 @@ class Server:
     """What every API's routes share: the engine, the served model's name, the defaults of a request's options, the
     metrics; parsing a body, starting an engine call with the API's errors, awaiting or streaming its end."""
 
-    def __init__(self, engine, model: str, defaults: SamplingOptions, metrics: Metrics):
+    def __init__(self, engine, model: str, defaults: SamplingOptions, metrics: Metrics,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         self.engine, self.model, self.defaults, self.metrics = engine, model, defaults, metrics
+        self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
 
     def model_card(self) -> ModelCard:
@@ -128,23 +149,41 @@ class Server:
                            "model_not_found", "not_found_error")
 
     async def parse(self, request: Request, model: type[BaseModel]):
-        """The request body as `model`: JSON whatever the Content-Type says (curl -d sends a form's), no deeper than
-        MAX_DEPTH, its model the served one."""
+        """The request body as `model`: at most max_body_bytes (a 413 otherwise, the rest unread), JSON whatever the
+        Content-Type says (curl -d sends a form's), no deeper than MAX_DEPTH, its text valid Unicode, its model the
+        served one."""
         try:
-            data = json.loads(await request.body())
+            data = json.loads(await self._body(request))
+        except UnicodeDecodeError:
+            raise APIError("the body is not valid UTF-8", None, code="json_invalid") from None
         except ValueError as e:
             raise APIError(f"the body is not valid JSON: {e}", None, code="json_invalid") from None
         except RecursionError:
             raise APIError(f"the body is nested more than {MAX_DEPTH} levels deep", None) from None
-        field = _too_deep(data, MAX_DEPTH)
-        if field is not None:
-            raise APIError(f"{field or 'the body'} is nested more than {MAX_DEPTH} levels deep", field or None)
+        problem = _check_json(data, MAX_DEPTH)
+        if problem is not None:
+            field, what = problem
+            raise APIError(f"{field or 'the body'} {what}", field or None)
         try:
             body = model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e.errors()) from None
         self.check_model(getattr(body, "model", None))
         return body
+
+    async def _body(self, request: Request) -> bytes:
+        too_large = APIError(f"the body is larger than this server takes ({self.max_body_bytes} bytes)", None, 413,
+                             "request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def options(self, body, prompt_field: str) -> SamplingOptions:
         """The engine's options for a request (`to_options` over the server's defaults), its errors as 400s naming
@@ -168,11 +207,19 @@ class Server:
             raise APIError(str(e), None, 429, "rate_limit_exceeded", "requests",
                            headers={"Retry-After": str(int(e.retry_after))}) from None
 
-    async def finish(self, endpoint: str, handle) -> list:
-        """Await the call's end; its results (an engine failure is counted and raised: the error handler's 500)."""
+    async def finish(self, endpoint: str, handle, request: Request, body=None, prompt_field: str = "") -> list:
+        """Await the call's end; its results. A client that goes away meanwhile cancels the call (its place and KV
+        freed before the next step; counted "abort"). A refusal found as the call ran (a schema that cannot be
+        completed) is a 400 naming the request's field; any other engine failure is counted and raised: a 500."""
+        left = asyncio.ensure_future(_disconnected(request))
+        left.add_done_callback(lambda task: task.cancelled() or handle.cancel())
         try:
             async for _ in handle.outputs():
                 pass
+        except InvalidParameter as e:
+            self.metrics.ended(endpoint, "error")
+            raise APIError(str(e), body.request_field(e.param, prompt_field or chat.PROMPT_FIELDS.get(
+                endpoint, "messages")) if body is not None else None) from None
         except Exception:
             self.metrics.ended(endpoint, "error")
             raise
@@ -180,6 +227,11 @@ class Server:
             self.metrics.ended(endpoint, "abort")
             handle.cancel()
             raise
+        finally:
+            left.cancel()
+        if handle.results is None:  # the client left: nobody reads an answer
+            self.metrics.ended(endpoint, "abort")
+            raise ClientGone()
         return handle.results
 
     def token_text(self, token: int) -> str:
@@ -198,23 +250,72 @@ class Server:
         return _SSE(events, headers={"Cache-Control": "no-cache"})
 
 
-def _too_deep(data: Any, limit: int) -> str | None:
-    """The top-level field of `data` nested deeper than `limit` ("" for the body itself), or None."""
-    for field, value in data.items() if isinstance(data, dict) else [("", data)]:
-        stack = [(value, 2)]
-        while stack:
-            item, depth = stack.pop()
-            if isinstance(item, (dict, list)):
-                if depth > limit:
-                    return field
-                stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+def _check_json(data: Any, limit: int) -> tuple[str, str] | None:
+    """The first field of `data` (its path, "" for the body itself) nested deeper than `limit` or holding text that is
+    not valid Unicode (a lone surrogate, "\\ud800", which JSON allows and no tokenizer takes), and what is wrong."""
+    stack: list[tuple[Any, int, tuple]] = [(data, 1, ())]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, str):
+            if not _valid_unicode(item):
+                return param_path(path) or "", "holds text that is not valid Unicode (a lone surrogate)"
+        elif isinstance(item, (dict, list)):
+            if depth > limit:
+                return param_path(path[:1]) or "", f"is nested more than {limit} levels deep"
+            if isinstance(item, dict):
+                for key, value in item.items():
+                    if not _valid_unicode(key):
+                        return param_path(path) or "", "holds a key that is not valid Unicode (a lone surrogate)"
+                    stack.append((value, depth + 1, (*path, key)))
+            else:
+                stack.extend((value, depth + 1, (*path, i)) for i, value in enumerate(item))
     return None
+
+
+def _valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away (its body already read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientGone(Exception):
+    """The client of a request went away before its answer: nothing is sent."""
 
 
 def _version() -> str:
     from hybridspec import __version__
 
     return __version__
+
+
+class _RequireKey:
+    """The API key on every /v1 route and /metrics (`Authorization: Bearer KEY` or `x-api-key: KEY`), compared in
+    constant time; a 401 in the API's shape otherwise. /health stays open (for load balancers and probes)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path.startswith("/v1") or path == "/metrics"):
+            return await self.app(scope, receive, send)
+        headers = {name.lower(): value for name, value in scope.get("headers", [])}
+        bearer = headers.get(b"authorization", b"")
+        given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        if hmac.compare_digest(given.strip(), self.key):
+            return await self.app(scope, receive, send)
+        error = APIError("a valid API key is required (Authorization: Bearer KEY)", None, 401, "invalid_api_key",
+                         "authentication_error" if path.startswith(anthropic_messages.MESSAGES) else
+                         "invalid_request_error", headers={"WWW-Authenticate": "Bearer"})
+        await error_for(path, error)(scope, receive, send)
 
 
 class _CountResponses:

@@ -27,15 +27,15 @@ def register(app, server) -> None:
     @app.post(CHAT)
     async def chat_completions(request: Request):
         body = await server.parse(request, ChatCompletionRequest)
-        return await complete(server, CHAT, body, [m.model_dump(exclude_none=True) for m in body.messages])
+        return await complete(server, CHAT, body, [m.model_dump(exclude_none=True) for m in body.messages], request)
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):
         body = await server.parse(request, CompletionRequest)
-        return await complete(server, COMPLETIONS, body, body.prompt)
+        return await complete(server, COMPLETIONS, body, body.prompt, request)
 
 
-async def complete(server, endpoint: str, body, prompt):
+async def complete(server, endpoint: str, body, prompt, request: Request):
     options = server.options(body, PROMPT_FIELDS[endpoint])
     handle = await server.start(endpoint, body, [prompt] * body.n, options)
     ids = Ids(endpoint, server.model, server.token_text)
@@ -43,7 +43,7 @@ async def complete(server, endpoint: str, body, prompt):
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return server.sse(_events(server, endpoint, handle, ids, include_usage, tools, body.n))
-    results = await server.finish(endpoint, handle)
+    results = await server.finish(endpoint, handle, request, body)
     if ids.chat:
         messages = [_message(r, tools) for r in results]
         reasons = [finish_reason(r.finish_reason, bool(m.tool_calls)) for r, m in zip(results, messages)]

@@ -167,7 +167,7 @@ def register(app, server, store: ResponseStore) -> None:
     @app.post(RESPONSES)
     async def create(request: Request):
         body = await server.parse(request, ResponsesRequest)
-        return await respond(server, store, body)
+        return await respond(server, store, body, request)
 
     @app.get(RESPONSES + "/{response_id}")
     async def retrieve(response_id: str):
@@ -185,7 +185,7 @@ def register(app, server, store: ResponseStore) -> None:
         return server.json({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-async def respond(server, store: ResponseStore, body: ResponsesRequest):
+async def respond(server, store: ResponseStore, body: ResponsesRequest, request: Request):
     messages = input_messages(body)
     if body.previous_response_id:
         stored = store.get(body.previous_response_id)
@@ -199,7 +199,7 @@ async def respond(server, store: ResponseStore, body: ResponsesRequest):
     reply = Reply(server, body, options)
     if body.stream:
         return server.sse(_events(server, store, handle, reply, messages))
-    results = await server.finish(RESPONSES, handle)
+    results = await server.finish(RESPONSES, handle, request, body, "input")
     response = reply.finished(results[0])
     server.metrics.ended(RESPONSES, reply.finish_reason(results[0]), results)
     if body.store is not False:
