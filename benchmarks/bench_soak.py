@@ -3,7 +3,9 @@ a while. What it must survive unharmed (issue 49): every accepted normal request
 sent alone, no answer is a 500, and the server's resident memory comes back to within 10% of its level after warm-up.
 
 The server: `.venv/bin/hybridspec serve MODEL` in a subprocess (one torch thread, `--max-body-size 1M` so that an
-oversized body costs little to send). Requests (the `openai`-style JSON over httpx; each worker its own seeded mix):
+oversized body costs little to send, `--prefix-cache-bytes` 64M: full after the warm-up, so that memory which grows
+past it is a leak and not the prefix cache filling towards its 2 GiB default; its evictions are exercised too).
+Requests (JSON over httpx; each worker its own seeded mix):
 - normal (half): MT-Bench first turns (../shared/workloads), greedy, `--max-tokens` new tokens, streamed or not, chat
   completions or the Responses API; the reference is each prompt sent alone first (which is also the warm-up);
 - cancelled (a fifth): a streamed request closed after its first chunk, or a non-streamed one whose client times out
@@ -250,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                              "levels are compared with")
     parser.add_argument("--prompts", type=int, default=8, help="MT-Bench first turns the normal requests send")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--prefix-cache-bytes", type=int, default=64 << 20,
+                        help="the server's prefix cache (default 64 MiB: full after the warm-up)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the server's log here")
@@ -261,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench_soak-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    argv_ = serve_argv(args.model, port, "soak", "suffix", 1) + ["--max-body-size", BODY_LIMIT]
+    argv_ = serve_argv(args.model, port, "soak", "suffix", 1) + ["--max-body-size", BODY_LIMIT,
+                                                                 "--prefix-cache-bytes", str(args.prefix_cache_bytes)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     result: dict[str, Any] = {"config": vars(args) | {"json": str(args.json), "log_dir": str(log_dir)},

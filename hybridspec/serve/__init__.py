@@ -129,7 +129,8 @@ def _main(args: argparse.Namespace) -> int:
     limits = engine.admission.limits
     print(f"hybridspec serve: {name} on http://{args.host}:{args.port}/v1 (speculate={args.speculate}; "
           f"{threads} threads; at most {limits.max_num_seqs} requests "
-          f"running in {limits.kv_cache_memory / 2**30:.1f} GiB of KV, {limits.max_waiting} waiting)", flush=True)
+          f"running in {limits.kv_cache_memory / 2**30:.1f} GiB of KV, {limits.max_waiting} waiting"
+          f"{'; an API key required' if args.api_key else ''})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

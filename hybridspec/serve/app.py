@@ -5,10 +5,12 @@
 Every request is one engine call: its body becomes the engine's options (over the server's defaults), the call is
 submitted, and its handle's deltas (text, with tools the content and tool-call deltas the engine parsed) are awaited
 on the event loop as the engine's loop commits them; concurrent requests share the engine's steps (continuous
-batching) and each gets what it would get alone. A streaming client that goes away cancels its call, which leaves the
-line if it waits or the batch before the next step (its requests aborted, its place and KV freed). Past the engine's
-limits a request waits for a place; past its queue's, it is answered 429 (with `Retry-After`). Errors come in the
-shape of the API asked (OpenAI's `{"error": {...}}`, Anthropic's `{"type": "error", "error": {...}}`).
+batching) and each gets what it would get alone. A client that goes away, streamed or not, cancels its call, which
+leaves the line if it waits or the batch before the next step (its requests aborted, its place and KV freed). What a
+request may cost is bounded (its body's bytes, its prompt before tokenizing, its grammar), a client's mistake is a 400
+naming its field, and with an API key only its holders get past /health. Past the engine's limits a request waits for
+a place; past its queue's, it is answered 429 (with `Retry-After`). Errors come in the shape of the API asked (OpenAI's
+`{"error": {...}}`, Anthropic's `{"type": "error", "error": {...}}`).
 """
 from __future__ import annotations
 
