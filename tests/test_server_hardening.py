@@ -147,6 +147,15 @@ def test_the_python_api_refuses_the_same_prompts_by_name(engine, monkeypatch, pr
     assert type(e.value).__name__ == error and e.value.param == param and not encoded
 
 
+def test_the_python_api_refuses_a_tool_with_invalid_unicode(engine):
+    from hybridspec.errors import InvalidParameter
+
+    tool = {"type": "function", "function": {"name": "f", "description": "\ud800", "parameters": {"type": "object"}}}
+    with pytest.raises(InvalidParameter) as e:
+        engine.generate(USER, max_new_tokens=2, tools=[tool])
+    assert e.value.param == "tools"
+
+
 def test_grammars_are_bounded_in_size_and_time_and_compiled_once(server, engine, monkeypatch):
     enum = {"type": "object", "properties": {"x": {"enum": [f"value{i}" for i in range(100_000)]}}}
     started = time.monotonic()

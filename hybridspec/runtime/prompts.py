@@ -141,6 +141,12 @@ def encode_prompt(tokenizer: Any, prompt: PromptLike, vocab_size: int, max_seq_l
         messages = check_messages(prompt)
         for i, message in enumerate(messages):
             _check_unicode(message.get("content"), f"messages[{i}].content")
+        if tools:
+            try:
+                json.dumps(tools, ensure_ascii=False, default=str).encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidParameter("tools hold text that is not valid Unicode (a lone surrogate)",
+                                       "tools") from None
         ids = render_messages(tokenizer, messages, tools, chat_template)
     elif hasattr(prompt, "__iter__") and all(
             isinstance(t, numbers.Integral) or (getattr(t, "dim", None) is not None and t.dim() == 0)
