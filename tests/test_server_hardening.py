@@ -111,6 +111,22 @@ def test_a_body_over_the_limit_is_refused_unread_and_memory_stays(engine):
         server.stop()
 
 
+def test_a_client_that_leaves_while_sending_its_body_costs_no_500(server):
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    before = metrics(server)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n{\"messages\": [")
+        time.sleep(0.2)  # the server is reading the body when the client goes
+    settle(lambda: delta(metrics(server), before, "hybridspec:http_requests_total", endpoint=CHAT,
+                         status="499") == 1)
+    assert delta(metrics(server), before, "hybridspec:http_requests_total", endpoint=CHAT, status="500") == 0
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(server, engine, monkeypatch):
     gc.collect()
     before = rss_bytes()

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hybridspec.errors import ContextLengthExceeded, InvalidParameter, QueueFull
 from hybridspec.runtime.options import SamplingOptions
@@ -180,11 +181,14 @@ class Server:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:  # it left while sending: no answer, and no 500 counted
+            raise ClientGone() from None
         return b"".join(chunks)
 
     def options(self, body, prompt_field: str) -> SamplingOptions:
