@@ -310,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.0)
         wait_idle(server)
         after = tree_rss(server.proc.pid)
+        refused = httpx.post(server.base_url + "/v1/chat/completions", content=b"{" + b" " * (40 << 20) + b"}",
+                             headers={"Content-Type": "application/json"}, timeout=120)
+        time.sleep(1.0)
+        result["refused_40mb"] = {"status": refused.status_code,
+                                  "rss_delta_mib": round((tree_rss(server.proc.pid) - after) / (1 << 20), 1)}
         result.update(rss_after_gib=round(after / GIB, 3), rss_peak_gib=round(peaks.peaks.get("rss", 0) / GIB, 3),
                       rss_growth=round(after / warm - 1, 4), server_500s=server_500s(server),
                       healthy=httpx.get(server.base_url + "/health", timeout=10).status_code == 200)
@@ -321,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         "normal_identical": {"pass": all(v["normal_identical"] == v["normal"] for v in levels_)},
         "every_request_as_expected": {"pass": all(not v["failures"] for v in levels_)},
         "memory_within_10pct": {"growth": result["rss_growth"], "pass": result["rss_growth"] <= MEMORY_TOLERANCE},
+        "refused_40mb_within_100mib": {**result["refused_40mb"], "pass": result["refused_40mb"]["status"] == 413
+                                       and result["refused_40mb"]["rss_delta_mib"] < 100},
     }
     print_table(result)
     write_json(args.json, result)
@@ -343,7 +350,8 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"         failed: {failure}")
     print(f"RSS after warm-up {result['rss_after_warmup_gib']} GiB, after {result['rss_after_gib']} GiB "
           f"({result['rss_growth']:+.1%}), peak {result['rss_peak_gib']} GiB; server 500s {result['server_500s']}; "
-          f"healthy {result['healthy']}")
+          f"healthy {result['healthy']}; a refused 40 MB body: {result['refused_40mb']['status']}, RSS "
+          f"{result['refused_40mb']['rss_delta_mib']:+} MiB")
     for name, t in result["targets"].items():
         print(f"target {name}: {'ok' if t['pass'] else 'MISS'}")
 

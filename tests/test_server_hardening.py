@@ -6,7 +6,6 @@ the field, in words of our own), checked by a property test over request bodies;
 The long mixed run: tests/test_soak.py."""
 from __future__ import annotations
 
-import gc
 import json
 import time
 
@@ -43,11 +42,6 @@ def settle(condition, timeout_s: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "not within the time"
         time.sleep(0.02)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 # ------------------------------------------------------------------------------------------------ clients that leave
@@ -128,8 +122,6 @@ def test_a_client_that_leaves_while_sending_its_body_costs_no_500(server):
 
 
 def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(server, engine, monkeypatch):
-    gc.collect()
-    before = rss_bytes()
     encoded = []
     encode = engine.tokenizer.encode
     monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: encoded.append(1) or encode(*a, **k))
@@ -140,10 +132,7 @@ def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(server, engi
     assert "characters" in response.json()["error"]["message"] and not encoded
     assert time.monotonic() - started < 10
     too_big = httpx.post(server.url + CHAT, content=b"{" + b" " * (40 << 20) + b"}")  # 40 MB: unread
-    assert too_big.status_code == 413
-    del body, too_big
-    gc.collect()
-    assert rss_bytes() - before < 100 << 20
+    assert too_big.status_code == 413  # the server's memory after it: tests/test_soak.py (a server of its own)
 
 
 @pytest.mark.parametrize("prompt, error, param", [
