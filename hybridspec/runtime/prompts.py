@@ -141,12 +141,8 @@ def encode_prompt(tokenizer: Any, prompt: PromptLike, vocab_size: int, max_seq_l
         messages = check_messages(prompt)
         for i, message in enumerate(messages):
             _check_unicode(message.get("content"), f"messages[{i}].content")
-        if tools:
-            try:
-                json.dumps(tools, ensure_ascii=False, default=str).encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidParameter("tools hold text that is not valid Unicode (a lone surrogate)",
-                                       "tools") from None
+        if tools and not valid_unicode(json.dumps(tools, ensure_ascii=False, default=str)):
+            raise InvalidParameter("tools hold text that is not valid Unicode (a lone surrogate)", "tools")
         ids = render_messages(tokenizer, messages, tools, chat_template)
     elif hasattr(prompt, "__iter__") and all(
             isinstance(t, numbers.Integral) or (getattr(t, "dim", None) is not None and t.dim() == 0)
@@ -167,17 +163,21 @@ def encode_prompt(tokenizer: Any, prompt: PromptLike, vocab_size: int, max_seq_l
     return ids
 
 
+def valid_unicode(text: str) -> bool:
+    """False where text holds a lone surrogate ("\\ud800": valid in JSON, taken by no tokenizer)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_unicode(content: Any, param: str) -> None:
-    """An `InvalidParameter` where text holds a lone surrogate ("\\ud800": valid in JSON, in no tokenizer)."""
+    """An `InvalidParameter` naming `param` where a content's text is not valid Unicode."""
     texts = [content] if isinstance(content, str) else [
         p.get("text") for p in content or [] if isinstance(p, Mapping)] if isinstance(content, list) else []
-    for text in texts:
-        if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidParameter(f"{param} holds text that is not valid Unicode (a lone surrogate)",
-                                       param) from None
+    if any(isinstance(text, str) and not valid_unicode(text) for text in texts):
+        raise InvalidParameter(f"{param} holds text that is not valid Unicode (a lone surrogate)", param)
 
 
 def is_batch(prompt_or_prompts: Any) -> bool:

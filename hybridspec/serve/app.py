@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from hybridspec.errors import ContextLengthExceeded, InvalidParameter, QueueFull
 from hybridspec.runtime.options import SamplingOptions
+from hybridspec.runtime.prompts import valid_unicode
 from hybridspec.serve import anthropic_messages, chat, openai_responses
 from hybridspec.serve.metrics import Metrics
 from hybridspec.serve.protocol import APIError, error_response, param_path
@@ -263,27 +264,19 @@ def _check_json(data: Any, limit: int) -> tuple[str, str] | None:
     while stack:
         item, depth, path = stack.pop()
         if isinstance(item, str):
-            if not _valid_unicode(item):
+            if not valid_unicode(item):
                 return param_path(path) or "", "holds text that is not valid Unicode (a lone surrogate)"
         elif isinstance(item, (dict, list)):
             if depth > limit:
                 return param_path(path[:1]) or "", f"is nested more than {limit} levels deep"
             if isinstance(item, dict):
                 for key, value in item.items():
-                    if not _valid_unicode(key):
+                    if not valid_unicode(key):
                         return param_path(path) or "", "holds a key that is not valid Unicode (a lone surrogate)"
                     stack.append((value, depth + 1, (*path, key)))
             else:
                 stack.extend((value, depth + 1, (*path, i)) for i, value in enumerate(item))
     return None
-
-
-def _valid_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 async def _disconnected(request: Request) -> None:
