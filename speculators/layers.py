@@ -21,15 +21,17 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Default (unscaled) rotary embedding, applied with rotate-half like Llama."""
+    """Default (unscaled) rotary embedding, applied with rotate-half like Llama. Always float32: a bfloat16 drafter
+    would otherwise round the frequencies (no buffer, so `.to(dtype)` cannot)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim),
-                             persistent=False)
+        self.head_dim, self.theta = head_dim, theta
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, device=positions.device,
+                                                     dtype=torch.float32) / self.head_dim)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
 
@@ -39,7 +41,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     the drafters, [B, 1, q, head_dim] for the target)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 @dataclass

@@ -237,3 +237,34 @@ def held_out_never_trained(features: Path, held: list, tokenizer) -> bool:
     assert starts["train"] and starts["heldout"]
     trained = any(seq[: len(p)] == p for seq in starts["train"] for p in prompts)
     return not trained and all(any(seq[: len(p)] == p for p in prompts) for seq in starts["heldout"])
+
+
+def test_shipped_heads_draft_in_bfloat16():
+    """The GPU run times every shipped EAGLE-family head in bfloat16 (as on CUDA): the rotary embedding must keep
+    the activations' dtype, and EAGLE-3's chain must fit in the slots it is given."""
+    import torch
+
+    from hybridspec.tools.gpu_checks import head_latencies
+
+    heads = sorted(p for p in (ROOT / "speculators" / "checkpoints").iterdir() if p.is_dir())
+    timed = head_latencies(heads, torch.device("cpu"), [16], repeats=1, dtype=torch.bfloat16)
+    eagles = {"eagle3-smollm2", "fasteagle-smollm2", "peagle-smollm2"}
+    assert eagles <= set(timed), timed
+    for name in eagles:
+        assert timed[name].get("ms@16", 0) > 0 and timed[name]["k"] == 7, timed[name]
+    assert "skipped" in timed["lstm-smollm2"]
+
+
+def test_rotary_keeps_dtype_and_float32_frequencies():
+    import torch
+
+    from hybridspec.speculators.layers import Rotary, apply_rotary
+
+    rotary = Rotary(64, 100000.0).to(torch.bfloat16)  # a bfloat16 drafter must not round the frequencies
+    cos, sin = rotary(torch.arange(4096))
+    exact = Rotary(64, 100000.0)(torch.arange(4096))
+    assert cos.dtype == torch.float32 and torch.equal(cos, exact[0]) and torch.equal(sin, exact[1])
+    x = torch.randn(2, 4096, 64, dtype=torch.bfloat16)
+    y = apply_rotary(x, cos, sin)
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), apply_rotary(x.float(), cos, sin), atol=1e-2, rtol=1e-2)

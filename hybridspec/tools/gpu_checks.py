@@ -134,7 +134,8 @@ def verify_cost(model: Any, contexts: list[int], ks: list[int], repeats: int) ->
 
 
 def drafter_latency(drafter: Any, context: int, k: int, repeats: int) -> float:
-    """ms of one drafting pass for k drafts: `context` real slots and a k-deep chain from the last one."""
+    """ms of one drafting pass for k drafts: `context` real slots and a k-deep chain from slot context - k (EAGLE-3's
+    training-time test reads the real next token at origin + depth, which must be a slot)."""
     import torch
 
     from hybridspec.speculators.chains import ChainLayout
@@ -142,14 +143,16 @@ def drafter_latency(drafter: Any, context: int, k: int, repeats: int) -> float:
     device = next(drafter.parameters()).device
     aux = torch.randn(context, drafter.fc.in_features, device=device, dtype=next(drafter.parameters()).dtype)
     tokens = torch.randint(0, drafter.config.target_vocab_size, (context,), device=device)
-    last = torch.tensor([context - 1], device=device)
+    last = torch.tensor([context - k], device=device)
     layout = ChainLayout(torch.zeros(context, dtype=torch.long, device=device), torch.arange(context, device=device),
                          [torch.arange(context, device=device)] + [last] * (k - 1))
     with torch.inference_mode():
         return timed(lambda: drafter.chain_logits(aux, tokens, layout), repeats, device)
 
 
-def head_latencies(heads: list[Path], device: Any, contexts: list[int], repeats: int) -> dict[str, Any]:
+def head_latencies(heads: list[Path], device: Any, contexts: list[int], repeats: int,
+                   dtype: Any = None) -> dict[str, Any]:
+    """Each head's drafting pass over `contexts` slots, in `dtype` (bfloat16 on CUDA, else float32 by default)."""
     import torch
 
     from hybridspec.speculators.eagle import EagleBase
@@ -161,8 +164,8 @@ def head_latencies(heads: list[Path], device: Any, contexts: list[int], repeats:
             config = read_config(path)
             embed = torch.zeros(config.get("transformer_layer_config", {}).get("vocab_size", 49152),
                                 config.get("transformer_layer_config", {}).get("hidden_size", 576))
-            drafter = load_drafter(path, embed_tokens=embed, device=device,
-                                   dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+            drafter = load_drafter(path, embed_tokens=embed, device=device, dtype=dtype or (
+                torch.bfloat16 if device.type == "cuda" else torch.float32))
             if not isinstance(drafter, EagleBase):
                 out[path.name] = {"skipped": "not an EAGLE-family head (the LSTM drafts from the last position only)"}
                 continue

@@ -159,17 +159,32 @@ def train_one(run: Run, recipe: Any, device: Any, deadline: float, reserve_s: fl
     plan_file = Path(recipe.output.state_dir) / "gpu_plan.json"
     if plan_file.is_file():
         recipe.training.steps = json.loads(plan_file.read_text())["steps"]
-    probe = min(10, recipe.training.steps)
-    t0 = time.monotonic()
-    first = trainer.run(max_steps=probe, deadline=deadline - reserve_s)
-    per_step = (time.monotonic() - t0) / max(1, probe)
-    if not plan_file.is_file():
+    limit = recipe.training.steps
+
+    def plan(steps_run: int) -> dict[str, Any]:
+        """Time `steps_run` steps and set the step count the rest of the share affords. The first plan's 10 steps
+        carry CUDA's warm-up and a state save, so it is made again from the next fifth of the steps (the cosine
+        schedule reads the count each step: moving it early barely bends the curve)."""
+        t0, before = time.monotonic(), trainer.step
+        result = trainer.run(max_steps=steps_run, deadline=deadline - reserve_s)
+        per_step = (time.monotonic() - t0) / max(1, trainer.step - before)
         affordable = int(max(0.0, deadline - reserve_s - time.monotonic()) / max(per_step, 1e-6))
-        recipe.training.steps = max(trainer.step, min(recipe.training.steps, trainer.step + affordable))
+        recipe.training.steps = max(trainer.step, min(limit, trainer.step + affordable))
         plan_file.parent.mkdir(parents=True, exist_ok=True)
         plan_file.write_text(json.dumps({"steps": recipe.training.steps, "s_per_step": per_step}) + "\n")
-    run.log(f"{recipe.drafter}: {per_step * 1000:.1f} ms a step, planned {recipe.training.steps} steps")
-    result = first if first.get("done") else trainer.run(deadline=deadline - reserve_s)
+        run.log(f"{recipe.drafter}: {per_step * 1000:.1f} ms a step, planned {recipe.training.steps} steps")
+        return {**result, "s_per_step": per_step}
+
+    if plan_file.is_file():  # a resumed run keeps its plan
+        result = trainer.run(deadline=deadline - reserve_s)
+        per_step = json.loads(plan_file.read_text())["s_per_step"]
+    else:
+        result = plan(min(10, recipe.training.steps))
+        if not result.get("done"):
+            result = plan(max(1, (recipe.training.steps - trainer.step) // 5))
+        per_step = result["s_per_step"]
+        if not result.get("done"):
+            result = trainer.run(deadline=deadline - reserve_s)
     final_eval = result.get("final_eval") or trainer.evaluate()
     if not result.get("done"):
         trainer.write_output(final_eval)
