@@ -247,8 +247,9 @@ def test_shipped_heads_draft_in_bfloat16():
     from hybridspec.tools.gpu_checks import head_latencies
 
     heads = sorted(p for p in (ROOT / "speculators" / "checkpoints").iterdir() if p.is_dir())
+    heads.append(ROOT / "speculators" / "checkpoints" / "peagle-smollm2")  # as a trained head of the same name
     timed = head_latencies(heads, torch.device("cpu"), [16], repeats=1, dtype=torch.bfloat16)
-    eagles = {"eagle3-smollm2", "fasteagle-smollm2", "peagle-smollm2"}
+    eagles = {"eagle3-smollm2", "fasteagle-smollm2", "peagle-smollm2", "checkpoints/peagle-smollm2"}
     assert eagles <= set(timed), timed
     for name in eagles:
         assert timed[name].get("ms@16", 0) > 0 and timed[name]["k"] == 7, timed[name]

@@ -175,20 +175,44 @@ class Attention:
             scores = torch.empty(group * steps * (kv_len + 16), dtype=torch.float32)
             return AttentionPlan(cache, kv_len, None, slots, cache.lengths[0] if same_length else None, False,
                                  causal_rows, (lengths + causal_rows, see, scores))
-        # mask[b, 0, i, j]: committed prefix of row b, then the row's own tree block at its slots.
+        mask = self._visible(lengths, slots, tree_mask, kv_len)[:, causal_rows:]  # rows of a causal chunk need none
+        folded_mask = None if causal_chunk or bool(mask.all()) else self._fold(mask)
+        return AttentionPlan(cache, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None,
+                             causal_chunk, causal_rows)
+
+    def plan_window(self, plan: AttentionPlan, depths: torch.Tensor, tree_mask: torch.Tensor,
+                    window: int) -> AttentionPlan | None:
+        """The plan of `plan`'s inputs in a layer whose attention sees only the last `window` positions (itself
+        included), by position (a tree node's is its row's length plus its depth); None where no input is that far
+        from any key it sees, so the full plan holds."""
+        lengths = torch.tensor(plan.cache.lengths, dtype=torch.long, device=self.device)
+        positions = lengths[:, None] + depths  # [b, q]
+        if int(positions.max()) < window:
+            return None
+        bsz = depths.shape[0]
+        key_positions = torch.arange(plan.kv_len, device=self.device).repeat(bsz, 1)
+        key_positions.scatter_(1, plan.slots, positions)
+        mask = self._visible(lengths, plan.slots, tree_mask, plan.kv_len)
+        mask &= key_positions[:, None, :] > positions[:, :, None] - window
+        return AttentionPlan(plan.cache, plan.kv_len, self._fold(mask), plan.slots, plan.start, False)
+
+    def _visible(self, lengths: torch.Tensor, slots: torch.Tensor, tree_mask: torch.Tensor,
+                 kv_len: int) -> torch.Tensor:
+        """[b, q, kv_len] bool: each input sees its row's committed prefix, then its own tree block at its slots."""
+        bsz, q = slots.shape
         mask = torch.arange(kv_len, device=self.device)[None, None, :] < lengths[:, None, None]
         mask = mask.expand(bsz, q, kv_len).clone()
         row_ids = torch.arange(bsz, device=self.device)[:, None, None]
         mask[row_ids, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = tree_mask
-        folded_mask = None
-        mask = mask[:, causal_rows:]  # rows of a causal chunk need none
-        if not causal_chunk and not bool(mask.all()):
-            # Row r of a folded head is input r % q (see _attend_masked); CPU flash attention takes an additive mask.
-            folded = mask[:, None].repeat(1, 1, group, 1)
-            folded_mask = folded if not self.cpu_flash else \
-                torch.zeros(folded.shape, dtype=self.dtype, device=self.device).masked_fill_(~folded, float("-inf"))
-        return AttentionPlan(cache, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None,
-                             causal_chunk, causal_rows)
+        return mask
+
+    def _fold(self, mask: torch.Tensor) -> torch.Tensor:
+        """[b, q, kv_len] bool -> [b, 1, heads per KV head * q, kv_len]: row r of a folded head is input r % q (see
+        _attend_masked); additive where CPU flash attention takes it."""
+        folded = mask[:, None].repeat(1, 1, self.num_heads // self.num_kv_heads, 1)
+        if not self.cpu_flash:
+            return folded
+        return torch.zeros(folded.shape, dtype=self.dtype, device=self.device).masked_fill_(~folded, float("-inf"))
 
     def join_steps(self, plans: Sequence[AttentionPlan], spans: Sequence[tuple[int, int]]) -> list[JoinedSteps]:
         """The parts of a pass that attend by the step kernel with the same number of inputs, joined where there are

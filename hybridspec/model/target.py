@@ -1,7 +1,8 @@
 """The target model: prefill, and verification of a chain or a tree of draft tokens in one forward pass.
 
-`TargetModel` runs the forward pass of a Llama-family causal LM (Llama, SmolLM2, Mistral, Qwen2) itself, over the
-weights of the loaded transformers model, with a preallocated KV cache of B rows (one per sequence in flight):
+`TargetModel` runs the forward pass of a Llama-family causal LM (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE;
+their layers: `hybridspec.model.layers`) itself, over the weights of the loaded transformers model, with a
+preallocated KV cache of B rows (one per sequence in flight):
 
 - A step feeds each row its last committed token followed by its draft nodes ([B, q] tokens, a cache's rows padded to
   the same q; the caches of one pass, concurrent calls and a prompt's chunk beside them, packed without padding).
@@ -32,43 +33,20 @@ import os
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from hybridspec.model.attention import Attention, interleave_rotary_pairs, rotary_table, rotate
+from hybridspec.model.attention import Attention, rotary_table, rotate
 from hybridspec.model.head import GreedyHead
 from hybridspec.model.inputs import ForwardPart, StepInput, StepOutput
 from hybridspec.model.kv_cache import KVCache, tree_depths_and_mask
+from hybridspec.model.layers import DecoderLayer, layer_window
 from hybridspec.model.linear import Linear, fast_bf16, tune_products
 from hybridspec.speculators.features import default_aux_layer_ids
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 # Prefill chunks: long where the chunk attends causally without a mask (fewer passes; PyTorch's flash attention, where
 # the prompt kernel does not run, skips more of the blocks above the diagonal in one long chunk than in several short
 # ones), short where a mask is needed (its memory).
 CAUSAL_CHUNK, MASKED_CHUNK = 2048, 512
-
-
-class _Layer:
-    """One decoder layer's weights in the layout the fused forward uses."""
-
-    __slots__ = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
-
-    def __init__(self, layer, pack: bool, heads: int, kv_heads: int, head_dim: int):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm = layer.input_layernorm.weight
-        self.post_norm = layer.post_attention_layernorm.weight
-        # One matrix for Q, K and V (and one for gate and up): fewer, larger matmuls per layer.
-        weights = [interleave_rotary_pairs(attn.q_proj.weight, heads, head_dim),
-                   interleave_rotary_pairs(attn.k_proj.weight, kv_heads, head_dim), attn.v_proj.weight]
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        bias = None
-        if all(b is not None for b in biases):
-            bias = torch.cat([interleave_rotary_pairs(biases[0], heads, head_dim),
-                              interleave_rotary_pairs(biases[1], kv_heads, head_dim), biases[2]])
-        self.qkv = Linear(torch.cat(weights), bias, pack)
-        self.o = Linear(attn.o_proj.weight, pack=pack)
-        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), pack=pack)
-        self.down = Linear(mlp.down_proj.weight, pack=pack)
 
 
 class TargetModel:
@@ -77,11 +55,11 @@ class TargetModel:
     def __init__(self, model, max_seq_len: int | None = None, pack_weights: bool = True, tune: bool = True):
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+            raise ValueError(
+                f"model_type {config.model_type!r} is not supported by the engine; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}. Other architectures run in vLLM plugin mode (docs/vllm.md).")
         if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (Llama-family models use silu)")
-        if config.model_type == "mistral" and getattr(config, "sliding_window", None):
-            raise ValueError("sliding-window attention is not supported")
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (these models use silu)")
         self.model = model
         self.config = config
         self.num_layers = config.num_hidden_layers
@@ -101,10 +79,14 @@ class TargetModel:
         # The longest prompt chunk a step with a draft tree runs in one pass: where the chunk attends causally apart
         # (`ForwardPart.causal_rows`) the mask spans the tree alone; elsewhere it spans the chunk too.
         self.tree_prompt_chunk = CAUSAL_CHUNK if self.attention.cpu_flash else MASKED_CHUNK
+        # Sliding windows: past them a layer attends under a mask (`Attention.plan_window`), so chunks stay short.
+        self.windows = sorted({w for i in range(self.num_layers) if (w := layer_window(config, i))})
+        if self.windows:
+            self.tree_prompt_chunk = MASKED_CHUNK
         with torch.no_grad():
             self.embed = decoder.embed_tokens.weight
-            self.layers = [_Layer(layer, pack_weights, self.num_heads, self.num_kv_heads, self.head_dim)
-                           for layer in decoder.layers]
+            self.layers = [DecoderLayer(layer, config, i, pack_weights, self.num_heads, self.num_kv_heads,
+                                        self.head_dim) for i, layer in enumerate(decoder.layers)]
             self.final_norm = decoder.norm.weight
             self.lm_head = Linear(model.get_output_embeddings().weight, pack=pack_weights)
             self.greedy_head = GreedyHead(model.get_output_embeddings().weight) \
@@ -125,7 +107,7 @@ class TargetModel:
 
     def linears(self) -> list[Linear]:
         """Every product of a forward pass, in the order a pass runs them."""
-        products = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        products = [lin for layer in self.layers for lin in (layer.qkv, layer.o, *layer.mlp.linears())]
         return products + [self.lm_head] + ([self.greedy_head.bf16] if self.greedy_head is not None else [])
 
     @property
@@ -174,32 +156,28 @@ class TargetModel:
         apart = sorted(set(range(len(parts))) - {i for j in joined for i in j.parts})
 
         hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        # Where a layer's sliding window hides keys from some input, that layer attends by a plan of its own.
+        window_plans = {w: [self.attention.plan_window(plan, part.depths, part.tree_mask, w)
+                            for plan, part in zip(plans, parts)] for w in self.windows}
         x = self.embed[torch.cat([p.tokens.reshape(-1) for p in parts])]  # [T, H], every part's inputs packed
         layer_inputs = {}
         for layer_id, layer in enumerate(self.layers):
             if return_hidden and layer_id in self.aux_layer_ids:
                 layer_inputs[layer_id] = x
             qkv = layer.qkv(self._rms_norm(x, layer.input_norm))
-            query_key = rotate(qkv[:, :(hq + hk) * hd].view(total, hq + hk, hd), rope)
-            attn = []
-            for i in apart:
-                (lo, hi), (b, q) = spans[i], parts[i].tokens.shape
-                qk = query_key[lo:hi].view(b, q, hq + hk, hd)
-                value = qkv[lo:hi, (hq + hk) * hd:].view(b, q, hk, hd).transpose(1, 2)
-                query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
-                out = self.attention.attend(plans[i], layer_id, query, key, value)
-                attn.append(out.transpose(1, 2).reshape(b * q, hq * hd))
-            if joined:  # the steps of many caches: one kernel call each (`Attention.join_steps`), in their places
-                everything = x.new_empty(total, hq * hd)
-                for j in joined:
-                    everything[j.inputs] = self.attention.attend_joined(j, layer_id, query_key[j.inputs],
-                                                                        qkv[j.inputs, (hq + hk) * hd:])
-                for i, out in zip(apart, attn):
-                    everything[spans[i][0]:spans[i][1]] = out
-                attn = [everything]
-            x = layer.o.plus(attn[0] if len(attn) == 1 else torch.cat(attn), x)
-            gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
-            x = layer.down.plus(F.silu(gate) * up, x)
+            query_key = qkv[:, :(hq + hk) * hd].view(total, hq + hk, hd)
+            if layer.q_norm is not None:
+                query_key = torch.cat([self._rms_norm(query_key[:, :hq], layer.q_norm),
+                                       self._rms_norm(query_key[:, hq:], layer.k_norm)], dim=1)
+            query_key = rotate(query_key, rope)
+            windowed = window_plans.get(layer.window)
+            if windowed is not None and any(w is not None for w in windowed):
+                layer_plans = [w or p for w, p in zip(windowed, plans)]
+                attn = self._attend(layer_id, layer_plans, [], range(len(parts)), parts, spans, query_key, qkv)
+            else:
+                attn = self._attend(layer_id, plans, joined, apart, parts, spans, query_key, qkv)
+            x = layer.o.plus(attn, x)
+            x = layer.mlp.plus(self._rms_norm(x, layer.post_norm), x)
 
         # Which inputs give outputs, as indices into the packed inputs (None: all of them, no gather).
         shapes = [p.tokens.shape if p.output_index is None else p.output_index.shape for p in parts]
@@ -249,6 +227,30 @@ class TargetModel:
                 out.drafter_features = [(aux_at, self._rms_norm(x[rows], self.final_norm))]
         return outs
 
+    def _attend(self, layer_id: int, plans: Sequence, joined: Sequence, apart: Sequence[int],
+                parts: Sequence[ForwardPart], spans: Sequence[tuple[int, int]], query_key: torch.Tensor,
+                qkv: torch.Tensor) -> torch.Tensor:
+        """One layer's attention for every part of the pass: [T, heads * D] in the packed inputs' order."""
+        hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        attn = []
+        for i in apart:
+            (lo, hi), (b, q) = spans[i], parts[i].tokens.shape
+            qk = query_key[lo:hi].view(b, q, hq + hk, hd)
+            value = qkv[lo:hi, (hq + hk) * hd:].view(b, q, hk, hd).transpose(1, 2)
+            query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
+            out = self.attention.attend(plans[i], layer_id, query, key, value)
+            attn.append(out.transpose(1, 2).reshape(b * q, hq * hd))
+        if not joined:
+            return attn[0] if len(attn) == 1 else torch.cat(attn)
+        # the steps of many caches: one kernel call each (`Attention.join_steps`), in their places
+        everything = query_key.new_empty(query_key.shape[0], hq * hd)
+        for j in joined:
+            everything[j.inputs] = self.attention.attend_joined(j, layer_id, query_key[j.inputs],
+                                                                qkv[j.inputs, (hq + hk) * hd:])
+        for i, out in zip(apart, attn):
+            everything[spans[i][0]:spans[i][1]] = out
+        return everything
+
     # ------------------------------------------------------------------------------------------------------------
     # prefill and verification steps
 
@@ -281,7 +283,8 @@ class TargetModel:
         cache.reserve(longest)
         if chunk_size is None:
             uniform = len(set(counts)) == 1 and len(set(cache.lengths)) == 1
-            chunk_size = CAUSAL_CHUNK if uniform and self.attention.cpu_flash else MASKED_CHUNK
+            short = not self.windows or longest <= self.windows[0]  # no window hides a key: no mask
+            chunk_size = CAUSAL_CHUNK if uniform and short and self.attention.cpu_flash else MASKED_CHUNK
         bsz, out = cache.batch_size, None
         last = torch.zeros(bsz, dtype=torch.long)
         features: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bsz)]

@@ -160,6 +160,8 @@ def head_latencies(heads: list[Path], device: Any, contexts: list[int], repeats:
 
     out: dict[str, Any] = {}
     for path in heads:
+        # a trained head beside its kind's shipped one keeps its own entry
+        name = path.name if path.name not in out else f"{path.parent.name}/{path.name}"
         try:
             config = read_config(path)
             embed = torch.zeros(config.get("transformer_layer_config", {}).get("vocab_size", 49152),
@@ -167,12 +169,12 @@ def head_latencies(heads: list[Path], device: Any, contexts: list[int], repeats:
             drafter = load_drafter(path, embed_tokens=embed, device=device, dtype=dtype or (
                 torch.bfloat16 if device.type == "cuda" else torch.float32))
             if not isinstance(drafter, EagleBase):
-                out[path.name] = {"skipped": "not an EAGLE-family head (the LSTM drafts from the last position only)"}
+                out[name] = {"skipped": "not an EAGLE-family head (the LSTM drafts from the last position only)"}
                 continue
             k = drafter.num_speculative_tokens if drafter.name != "fasteagle" else len(drafter.layers)
-            out[path.name] = {"k": k, **{f"ms@{c}": drafter_latency(drafter, c, k, repeats) for c in contexts}}
+            out[name] = {"k": k, **{f"ms@{c}": drafter_latency(drafter, c, k, repeats) for c in contexts}}
         except Exception as e:  # one head's failure is recorded, the others still run
-            out[path.name] = {"error": f"{type(e).__name__}: {e}"}
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 

@@ -30,6 +30,52 @@ def tiny_llama(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 6
     return model.to(dtype).eval()
 
 
+# The architectures `tiny_causal_lm` builds, each small and with one of every layer kind its family has.
+TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_window", "mistral_window")
+
+
+def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: int = 0, init_std: float = 0.3,
+                   window: int = 12, dtype: torch.dtype = torch.float32, eos_token_id: int = 2):
+    """A random model of one of TINY_ARCHITECTURES from transformers' own config classes, in eval mode (SDPA):
+    "qwen2" with q/k/v biases; "qwen3" with q/k norms; "qwen3_moe" with 8 experts, 2 a token, layer 1 dense;
+    "qwen3_window" full attention in its first half and a sliding window of `window` positions in the rest;
+    "mistral_window" that window in every layer. Norm weights are random too (a wrong permutation of them shows)."""
+    if arch == "llama":
+        return tiny_llama(vocab_size=vocab_size, num_layers=num_layers, seed=seed, dtype=dtype, init_std=init_std,
+                          eos_token_id=eos_token_id)
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=init_std, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=eos_token_id,
+                  pad_token_id=eos_token_id, tie_word_embeddings=False, attn_implementation="sdpa")
+    if arch == "qwen2":
+        config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif arch in ("qwen3", "qwen3_window"):
+        sliding = dict(use_sliding_window=True, sliding_window=window, max_window_layers=num_layers // 2) \
+            if arch == "qwen3_window" else {}
+        config, cls = transformers.Qwen3Config(head_dim=16, **sliding, **common), transformers.Qwen3ForCausalLM
+    elif arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
+                                             norm_topk_prob=True, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "mistral_window":
+        config, cls = transformers.MistralConfig(sliding_window=window, **common), transformers.MistralForCausalLM
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; one of {TINY_ARCHITECTURES}")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = cls(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(1 + 0.3 * torch.randn_like(param))
+                elif name.endswith(".bias"):
+                    param.copy_(0.3 * torch.randn_like(param))
+    return model.to(dtype).eval()
+
+
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

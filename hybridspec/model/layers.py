@@ -1,0 +1,107 @@
+"""A decoder layer's weights in the layout `TargetModel`'s fused forward uses: one product for Q, K and V (rows in
+rotary pair order), one for gate and up; a dense SwiGLU or a sparse mixture of experts; q/k norms and a sliding
+window where the architecture has them."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridspec.model.attention import interleave_rotary_pairs
+from hybridspec.model.linear import Linear
+
+
+def layer_window(config, layer_id: int) -> int | None:
+    """The sliding window of a layer's attention (it sees its last `window` positions, itself included), or None."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is not None and types[layer_id] != "sliding_attention"):
+        return None
+    return int(window)
+
+
+class _DenseMLP:
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one product."""
+
+    __slots__ = ("gate_up", "down")
+
+    def __init__(self, mlp, pack: bool):
+        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(
+            mlp.gate_proj.bias, mlp.up_proj.bias), pack=pack)
+        self.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack=pack)
+
+    def linears(self) -> list[Linear]:
+        return [self.gate_up, self.down]
+
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down.plus(F.silu(gate) * up, residual)
+
+
+class _MixtureOfExperts:
+    """A sparse MoE block (Qwen3-MoE): each token's router picks top_k experts (softmax, then the top_k weights
+    renormalised where the model says so) and only those experts' weights are multiplied, token rows grouped per
+    expert. The experts' outputs are summed in expert order, then added to the residual, as transformers does."""
+
+    __slots__ = ("router", "experts", "top_k", "renormalise")
+
+    def __init__(self, block, config, pack: bool):
+        experts = block.experts
+        self.router = Linear(block.gate.weight, pack=pack)
+        self.experts = [(Linear(experts.gate_up_proj[e], pack=pack), Linear(experts.down_proj[e], pack=pack))
+                        for e in range(experts.num_experts)]
+        self.top_k, self.renormalise = int(config.num_experts_per_tok), bool(config.norm_topk_prob)
+
+    def linears(self) -> list[Linear]:
+        return [self.router] + [lin for pair in self.experts for lin in pair]
+
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.renormalise:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype).reshape(-1)
+        order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, k) pairs grouped by expert
+        counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts)).tolist()
+        out, begin = torch.zeros_like(x), 0
+        for expert, count in enumerate(counts):
+            if count:
+                pairs = order[begin:begin + count]
+                begin += count
+                rows = pairs // self.top_k
+                gate_up, down = self.experts[expert]
+                gate, up = gate_up(x[rows]).chunk(2, dim=-1)
+                out.index_add_(0, rows, down(F.silu(gate) * up) * weights[pairs, None])
+        return residual + out
+
+
+def _cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
+    return torch.cat(biases) if all(b is not None for b in biases) else None
+
+
+class DecoderLayer:
+    """One decoder layer's weights in the layout the fused forward uses."""
+
+    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "post_norm", "mlp", "window")
+
+    def __init__(self, layer, config, layer_id: int, pack: bool, heads: int, kv_heads: int, head_dim: int):
+        attn = layer.self_attn
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        # One matrix for Q, K and V (and one for gate and up): fewer, larger matmuls per layer.
+        weights = [interleave_rotary_pairs(attn.q_proj.weight, heads, head_dim),
+                   interleave_rotary_pairs(attn.k_proj.weight, kv_heads, head_dim), attn.v_proj.weight]
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        bias = None
+        if all(b is not None for b in biases):
+            bias = torch.cat([interleave_rotary_pairs(biases[0], heads, head_dim),
+                              interleave_rotary_pairs(biases[1], kv_heads, head_dim), biases[2]])
+        self.qkv = Linear(torch.cat(weights), bias, pack)
+        # Qwen3's per-head RMSNorm of queries and keys, its weight in the same pair order as their rows
+        self.q_norm = self.k_norm = None
+        if getattr(attn, "q_norm", None) is not None:
+            self.q_norm = interleave_rotary_pairs(attn.q_norm.weight, 1, head_dim)
+            self.k_norm = interleave_rotary_pairs(attn.k_norm.weight, 1, head_dim)
+        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias, pack=pack)
+        mlp = layer.mlp
+        self.mlp = _MixtureOfExperts(mlp, config, pack) if hasattr(mlp, "experts") else _DenseMLP(mlp, pack)
+        self.window = layer_window(config, layer_id)

@@ -1,0 +1,136 @@
+"""The architectures beyond Llama on tiny random models (transformers' own config classes, no download): Qwen2 with
+biases, Qwen3 with q/k norms, Qwen3-MoE, sliding windows (Qwen3 half windowed, Mistral all windowed). For each, plain
+greedy decoding is transformers' `generate` token for token; greedy speculation (random, noisy-oracle and suffix
+chains and trees, n-gram) changes no token, one call at a time and batched; chunked prefill and prefix-cache hits
+change none; sampling keeps the target's distribution (chi-square, on the MoE)."""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from hybridspec.model.target import SUPPORTED_MODEL_TYPES, TargetModel
+from hybridspec.runtime.engine import Engine
+from hybridspec.tools.testing import TINY_ARCHITECTURES, chi_square_p_value, tiny_causal_lm, tiny_tokenizer
+
+from test_engine import (NoisyOracle, RandomProposer, SamplingProposer, SMALL_VOCAB, exact_two_token_distribution,
+                         random_prompts)
+
+ARCHITECTURES = [a for a in TINY_ARCHITECTURES if a != "llama"]  # Llama: tests/test_engine.py
+WINDOW = 12  # short: the tests' prompts and replies run well past it
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch(request):
+    model = tiny_causal_lm(request.param, window=WINDOW)
+    engine = Engine(TargetModel(model), tiny_tokenizer(128), router=lambda proposals, contexts: list(proposals))
+    return request.param, model, engine
+
+
+def long_prompts(n: int, seed: int) -> list[list[int]]:
+    """`random_prompts` and a few longer than the window, repetitive or not."""
+    rng = random.Random(seed)
+    prompts = random_prompts(n, seed)
+    prompts += [[rng.randrange(3, 128) for _ in range(rng.randint(30, 60))] for _ in range(2)]
+    unit = [rng.randrange(3, 128) for _ in range(5)]
+    return prompts + [(unit * 12)[:47]]
+
+
+def test_plain_greedy_is_transformers_generate(arch):
+    name, model, engine = arch
+    for prompt in long_prompts(3, seed=1):
+        ours = engine.generate(prompt, max_new_tokens=30, speculate="none")
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                                 eos_token_id=engine.tokenizer.eos_token_id, pad_token_id=0)[0, len(prompt):]
+        assert ours.token_ids == ref.tolist(), (name, prompt)
+
+
+@pytest.mark.parametrize("kind", ["random-chain", "random-tree", "oracle-chain", "oracle-tree", "suffix",
+                                  "suffix-tree", "ngram"])
+def test_speculative_greedy_is_token_identical(arch, kind):
+    name, _, engine = arch
+    prompts = long_prompts(4, seed=len(kind))
+    references = {tuple(p): engine.generate(p, max_new_tokens=32, speculate="none").token_ids for p in prompts}
+    tree = kind.endswith("tree")
+    if kind.startswith("random"):
+        speculate = RandomProposer(seed=3, tree=tree)
+    elif kind.startswith("oracle"):
+        speculate = NoisyOracle(references, seed=4, tree=tree)
+    else:
+        speculate = kind.split("-")[0]
+    alone = [engine.generate(p, max_new_tokens=32, speculate=speculate, num_speculative_tokens=6, tree=tree)
+             for p in prompts]
+    batched = engine.generate(prompts, max_new_tokens=32, speculate=speculate, num_speculative_tokens=6, tree=tree)
+    for prompt, one, many in zip(prompts, alone, batched):
+        assert one.token_ids == references[tuple(prompt)], (name, kind, prompt)
+        assert many.token_ids == references[tuple(prompt)], (name, kind, prompt)
+    if kind.startswith("oracle"):
+        assert batched[0].stats.accepted_tokens > 0 and batched[0].stats.tokens_per_step > 1
+
+
+def test_chunked_prefill_and_prefix_hits_change_no_token(arch):
+    """Prompts prefilled 5 tokens a step beside other calls, and calls that begin with an earlier call's prompt and
+    reply (prefix-cache hits past the window), give the tokens of each call alone."""
+    name, model, engine = arch
+    chunked = Engine(TargetModel(model), tiny_tokenizer(128), prefill_chunk=5)
+    rng = random.Random(5)
+    prompts = long_prompts(3, seed=9)
+    want = [engine.generate(p, max_new_tokens=20, speculate="none").token_ids for p in prompts]
+    got = chunked.generate(prompts, max_new_tokens=20, speculate="suffix")
+    assert [r.token_ids for r in got] == want, name
+    hits_before = chunked.prefix_cache.counters["hits"]
+    for prompt, reply in zip(prompts, want):
+        follow = prompt + reply + [rng.randrange(3, 128) for _ in range(4)]
+        again = chunked.generate(follow, max_new_tokens=20, speculate="suffix")
+        assert again.token_ids == engine.generate(follow, max_new_tokens=20, speculate="none").token_ids, name
+        assert again.stats.prefill_tokens < len(follow) - WINDOW
+    assert chunked.prefix_cache.counters["hits"] > hits_before
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_moe_sampling_keeps_the_target_distribution(tree):
+    model = tiny_causal_lm("qwen3_moe", vocab_size=SMALL_VOCAB, seed=3, init_std=0.2)
+    engine = Engine(TargetModel(model), tiny_tokenizer(SMALL_VOCAB), router=lambda ps, cs: list(ps))
+    prompt, eos = [3, 5, 4, 6], engine.tokenizer.eos_token_id
+    expected = exact_two_token_distribution(model, prompt, eos)
+    assert math.isclose(sum(expected.values()), 1.0, rel_tol=1e-9)
+    proposer, counts = SamplingProposer(seed=21 + tree, tree=tree, with_logits=True), Counter()
+    for call in range(6):
+        results = engine.generate([prompt] * 500, max_new_tokens=3, temperature=1.0, speculate=proposer, tree=tree,
+                                  seed=100 * call + tree)
+        for r in results:
+            counts[tuple(r.token_ids[:1]) if r.token_ids[0] == eos else tuple(r.token_ids[:2])] += 1
+        assert results[0].stats.accepted_tokens > 0
+    assert chi_square_p_value([counts.get(c, 0) for c in expected], list(expected.values())) > 1e-3
+
+
+def test_moe_runs_only_the_chosen_experts():
+    """A decode step's MoE layers multiply the weights of the experts its tokens chose, no others."""
+    target = TargetModel(tiny_causal_lm("qwen3_moe"))
+    moe, used = target.layers[0].mlp, []
+
+    def counted(expert: int, product):
+        return lambda x: (used.append(expert), product(x))[1]
+
+    moe.experts = [(counted(e, gate_up), down) for e, (gate_up, down) in enumerate(moe.experts)]
+    cache = target.new_cache(1, 64)
+    target.prefill(cache, [[5, 6, 7]])
+    assert len(set(used)) > moe.top_k  # three prompt tokens chose more than one token's experts
+    used.clear()
+    target.step(cache, [9])
+    assert len(used) == moe.top_k and len(set(used)) == moe.top_k
+
+
+def test_an_unsupported_architecture_names_the_supported_ones():
+    import transformers
+
+    config = transformers.GptOssConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4)
+    with pytest.raises(ValueError) as e:
+        TargetModel(transformers.GptOssForCausalLM(config))
+    assert "gpt_oss" in str(e.value) and all(t in str(e.value) for t in SUPPORTED_MODEL_TYPES)
+    assert "vLLM plugin mode" in str(e.value)
