@@ -1,8 +1,9 @@
 """The architectures beyond Llama on tiny random models (transformers' own config classes, no download): Qwen2 with
-biases, Qwen3 with q/k norms, Qwen3-MoE, sliding windows (Qwen3 half windowed, Mistral all windowed). For each, plain
+biases, Qwen3 with q/k norms, Qwen3-MoE, sliding windows (Qwen3 half windowed, Mistral all windowed), gpt-oss
+(attention sinks, every other layer windowed, MoE with biases and a clamped SwiGLU, YaRN). For each, plain
 greedy decoding is transformers' `generate` token for token; greedy speculation (random, noisy-oracle and suffix
 chains and trees, n-gram) changes no token, one call at a time and batched; chunked prefill and prefix-cache hits
-change none; sampling keeps the target's distribution (chi-square, on the MoE)."""
+change none; sampling keeps the target's distribution (chi-square, on the MoEs)."""
 from __future__ import annotations
 
 import math
@@ -91,9 +92,9 @@ def test_chunked_prefill_and_prefix_hits_change_no_token(arch):
     assert chunked.prefix_cache.counters["hits"] > hits_before
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_moe_sampling_keeps_the_target_distribution(tree):
-    model = tiny_causal_lm("qwen3_moe", vocab_size=SMALL_VOCAB, seed=3, init_std=0.2)
+@pytest.mark.parametrize("name,tree", [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", True)])
+def test_moe_sampling_keeps_the_target_distribution(name, tree):
+    model = tiny_causal_lm(name, vocab_size=SMALL_VOCAB, seed=3, init_std=0.2)
     engine = Engine(TargetModel(model), tiny_tokenizer(SMALL_VOCAB), router=lambda ps, cs: list(ps))
     prompt, eos = [3, 5, 4, 6], engine.tokenizer.eos_token_id
     expected = exact_two_token_distribution(model, prompt, eos)
@@ -128,9 +129,9 @@ def test_moe_runs_only_the_chosen_experts():
 def test_an_unsupported_architecture_names_the_supported_ones():
     import transformers
 
-    config = transformers.GptOssConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4)
+    config = transformers.Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
     with pytest.raises(ValueError) as e:
-        TargetModel(transformers.GptOssForCausalLM(config))
-    assert "gpt_oss" in str(e.value) and all(t in str(e.value) for t in SUPPORTED_MODEL_TYPES)
+        TargetModel(transformers.Phi3ForCausalLM(config))
+    assert "'phi3'" in str(e.value) and all(t in str(e.value) for t in SUPPORTED_MODEL_TYPES)
     assert "vLLM plugin mode" in str(e.value)

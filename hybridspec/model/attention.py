@@ -41,11 +41,13 @@ def interleave_rotary_pairs(rows: torch.Tensor, heads: int, head_dim: int) -> to
 
 def rotary_table(rotary_emb, like: torch.Tensor, max_seq_len: int, head_dim: int) -> torch.Tensor:
     """[max_seq_len, head_dim / 2] complex: the rotation of every position, computed once by the model's own rotary
-    module (so any RoPE scaling it applies holds), one complex number per pair of dimensions. like: [1, 1, H], a tensor
-    of the model's dtype and device."""
+    module (so any RoPE scaling it applies holds, YaRN's magnitude too), one complex number per pair of dimensions.
+    like: [1, 1, H], a tensor of the model's dtype and device. The module gives both halves (Llama) or one (gpt-oss)."""
     positions = torch.arange(max_seq_len, device=like.device)[None]
     cos, sin = (t[0].float() for t in rotary_emb(like, positions))
     half = head_dim // 2
+    if cos.shape[-1] == half:
+        return torch.complex(cos, sin)
     if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
         raise ValueError("rotary tables whose two halves differ are not supported")
     return torch.complex(cos[:, :half], sin[:, :half])
@@ -59,17 +61,23 @@ def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 def _prefix_then_causal(query: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
-                        keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                        keys: torch.Tensor, values: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a prefill chunk: over the cached prefix (no mask) and causally over the chunk itself, merged by
     their log-sum-exps. Twice as fast on a CPU as one pass with a [q, prefix + q] mask at 4k tokens of context, where
-    the masked kernel can skip no block and reads the mask."""
-    out, lse = FLASH_CPU(query, keys, values, is_causal=True)
-    if prefix_keys.shape[2] == 0:
-        return out
-    prefix_out, prefix_lse = FLASH_CPU(query, prefix_keys, prefix_values)
-    total = torch.logaddexp(lse, prefix_lse)
-    merged = out * torch.exp(lse - total)[..., None] + prefix_out * torch.exp(prefix_lse - total)[..., None]
-    return merged.to(query.dtype)
+    the masked kernel can skip no block and reads the mask. sinks: [heads], as `with_sinks`."""
+    out, lse = FLASH_CPU(query, keys, values, is_causal=True)[:2]
+    if prefix_keys.shape[2] != 0:
+        prefix_out, prefix_lse = FLASH_CPU(query, prefix_keys, prefix_values)[:2]
+        total = torch.logaddexp(lse, prefix_lse)
+        out = out * torch.exp(lse - total)[..., None] + prefix_out * torch.exp(prefix_lse - total)[..., None]
+        lse = total
+    return (out if sinks is None else with_sinks(out, lse, sinks[:, None])).to(query.dtype)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink (gpt-oss): one more logit per head, `sinks`, in the softmax's denominator and no value.
+    The softmax over keys alone (out, and its log-sum-exp lse [..., rows]) scaled by sum / (sum + e^sink)."""
+    return out * torch.sigmoid(lse - sinks)[..., None]
 
 
 _prompt_threads: tuple[int, ThreadPoolExecutor] | None = None  # (its workers, the pool) the prompt kernel runs on
@@ -148,12 +156,13 @@ class Attention:
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_seq_len: int):
+                 max_seq_len: int, sinks: bool = False):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device, self.max_seq_len = dtype, device, max_seq_len
         self.cpu_flash = FLASH_CPU is not None and device.type == "cpu"
+        # sinks need each query's log-sum-exp, which PyTorch's flash attention gives and the kernels do not
         self.kernel = (_kernels is not None and device.type == "cpu" and dtype == torch.float32
-                       and head_dim in (16, 32, 64, 128) and _kernels.supported())
+                       and head_dim in (16, 32, 64, 128) and _kernels.supported() and not sinks)
 
     def plan(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, causal: bool,
              causal_rows: int = 0) -> AttentionPlan:
@@ -261,8 +270,9 @@ class Attention:
         return out.view(rows, hq, q, dim).transpose(1, 2).reshape(rows * q, hq * dim)
 
     def attend(self, plan: AttentionPlan, layer_id: int, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor) -> torch.Tensor:
-        """Write one cache's new keys and values ([b, kv_heads, q, D]) at their slots, and attend over the cache."""
+               value: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Write one cache's new keys and values ([b, kv_heads, q, D]) at their slots, and attend over the cache
+        (with the layer's attention sinks [heads], `with_sinks`, where it has them)."""
         keys, values = plan.cache.keys[layer_id], plan.cache.values[layer_id]
         q = key.shape[2]
         if plan.start is not None:
@@ -275,23 +285,23 @@ class Attention:
             values[row_ids, :, plan.slots] = value.transpose(1, 2)
         start = plan.start
         if plan.causal_chunk:
-            return self._attend_prompt(query, keys, values, start, key, value)
+            return self._attend_prompt(query, keys, values, start, key, value, sinks)
         if plan.causal_rows:  # a prompt chunk, then a draft tree that sees all of it
             n = plan.causal_rows
-            chunk = self._attend_prompt(query[:, :, :n], keys, values, start, key[:, :, :n], value[:, :, :n])
-            return torch.cat([chunk, self._attend_masked(plan, keys, values, query[:, :, n:])], dim=2)
-        return self._attend_masked(plan, keys, values, query)
+            chunk = self._attend_prompt(query[:, :, :n], keys, values, start, key[:, :, :n], value[:, :, :n], sinks)
+            return torch.cat([chunk, self._attend_masked(plan, keys, values, query[:, :, n:], sinks)], dim=2)
+        return self._attend_masked(plan, keys, values, query, sinks)
 
     def _attend_prompt(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                       key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+                       key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """A prompt chunk's attention (query [b, heads, q, D] at positions start..): the cache's first `start` keys
         and causally its own (key, value), already written to the cache after them."""
         if self.kernel:
             return _prompt_kernel(query, keys, values, start, self.num_kv_heads)
-        return _prefix_then_causal(query, keys[:, :, :start], values[:, :, :start], key, value)
+        return _prefix_then_causal(query, keys[:, :, :start], values[:, :, :start], key, value, sinks)
 
     def _attend_masked(self, plan: AttentionPlan, keys: torch.Tensor, values: torch.Tensor,
-                       query: torch.Tensor) -> torch.Tensor:
+                       query: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of `query` [b, heads, q, D] over the cache's first kv_len slots, by plan.mask or the kernel."""
         # The query heads that share a KV head attend as the rows of one head, so each KV head is read once per step
         # rather than once per query head: a step's attention is bound by reading the cache, not by its arithmetic.
@@ -306,8 +316,17 @@ class Attention:
                 keys.stride(1), keys.stride(2), head_dim ** -0.5)
             return out.view(bsz, self.num_heads, q, head_dim)
         keys, values = keys[:, :, :plan.kv_len], values[:, :, :plan.kv_len]
+        if sinks is None:
+            out = FLASH_CPU(folded, keys, values, attn_mask=plan.mask)[0] if self.cpu_flash else \
+                F.scaled_dot_product_attention(folded, keys, values, attn_mask=plan.mask)
+            return out.view(bsz, self.num_heads, q, head_dim)
         if self.cpu_flash:
-            out = FLASH_CPU(folded, keys, values, attn_mask=plan.mask)[0]
-        else:
-            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=plan.mask)
-        return out.view(bsz, self.num_heads, q, head_dim)
+            out, lse = FLASH_CPU(folded, keys, values, attn_mask=plan.mask)[:2]
+        else:  # PyTorch's attention gives no log-sum-exp here: by hand
+            scores = (folded @ keys.transpose(-1, -2)).float() * head_dim ** -0.5
+            if plan.mask is not None:
+                scores = scores.masked_fill(~plan.mask, float("-inf"))
+            lse, out = torch.logsumexp(scores, -1), torch.softmax(scores, -1).to(values.dtype) @ values
+        group = self.num_heads // self.num_kv_heads  # folded row g * q + i is query head kv_head * group + g
+        folded_sinks = sinks.view(self.num_kv_heads, group, 1).expand(-1, -1, q).reshape(self.num_kv_heads, -1)
+        return with_sinks(out, lse, folded_sinks).to(query.dtype).view(bsz, self.num_heads, q, head_dim)

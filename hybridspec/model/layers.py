@@ -38,27 +38,53 @@ class _DenseMLP:
 
 
 class _MixtureOfExperts:
-    """A sparse MoE block (Qwen3-MoE): each token's router picks top_k experts (softmax, then the top_k weights
-    renormalised where the model says so) and only those experts' weights are multiplied, token rows grouped per
-    expert. The experts' outputs are summed in expert order, then added to the residual, as transformers does."""
+    """A sparse MoE block: each token's router picks top_k experts and only those experts' weights are multiplied,
+    token rows grouped per expert; their outputs summed in expert order, then added to the residual, as transformers
+    does. Qwen3-MoE: softmax over all experts, then the top_k (renormalised where the model says so), SwiGLU experts.
+    gpt-oss: the top_k logits (the router has a bias), then their softmax; experts with biases and a clamped SwiGLU
+    (alpha, limit) whose gate and up rows are interleaved in the checkpoint."""
 
-    __slots__ = ("router", "experts", "top_k", "renormalise")
+    __slots__ = ("router", "experts", "top_k", "renormalise", "softmax_first", "clamp")
 
     def __init__(self, block, config, pack: bool):
         experts = block.experts
-        self.router = Linear(block.gate.weight, pack=pack)
-        self.experts = [(Linear(experts.gate_up_proj[e], pack=pack), Linear(experts.down_proj[e], pack=pack))
-                        for e in range(experts.num_experts)]
-        self.top_k, self.renormalise = int(config.num_experts_per_tok), bool(config.norm_topk_prob)
+        if hasattr(block, "router"):  # gpt-oss: weights stored [in, out], gate and up interleaved
+            self.router = Linear(block.router.weight, block.router.bias, pack=pack)
+            pairs = lambda w: torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1)  # noqa: E731
+            self.experts = [(Linear(pairs(experts.gate_up_proj[e]).t().contiguous(),
+                                    pairs(experts.gate_up_proj_bias[e]), pack=pack),
+                             Linear(experts.down_proj[e].t().contiguous(), experts.down_proj_bias[e], pack=pack))
+                            for e in range(experts.num_experts)]
+            self.softmax_first, self.renormalise = False, False
+            self.clamp = (float(experts.alpha), float(experts.limit))
+        else:
+            self.router = Linear(block.gate.weight, pack=pack)
+            self.experts = [(Linear(experts.gate_up_proj[e], pack=pack), Linear(experts.down_proj[e], pack=pack))
+                            for e in range(experts.num_experts)]
+            self.softmax_first, self.renormalise = True, bool(config.norm_topk_prob)
+            self.clamp = None
+        self.top_k = int(config.num_experts_per_tok)
 
     def linears(self) -> list[Linear]:
         return [self.router] + [lin for pair in self.experts for lin in pair]
 
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.clamp is None:
+            return F.silu(gate) * up
+        alpha, limit = self.clamp
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)
-        weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        if self.renormalise:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        if self.softmax_first:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+            if self.renormalise:
+                weights /= weights.sum(dim=-1, keepdim=True)
+        else:
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
         weights = weights.to(x.dtype).reshape(-1)
         order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, k) pairs grouped by expert
         counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts)).tolist()
@@ -69,8 +95,7 @@ class _MixtureOfExperts:
                 begin += count
                 rows = pairs // self.top_k
                 gate_up, down = self.experts[expert]
-                gate, up = gate_up(x[rows]).chunk(2, dim=-1)
-                out.index_add_(0, rows, down(F.silu(gate) * up) * weights[pairs, None])
+                out.index_add_(0, rows, down(self._activation(gate_up(x[rows]))) * weights[pairs, None])
         return residual + out
 
 
@@ -81,7 +106,7 @@ def _cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
 class DecoderLayer:
     """One decoder layer's weights in the layout the fused forward uses."""
 
-    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "post_norm", "mlp", "window")
+    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "post_norm", "mlp", "window", "sinks")
 
     def __init__(self, layer, config, layer_id: int, pack: bool, heads: int, kv_heads: int, head_dim: int):
         attn = layer.self_attn
@@ -105,3 +130,4 @@ class DecoderLayer:
         mlp = layer.mlp
         self.mlp = _MixtureOfExperts(mlp, config, pack) if hasattr(mlp, "experts") else _DenseMLP(mlp, pack)
         self.window = layer_window(config, layer_id)
+        self.sinks = getattr(attn, "sinks", None)  # gpt-oss: a softmax logit per head with no value

@@ -42,7 +42,7 @@ from hybridspec.model.layers import DecoderLayer, layer_window
 from hybridspec.model.linear import Linear, fast_bf16, tune_products
 from hybridspec.speculators.features import default_aux_layer_ids
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 # Prefill chunks: long where the chunk attends causally without a mask (fewer passes; PyTorch's flash attention, where
 # the prompt kernel does not run, skips more of the blocks above the diagonal in one long chunk than in several short
 # ones), short where a mask is needed (its memory).
@@ -75,7 +75,7 @@ class TargetModel:
         self.dtype = decoder.embed_tokens.weight.dtype
         self.device = decoder.embed_tokens.weight.device
         self.attention = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device,
-                                   self.max_seq_len)
+                                   self.max_seq_len, sinks=config.model_type == "gpt_oss")
         # The longest prompt chunk a step with a draft tree runs in one pass: where the chunk attends causally apart
         # (`ForwardPart.causal_rows`) the mask spans the tree alone; elsewhere it spans the chunk too.
         self.tree_prompt_chunk = CAUSAL_CHUNK if self.attention.cpu_flash else MASKED_CHUNK
@@ -173,9 +173,10 @@ class TargetModel:
             windowed = window_plans.get(layer.window)
             if windowed is not None and any(w is not None for w in windowed):
                 layer_plans = [w or p for w, p in zip(windowed, plans)]
-                attn = self._attend(layer_id, layer_plans, [], range(len(parts)), parts, spans, query_key, qkv)
+                attn = self._attend(layer, layer_id, layer_plans, [], range(len(parts)), parts, spans, query_key,
+                                    qkv)
             else:
-                attn = self._attend(layer_id, plans, joined, apart, parts, spans, query_key, qkv)
+                attn = self._attend(layer, layer_id, plans, joined, apart, parts, spans, query_key, qkv)
             x = layer.o.plus(attn, x)
             x = layer.mlp.plus(self._rms_norm(x, layer.post_norm), x)
 
@@ -227,7 +228,7 @@ class TargetModel:
                 out.drafter_features = [(aux_at, self._rms_norm(x[rows], self.final_norm))]
         return outs
 
-    def _attend(self, layer_id: int, plans: Sequence, joined: Sequence, apart: Sequence[int],
+    def _attend(self, layer: DecoderLayer, layer_id: int, plans: Sequence, joined: Sequence, apart: Sequence[int],
                 parts: Sequence[ForwardPart], spans: Sequence[tuple[int, int]], query_key: torch.Tensor,
                 qkv: torch.Tensor) -> torch.Tensor:
         """One layer's attention for every part of the pass: [T, heads * D] in the packed inputs' order."""
@@ -238,7 +239,7 @@ class TargetModel:
             qk = query_key[lo:hi].view(b, q, hq + hk, hd)
             value = qkv[lo:hi, (hq + hk) * hd:].view(b, q, hk, hd).transpose(1, 2)
             query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
-            out = self.attention.attend(plans[i], layer_id, query, key, value)
+            out = self.attention.attend(plans[i], layer_id, query, key, value, layer.sinks)
             attn.append(out.transpose(1, 2).reshape(b * q, hq * hd))
         if not joined:
             return attn[0] if len(attn) == 1 else torch.cat(attn)

@@ -31,7 +31,7 @@ def tiny_llama(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 6
 
 
 # The architectures `tiny_causal_lm` builds, each small and with one of every layer kind its family has.
-TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_window", "mistral_window")
+TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_window", "mistral_window", "gpt_oss")
 
 
 def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: int = 0, init_std: float = 0.3,
@@ -39,7 +39,9 @@ def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: 
     """A random model of one of TINY_ARCHITECTURES from transformers' own config classes, in eval mode (SDPA):
     "qwen2" with q/k/v biases; "qwen3" with q/k norms; "qwen3_moe" with 8 experts, 2 a token, layer 1 dense;
     "qwen3_window" full attention in its first half and a sliding window of `window` positions in the rest;
-    "mistral_window" that window in every layer. Norm weights are random too (a wrong permutation of them shows)."""
+    "mistral_window" that window in every layer; "gpt_oss" with sinks, the window in every other layer, 8 experts, 2 a
+    token, YaRN (eager attention, its reference in transformers). Norm weights are random too (a wrong permutation of
+    them shows)."""
     if arch == "llama":
         return tiny_llama(vocab_size=vocab_size, num_layers=num_layers, seed=seed, dtype=dtype, init_std=init_std,
                           eos_token_id=eos_token_id)
@@ -60,6 +62,13 @@ def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: 
                                              moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
                                              norm_topk_prob=True, **common)
         cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "gpt_oss":
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 128}
+        config = transformers.GptOssConfig(**{**common, "attn_implementation": "eager"}, head_dim=16,
+                                           num_local_experts=8, num_experts_per_tok=2, sliding_window=window,
+                                           rope_parameters=rope)
+        cls = transformers.GptOssForCausalLM
     elif arch == "mistral_window":
         config, cls = transformers.MistralConfig(sliding_window=window, **common), transformers.MistralForCausalLM
     else:
@@ -71,7 +80,7 @@ def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.copy_(1 + 0.3 * torch.randn_like(param))
-                elif name.endswith(".bias"):
+                elif name.endswith("bias") or name.endswith("sinks"):
                     param.copy_(0.3 * torch.randn_like(param))
     return model.to(dtype).eval()
 
