@@ -1,6 +1,7 @@
 """The architectures beyond Llama on tiny random models (transformers' own config classes, no download): Qwen2 with
 biases, Qwen3 with q/k norms, Qwen3-MoE, sliding windows (Qwen3 half windowed, Mistral all windowed), gpt-oss
-(attention sinks, every other layer windowed, MoE with biases and a clamped SwiGLU, YaRN). For each, plain
+(attention sinks, every other layer windowed, MoE with biases and a clamped SwiGLU, YaRN), Gemma 3 (four norms a
+layer, GELU, scaled embeddings, local layers windowed with their own rotary base). For each, plain
 greedy decoding is transformers' `generate` token for token; greedy speculation (random, noisy-oracle and suffix
 chains and trees, n-gram) changes no token, one call at a time and batched; chunked prefill and prefix-cache hits
 change none; sampling keeps the target's distribution (chi-square, on the MoEs)."""

@@ -1,6 +1,6 @@
 """A decoder layer's weights in the layout `TargetModel`'s fused forward uses: one product for Q, K and V (rows in
-rotary pair order), one for gate and up; a dense SwiGLU or a sparse mixture of experts; q/k norms and a sliding
-window where the architecture has them."""
+rotary pair order), one for gate and up; a dense gated MLP or a sparse mixture of experts; q/k norms, a sliding
+window, sinks and Gemma's norms around attention and MLP outputs where the architecture has them."""
 from __future__ import annotations
 
 import torch
@@ -19,22 +19,39 @@ def layer_window(config, layer_id: int) -> int | None:
     return int(window)
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def is_gemma(config) -> bool:
+    return config.model_type.startswith("gemma")
+
+
+def norm_weight(norm, config) -> torch.Tensor:
+    """An RMSNorm's multiplier: Gemma's norms scale by 1 + weight (in float32), the others by weight."""
+    return (1.0 + norm.weight.float()).to(norm.weight.dtype) if is_gemma(config) else norm.weight
+
+
 class _DenseMLP:
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one product."""
+    """A gated MLP: down(act(gate(x)) * up(x)), gate and up as one product (SwiGLU; Gemma's GELU-tanh)."""
 
-    __slots__ = ("gate_up", "down")
+    __slots__ = ("gate_up", "down", "act")
 
-    def __init__(self, mlp, pack: bool):
+    def __init__(self, mlp, config, pack: bool):
         self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(
             mlp.gate_proj.bias, mlp.up_proj.bias), pack=pack)
         self.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack=pack)
+        self.act = ACTIVATIONS[getattr(config, "hidden_activation", None) or config.hidden_act]
 
     def linears(self) -> list[Linear]:
         return [self.gate_up, self.down]
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down.plus(F.silu(gate) * up, residual)
+        return self.down.plus(self.act(gate) * up, residual)
 
 
 class _MixtureOfExperts:
@@ -106,12 +123,20 @@ def _cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
 class DecoderLayer:
     """One decoder layer's weights in the layout the fused forward uses."""
 
-    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "post_norm", "mlp", "window", "sinks")
+    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "attn_out_norm", "post_norm", "mlp", "mlp_out_norm",
+                 "window", "sinks", "layer_type")
 
     def __init__(self, layer, config, layer_id: int, pack: bool, heads: int, kv_heads: int, head_dim: int):
         attn = layer.self_attn
-        self.input_norm = layer.input_layernorm.weight
-        self.post_norm = layer.post_attention_layernorm.weight
+        self.input_norm = norm_weight(layer.input_layernorm, config)
+        # Gemma normalises the attention's and the MLP's outputs too, before each residual addition
+        self.attn_out_norm = self.mlp_out_norm = None
+        if hasattr(layer, "pre_feedforward_layernorm"):
+            self.attn_out_norm = norm_weight(layer.post_attention_layernorm, config)
+            self.post_norm = norm_weight(layer.pre_feedforward_layernorm, config)
+            self.mlp_out_norm = norm_weight(layer.post_feedforward_layernorm, config)
+        else:
+            self.post_norm = layer.post_attention_layernorm.weight
         # One matrix for Q, K and V (and one for gate and up): fewer, larger matmuls per layer.
         weights = [interleave_rotary_pairs(attn.q_proj.weight, heads, head_dim),
                    interleave_rotary_pairs(attn.k_proj.weight, kv_heads, head_dim), attn.v_proj.weight]
@@ -121,13 +146,17 @@ class DecoderLayer:
             bias = torch.cat([interleave_rotary_pairs(biases[0], heads, head_dim),
                               interleave_rotary_pairs(biases[1], kv_heads, head_dim), biases[2]])
         self.qkv = Linear(torch.cat(weights), bias, pack)
-        # Qwen3's per-head RMSNorm of queries and keys, its weight in the same pair order as their rows
+        # Qwen3's and Gemma's per-head RMSNorm of queries and keys, its weight in the same pair order as their rows;
+        # Gemma's attention scale (query_pre_attn_scalar ** -0.5, not head_dim's) goes into the queries' norm
         self.q_norm = self.k_norm = None
         if getattr(attn, "q_norm", None) is not None:
-            self.q_norm = interleave_rotary_pairs(attn.q_norm.weight, 1, head_dim)
-            self.k_norm = interleave_rotary_pairs(attn.k_norm.weight, 1, head_dim)
+            scale = getattr(config, "query_pre_attn_scalar", head_dim) ** -0.5 / head_dim ** -0.5
+            self.q_norm = interleave_rotary_pairs(norm_weight(attn.q_norm, config) * scale, 1, head_dim)
+            self.k_norm = interleave_rotary_pairs(norm_weight(attn.k_norm, config), 1, head_dim)
         self.o = Linear(attn.o_proj.weight, attn.o_proj.bias, pack=pack)
         mlp = layer.mlp
-        self.mlp = _MixtureOfExperts(mlp, config, pack) if hasattr(mlp, "experts") else _DenseMLP(mlp, pack)
+        self.mlp = _MixtureOfExperts(mlp, config, pack) if hasattr(mlp, "experts") else _DenseMLP(mlp, config, pack)
         self.window = layer_window(config, layer_id)
+        types = getattr(config, "layer_types", None)
+        self.layer_type = types[layer_id] if types else None  # Gemma: its rotary table (local or global)
         self.sinks = getattr(attn, "sinks", None)  # gpt-oss: a softmax logit per head with no value

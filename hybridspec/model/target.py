@@ -28,6 +28,7 @@ little more than one row, while separate caches read the weights B times (`pytho
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from typing import Sequence
@@ -38,11 +39,11 @@ from hybridspec.model.attention import Attention, rotary_table, rotate
 from hybridspec.model.head import GreedyHead
 from hybridspec.model.inputs import ForwardPart, StepInput, StepOutput
 from hybridspec.model.kv_cache import KVCache, tree_depths_and_mask
-from hybridspec.model.layers import DecoderLayer, layer_window
+from hybridspec.model.layers import ACTIVATIONS, DecoderLayer, is_gemma, layer_window, norm_weight
 from hybridspec.model.linear import Linear, fast_bf16, tune_products
 from hybridspec.speculators.features import default_aux_layer_ids
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text")
 # Prefill chunks: long where the chunk attends causally without a mask (fewer passes; PyTorch's flash attention, where
 # the prompt kernel does not run, skips more of the blocks above the diagonal in one long chunk than in several short
 # ones), short where a mask is needed (its memory).
@@ -58,8 +59,12 @@ class TargetModel:
             raise ValueError(
                 f"model_type {config.model_type!r} is not supported by the engine; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}. Other architectures run in vLLM plugin mode (docs/vllm.md).")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (these models use silu)")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(config, cap, None):
+                raise ValueError(f"{cap} is not supported (Gemma 2's; Gemma 3 has none)")
         self.model = model
         self.config = config
         self.num_layers = config.num_hidden_layers
@@ -85,16 +90,22 @@ class TargetModel:
             self.tree_prompt_chunk = MASKED_CHUNK
         with torch.no_grad():
             self.embed = decoder.embed_tokens.weight
+            # Gemma scales its embeddings by sqrt(hidden size), rounded to the weights' dtype as transformers does
+            self.embed_scale = torch.tensor(self.hidden_size ** 0.5).to(self.dtype) if is_gemma(config) else None
             self.layers = [DecoderLayer(layer, config, i, pack_weights, self.num_heads, self.num_kv_heads,
                                         self.head_dim) for i, layer in enumerate(decoder.layers)]
-            self.final_norm = decoder.norm.weight
+            self.final_norm = norm_weight(decoder.norm, config)
             self.lm_head = Linear(model.get_output_embeddings().weight, pack=pack_weights)
             self.greedy_head = GreedyHead(model.get_output_embeddings().weight) \
                 if pack_weights and self.dtype == torch.float32 and self.device.type == "cpu" and fast_bf16() else None
             if pack_weights and tune:  # each product's kernel and rows as this machine runs them fastest
                 tune_products(self.linears())
-            # [max_seq_len, head_dim / 2] complex: every position's rotation, by the model's own rotary module
-            self.rope = rotary_table(decoder.rotary_emb, self.embed[:1][None], self.max_seq_len, self.head_dim)
+            # [max_seq_len, head_dim / 2] complex: every position's rotation, by the model's own rotary module; Gemma
+            # has one per layer type (local layers rotate by another base)
+            self.rope_kinds = [layer.layer_type if is_gemma(config) else None for layer in self.layers]
+            self.ropes = {kind: rotary_table(
+                decoder.rotary_emb if kind is None else functools.partial(decoder.rotary_emb, layer_type=kind),
+                self.embed[:1][None], self.max_seq_len, self.head_dim) for kind in set(self.rope_kinds)}
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
@@ -151,7 +162,8 @@ class TargetModel:
             spans.append((begin, begin + b * q))
             begin += b * q
         total = begin
-        rope = self.rope[torch.cat(positions)][:, None]  # [T, 1, D / 2]
+        positions = torch.cat(positions)
+        ropes = {kind: table[positions][:, None] for kind, table in self.ropes.items()}  # [T, 1, D / 2] each
         joined = self.attention.join_steps(plans, spans) if len(parts) > 1 else []
         apart = sorted(set(range(len(parts))) - {i for j in joined for i in j.parts})
 
@@ -160,6 +172,8 @@ class TargetModel:
         window_plans = {w: [self.attention.plan_window(plan, part.depths, part.tree_mask, w)
                             for plan, part in zip(plans, parts)] for w in self.windows}
         x = self.embed[torch.cat([p.tokens.reshape(-1) for p in parts])]  # [T, H], every part's inputs packed
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         layer_inputs = {}
         for layer_id, layer in enumerate(self.layers):
             if return_hidden and layer_id in self.aux_layer_ids:
@@ -169,7 +183,7 @@ class TargetModel:
             if layer.q_norm is not None:
                 query_key = torch.cat([self._rms_norm(query_key[:, :hq], layer.q_norm),
                                        self._rms_norm(query_key[:, hq:], layer.k_norm)], dim=1)
-            query_key = rotate(query_key, rope)
+            query_key = rotate(query_key, ropes[self.rope_kinds[layer_id]])
             windowed = window_plans.get(layer.window)
             if windowed is not None and any(w is not None for w in windowed):
                 layer_plans = [w or p for w, p in zip(windowed, plans)]
@@ -177,8 +191,12 @@ class TargetModel:
                                     qkv)
             else:
                 attn = self._attend(layer, layer_id, plans, joined, apart, parts, spans, query_key, qkv)
-            x = layer.o.plus(attn, x)
-            x = layer.mlp.plus(self._rms_norm(x, layer.post_norm), x)
+            if layer.attn_out_norm is None:
+                x = layer.o.plus(attn, x)
+                x = layer.mlp.plus(self._rms_norm(x, layer.post_norm), x)
+            else:  # Gemma: norms on the attention's and the MLP's outputs
+                x = x + self._rms_norm(layer.o(attn), layer.attn_out_norm)
+                x = x + self._rms_norm(layer.mlp(self._rms_norm(x, layer.post_norm)), layer.mlp_out_norm)
 
         # Which inputs give outputs, as indices into the packed inputs (None: all of them, no gather).
         shapes = [p.tokens.shape if p.output_index is None else p.output_index.shape for p in parts]

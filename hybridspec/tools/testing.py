@@ -31,7 +31,7 @@ def tiny_llama(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 6
 
 
 # The architectures `tiny_causal_lm` builds, each small and with one of every layer kind its family has.
-TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_window", "mistral_window", "gpt_oss")
+TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_window", "mistral_window", "gpt_oss", "gemma3")
 
 
 def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: int = 0, init_std: float = 0.3,
@@ -40,8 +40,9 @@ def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: 
     "qwen2" with q/k/v biases; "qwen3" with q/k norms; "qwen3_moe" with 8 experts, 2 a token, layer 1 dense;
     "qwen3_window" full attention in its first half and a sliding window of `window` positions in the rest;
     "mistral_window" that window in every layer; "gpt_oss" with sinks, the window in every other layer, 8 experts, 2 a
-    token, YaRN (eager attention, its reference in transformers). Norm weights are random too (a wrong permutation of
-    them shows)."""
+    token, YaRN (eager attention, its reference in transformers); "gemma3" with its four norms a layer, GELU, scaled
+    embeddings, query_pre_attn_scalar and local layers windowed with their own rotary base. Norm weights are random
+    too (a wrong permutation of them shows)."""
     if arch == "llama":
         return tiny_llama(vocab_size=vocab_size, num_layers=num_layers, seed=seed, dtype=dtype, init_std=init_std,
                           eos_token_id=eos_token_id)
@@ -69,6 +70,11 @@ def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: 
                                            num_local_experts=8, num_experts_per_tok=2, sliding_window=window,
                                            rope_parameters=rope)
         cls = transformers.GptOssForCausalLM
+    elif arch == "gemma3":
+        config = transformers.Gemma3TextConfig(**{k: v for k, v in common.items() if k != "tie_word_embeddings"},
+                                               head_dim=16, sliding_window=window, query_pre_attn_scalar=32,
+                                               sliding_window_pattern=2)
+        cls = transformers.Gemma3ForCausalLM
     elif arch == "mistral_window":
         config, cls = transformers.MistralConfig(sliding_window=window, **common), transformers.MistralForCausalLM
     else:
