@@ -136,3 +136,21 @@ def test_an_unsupported_architecture_names_the_supported_ones():
         TargetModel(transformers.Phi3ForCausalLM(config))
     assert "'phi3'" in str(e.value) and all(t in str(e.value) for t in SUPPORTED_MODEL_TYPES)
     assert "vLLM plugin mode" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gemma3"])
+def test_a_bfloat16_checkpoint_directory_loads_into_float32(tmp_path, name):
+    """`--model DIR` / `Engine.from_pretrained(DIR)`: a saved bfloat16 checkpoint of each family runs in float32 and
+    decodes as the same weights do in memory."""
+    model = tiny_causal_lm(name, window=WINDOW)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    tiny_tokenizer(128).save_pretrained(tmp_path)
+    loaded = Engine.from_pretrained(str(tmp_path), verify_cost=None)
+    assert loaded.target.dtype == torch.float32 and loaded.target.config.model_type == model.config.model_type
+    # the same weights rounded to bfloat16, in a float32 model whose buffers (rotary frequencies) never were
+    reference = tiny_causal_lm(name, window=WINDOW)
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    in_memory = Engine(TargetModel(reference), tiny_tokenizer(128), verify_cost=None)
+    prompt = long_prompts(1, seed=2)[-1]
+    assert loaded.generate(prompt, max_new_tokens=24, speculate="suffix").token_ids == \
+        in_memory.generate(prompt, max_new_tokens=24, speculate="none").token_ids

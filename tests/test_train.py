@@ -498,3 +498,27 @@ def test_cli_trains_from_a_recipe_file(tmp_path, chat_file, tiny_model, tiny_tok
     assert main(["train", str(tmp_path / "recipe.yaml"), "--no-progress"]) == 0
     assert (tmp_path / "out-lstm" / "config.json").exists()
     assert json.loads((tmp_path / "out-lstm" / "train_log.json").read_text())["steps"] == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "gemma3"])
+def test_a_head_trains_for_any_supported_target(arch, tmp_path, chat_file, tiny_tokenizer):
+    """The pipeline is per target, not per Llama: features from a Qwen3-MoE, gpt-oss or Gemma 3 target (the engine
+    writes its responses), a few P-EAGLE steps, and the head it wrote drafts in an Engine over that target with the
+    tokens of plain greedy decoding."""
+    from hybridspec.model.target import TargetModel
+    from hybridspec.runtime.engine import Engine
+    from hybridspec.tools.testing import tiny_causal_lm
+
+    model = tiny_causal_lm(arch, init_std=0.1)
+    engine = Engine(TargetModel(model), tiny_tokenizer, verify_cost=None)
+    recipe = recipe_from_dict(tiny_recipe("peagle", tmp_path, chat_file, steps=6, save_every=1000))
+    build_features(recipe, model, tiny_tokenizer, progress=False, engine=engine)
+    store = FeatureStore(tmp_path / "features", "train")
+    assert len(store) > 0 and store.meta["hidden_size"] == model.config.hidden_size
+    Trainer(recipe, tmp_path / "features", progress=False).run()
+    drafting = Engine(TargetModel(model), tiny_tokenizer, drafters={"peagle": str(recipe.output_dir())},
+                      router=lambda proposals, contexts: list(proposals))
+    prompt = tiny_tokenizer("Question 3: how would you explain")["input_ids"]
+    spec = drafting.generate(prompt, max_new_tokens=24, speculate="peagle")
+    assert spec.token_ids == drafting.generate(prompt, max_new_tokens=24, speculate="none").token_ids
+    assert spec.stats.draft_tokens > 0

@@ -152,7 +152,13 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype =
     """A causal LM in eval mode on the CPU, with eager-free SDPA attention (4D masks are passed explicitly)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name_or_path), dtype=dtype, attn_implementation="sdpa")
+    path = resolve_model(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except ValueError as e:  # gpt-oss has no SDPA in transformers; the engine runs its own attention anyway
+        if "attention implementation" not in str(e):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     return model.eval()
 
 

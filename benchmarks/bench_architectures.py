@@ -1,0 +1,147 @@
+"""Prefill and decode per token of the architectures the engine runs, against transformers, on random weights of
+realistic shapes (no download; timing does not depend on the weights' values).
+
+Shapes (float32): Qwen3-0.6B as published (28 layers, hidden 1024, 16/8 heads of 128, vocabulary 151,936);
+a Qwen3-MoE and a gpt-oss cut to fit this machine (their published layer shapes: 64 experts of 384 with 8 a token,
+hidden 1024; gpt-oss: 32 experts of 1024, 4 a token, sinks, every other layer windowed to 128, vocabulary 201,088;
+fewer layers). Per model, methods taking turns: a prompt of `--prompt` random tokens to its first token (prefill, ms
+per prompt token), and `--new` more tokens by plain greedy decoding (decode, ms per token: the difference of the two
+calls over the tokens between). hybridspec: `Engine.generate(speculate="none")`, prefix cache off; transformers:
+`generate` (SDPA; gpt-oss: eager, its only CPU attention). MoE rows: the expert weights a decode token multiplied
+(counted on the engine's products) against all of a layer's experts.
+
+    .venv/bin/python benchmarks/bench_architectures.py --json out/bench_architectures.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from common import machine_info, median_ms_each, write_json
+
+SHAPES = {
+    "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
+    "qwen3-moe-8l": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=151936, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384, intermediate_size=3072,
+        norm_topk_prob=True, tie_word_embeddings=False)),
+    "gpt-oss-4l": ("GptOssConfig", "GptOssForCausalLM", dict(
+        vocab_size=201088, hidden_size=1024, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        tie_word_embeddings=False, attn_implementation="eager")),
+}
+
+
+def build(name: str):
+    import transformers
+
+    config_cls, model_cls, shape = SHAPES[name]
+    config = getattr(transformers, config_cls)(**{"attn_implementation": "sdpa", **shape}, initializer_range=0.02,
+                                               max_position_embeddings=4096, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
+    """MiB of expert weights one decode token multiplied, counted on the engine's products, and MiB of all experts of
+    those layers."""
+    layers = [layer.mlp for layer in engine.target.layers if hasattr(layer.mlp, "experts")]
+    counted = {"bytes": 0}
+
+    def counting(product, size: int):
+        def call(x):
+            counted["bytes"] += size
+            return product(x)
+        return call
+
+    saved = [moe.experts for moe in layers]
+    try:
+        for moe in layers:
+            moe.experts = [(counting(g, 4 * (g.shape[0] * g.shape[1] + d.shape[0] * d.shape[1])), d)
+                           for g, d in moe.experts]
+        engine.generate(prompt, max_new_tokens=2, speculate="none")  # the prompt, then one decode step
+        first = counted["bytes"]
+        engine.generate(prompt, max_new_tokens=3, speculate="none")  # the same, and one more step
+        one_token = counted["bytes"] - 2 * first
+    finally:
+        for moe, experts in zip(layers, saved):
+            moe.experts = experts
+    total = sum(4 * (g.shape[0] * g.shape[1] + d.shape[0] * d.shape[1]) for moe in saved for g, d in moe)
+    return one_token / 2 ** 20, total / 2 ** 20
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=32, help="decoded tokens")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    if unknown := set(models) - set(SHAPES):
+        parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(SHAPES)}")
+    if args.prompt < 1 or args.new < 2 or args.repeats < 1:
+        parser.error("--prompt must be positive, --new at least 2, --repeats positive")
+    torch.set_num_threads(args.threads)
+
+    from hybridspec.model.target import TargetModel
+    from hybridspec.runtime.engine import Engine
+    from hybridspec.tools.testing import tiny_tokenizer
+
+    rows = []
+    for name in models:
+        t0 = time.perf_counter()
+        model = build(name)
+        engine = Engine(TargetModel(model), tiny_tokenizer(128), prefix_cache_bytes=0,
+                        verify_cost=None)  # plain decoding: no verification costs to measure
+        print(f"{name}: built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        prompt = torch.randint(3, 128, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+        ids = torch.tensor([prompt])
+
+        def ours(n: int):
+            return lambda: engine.generate(prompt, max_new_tokens=n, speculate="none", ignore_eos=True)
+
+        def theirs(n: int):
+            return lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+        with torch.inference_mode():
+            assert ours(8)().token_ids == theirs(8)()[0, args.prompt:].tolist(), f"{name}: outputs differ"
+            ms = median_ms_each({("hybridspec", 1): ours(1), ("transformers", 1): theirs(1),
+                                 ("hybridspec", args.new + 1): ours(args.new + 1),
+                                 ("transformers", args.new + 1): theirs(args.new + 1)}, args.repeats, warmup=1)
+        row = {"model": name, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
+        for method in ("hybridspec", "transformers"):
+            row[f"{method}_prefill_ms_per_token"] = ms[(method, 1)] / args.prompt
+            row[f"{method}_decode_ms_per_token"] = (ms[(method, args.new + 1)] - ms[(method, 1)]) / args.new
+        row["decode_speedup"] = row["transformers_decode_ms_per_token"] / row["hybridspec_decode_ms_per_token"]
+        row["prefill_speedup"] = row["transformers_prefill_ms_per_token"] / row["hybridspec_prefill_ms_per_token"]
+        if any(hasattr(layer.mlp, "experts") for layer in engine.target.layers):
+            row["expert_mib_per_token"], row["expert_mib_all"] = expert_bytes(engine, prompt[:16])
+        rows.append(row)
+        engine = model = None  # the next model is built without this one beside it
+
+    print(f"\n{args.prompt}-token prompt, {args.new} decoded tokens, float32, {args.threads} threads; ms per token "
+          "(transformers / hybridspec = speed-up)\n")
+    print("| model | params (M) | prefill: transformers | hybridspec | speed-up | decode: transformers | hybridspec "
+          "| speed-up | expert weights a token multiplies |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        experts = (f"{r['expert_mib_per_token']:.0f} of {r['expert_mib_all']:.0f} MiB" if "expert_mib_all" in r
+                   else "-")
+        print(f"| {r['model']} | {r['params_m']:.0f} | {r['transformers_prefill_ms_per_token']:.2f} | "
+              f"{r['hybridspec_prefill_ms_per_token']:.2f} | {r['prefill_speedup']:.2f}x | "
+              f"{r['transformers_decode_ms_per_token']:.1f} | {r['hybridspec_decode_ms_per_token']:.1f} | "
+              f"**{r['decode_speedup']:.2f}x** | {experts} |")
+    write_json(args.json, {"machine": machine_info(), "args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
