@@ -1,0 +1,37 @@
+"""benchmarks/bench_architectures.py on tiny shapes: both methods decode the same tokens (the script checks), the
+table's ratios come from its own timings, and the expert bytes a decode token multiplies are top_k of the experts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import bench_architectures
+
+TINY = {
+    "tiny-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
+        norm_topk_prob=True, tie_word_embeddings=False)),
+    "tiny-oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4, sliding_window=8,
+        tie_word_embeddings=False, attn_implementation="eager")),
+}
+
+
+def test_tiny_run_times_both_and_counts_the_chosen_experts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_architectures, "SHAPES", TINY)
+    out = tmp_path / "arch.json"
+    assert bench_architectures.main(["--models", "tiny-moe,tiny-oss", "--prompt", "24", "--new", "4", "--repeats",
+                                     "1", "--threads", "1", "--json", str(out)]) == 0
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    for name, top_k in (("tiny-moe", 2), ("tiny-oss", 4)):
+        row = rows[name]
+        assert row["decode_speedup"] == pytest.approx(
+            row["transformers_decode_ms_per_token"] / row["hybridspec_decode_ms_per_token"])
+        assert row["hybridspec_prefill_ms_per_token"] > 0 and row["transformers_decode_ms_per_token"] > 0
+        assert row["expert_mib_per_token"] == pytest.approx(row["expert_mib_all"] * top_k / 8)
+    assert "| tiny-moe |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_architectures.main(["--models", "nope"])
