@@ -154,3 +154,26 @@ def test_a_bfloat16_checkpoint_directory_loads_into_float32(tmp_path, name):
     prompt = long_prompts(1, seed=2)[-1]
     assert loaded.generate(prompt, max_new_tokens=24, speculate="suffix").token_ids == \
         in_memory.generate(prompt, max_new_tokens=24, speculate="none").token_ids
+
+
+def test_serve_names_the_supported_architectures_in_one_line(tmp_path):
+    """`hybridspec serve DIR` (or `--model DIR`, vLLM's spelling) on an architecture the engine does not run exits with
+    the list and the pointer, not a traceback; two different models are refused before anything loads."""
+    import transformers
+
+    from hybridspec.cli import main as cli_main
+
+    config = transformers.Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    tiny_tokenizer(128).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match="two models"):
+        cli_main(["serve", "one", "--model", str(tmp_path)])
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit, match="'phi3' is not supported.*gpt_oss.*vLLM plugin mode"):
+            cli_main(["serve", "--model", str(tmp_path), "--threads", str(threads)])
+        with pytest.raises(SystemExit, match="no config.json"):
+            cli_main(["serve", str(tmp_path / "missing"), "--threads", str(threads)])
+    finally:
+        torch.set_num_threads(threads)

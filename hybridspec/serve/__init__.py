@@ -33,7 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    "Anthropic's Messages API",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default="smollm2",
-                        help="'smollm2' (the embedded model, the default) or a local Hugging Face model directory")
+                        help="'smollm2' (the embedded model, the default) or a local Hugging Face model directory "
+                             "(the architectures: docs/models.md)")
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                        help="the model, as the positional argument (vLLM's spelling)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for others, "
                              "with --api-key)")
@@ -111,13 +114,20 @@ def _main(args: argparse.Namespace) -> int:
     except InvalidParameter as e:
         flags = {"max_new_tokens": "max-tokens", "temperature": "default-temperature"}
         raise SystemExit(f"--{flags.get(e.param, e.param.replace('_', '-'))}: {e}")
+    if args.model_flag is not None:
+        if args.model not in ("smollm2", args.model_flag):
+            raise SystemExit(f"two models: {args.model!r} and --model {args.model_flag!r}; give one")
+        args.model = args.model_flag
     threads = set_threads(args.threads)
     limit_allocator_arenas()
-    engine = Engine.from_pretrained(args.model, max_model_len=args.max_model_len,
-                                    prefix_cache_bytes=args.prefix_cache_bytes,
-                                    prefill_chunk=args.prefill_chunk or PREFILL_CHUNK, chat_template=chat_template,
-                                    max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-                                    max_waiting=args.max_waiting)
+    try:  # a missing directory or an architecture the engine does not run: one line, not a traceback
+        engine = Engine.from_pretrained(args.model, max_model_len=args.max_model_len,
+                                        prefix_cache_bytes=args.prefix_cache_bytes,
+                                        prefill_chunk=args.prefill_chunk or PREFILL_CHUNK, chat_template=chat_template,
+                                        max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
+                                        max_waiting=args.max_waiting)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"model {args.model!r}: {e}")
     try:  # a drafter that does not fit the model fails here too
         engine.proposers.get(defaults.speculate)
     except (ValueError, TypeError) as e:
