@@ -140,8 +140,8 @@ def test_an_unsupported_architecture_names_the_supported_ones():
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gemma3"])
 def test_a_bfloat16_checkpoint_directory_loads_into_float32(tmp_path, name):
-    """`hybridspec serve DIR` / `Engine.from_pretrained(DIR)`: a saved bfloat16 checkpoint of each family runs in float32 and
-    decodes as the same weights do in memory."""
+    """`hybridspec serve DIR` / `Engine.from_pretrained(DIR)`: a saved bfloat16 checkpoint of each family runs in
+    float32 and decodes as the same weights do in memory."""
     model = tiny_causal_lm(name, window=WINDOW)
     model.to(torch.bfloat16).save_pretrained(tmp_path)
     tiny_tokenizer(128).save_pretrained(tmp_path)
