@@ -18,7 +18,7 @@ from hybridspec.model.target import SUPPORTED_MODEL_TYPES, TargetModel
 from hybridspec.runtime.engine import Engine
 from hybridspec.tools.testing import TINY_ARCHITECTURES, chi_square_p_value, tiny_causal_lm, tiny_tokenizer
 
-from test_engine import (NoisyOracle, RandomProposer, SamplingProposer, SMALL_VOCAB, exact_two_token_distribution,
+from test_engine import (PROPOSERS, SMALL_VOCAB, SamplingProposer, exact_two_token_distribution, proposer_of,
                          random_prompts)
 
 ARCHITECTURES = [a for a in TINY_ARCHITECTURES if a != "llama"]  # Llama: tests/test_engine.py
@@ -51,19 +51,13 @@ def test_plain_greedy_is_transformers_generate(arch):
         assert ours.token_ids == ref.tolist(), (name, prompt)
 
 
-@pytest.mark.parametrize("kind", ["random-chain", "random-tree", "oracle-chain", "oracle-tree", "suffix",
-                                  "suffix-tree", "ngram"])
+@pytest.mark.parametrize("kind", PROPOSERS)
 def test_speculative_greedy_is_token_identical(arch, kind):
     name, _, engine = arch
     prompts = long_prompts(4, seed=len(kind))
     references = {tuple(p): engine.generate(p, max_new_tokens=32, speculate="none").token_ids for p in prompts}
     tree = kind.endswith("tree")
-    if kind.startswith("random"):
-        speculate = RandomProposer(seed=3, tree=tree)
-    elif kind.startswith("oracle"):
-        speculate = NoisyOracle(references, seed=4, tree=tree)
-    else:
-        speculate = kind.split("-")[0]
+    speculate = proposer_of(kind, references)
     alone = [engine.generate(p, max_new_tokens=32, speculate=speculate, num_speculative_tokens=6, tree=tree)
              for p in prompts]
     batched = engine.generate(prompts, max_new_tokens=32, speculate=speculate, num_speculative_tokens=6, tree=tree)

@@ -128,18 +128,23 @@ def test_ignore_eos_runs_a_call_to_its_length_through_the_same_tokens(engine):
 PROPOSERS = ["random-chain", "random-tree", "oracle-chain", "oracle-tree", "suffix", "suffix-tree", "ngram"]
 
 
+def proposer_of(kind: str, references: dict[tuple, list[int]]):
+    """The `speculate=` of a PROPOSERS entry: a RandomProposer, a NoisyOracle over `references`, or a built-in name."""
+    tree = kind.endswith("tree")
+    if kind.startswith("random"):
+        return RandomProposer(seed=3, tree=tree)
+    if kind.startswith("oracle"):
+        return NoisyOracle(references, seed=4, tree=tree)
+    return kind.split("-")[0]
+
+
 @pytest.mark.parametrize("kind", PROPOSERS)
 @pytest.mark.parametrize("batch", [False, True])
 def test_speculative_greedy_is_token_identical(engine, kind, batch):
     prompts = random_prompts(8, seed=hash(kind) % 1000)
     references = {tuple(p): engine.generate(p, max_new_tokens=40, speculate="none").token_ids for p in prompts}
     tree = kind.endswith("tree")
-    if kind.startswith("random"):
-        speculate = RandomProposer(seed=3, tree=tree)
-    elif kind.startswith("oracle"):
-        speculate = NoisyOracle(references, seed=4, tree=tree)
-    else:
-        speculate = kind.split("-")[0]
+    speculate = proposer_of(kind, references)
     if batch:
         results = engine.generate(prompts, max_new_tokens=40, speculate=speculate, num_speculative_tokens=6,
                                   tree=tree)
