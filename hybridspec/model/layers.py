@@ -45,13 +45,15 @@ class _DenseMLP:
     def linears(self) -> list[Linear]:
         return [self.gate_up, self.down]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
+        return self.act(gate) * up
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self._gated(x))
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down.plus(self.act(gate) * up, residual)
+        return self.down.plus(self._gated(x), residual)
 
 
 class _MixtureOfExperts:
@@ -124,7 +126,7 @@ class DecoderLayer:
     """One decoder layer's weights in the layout the fused forward uses."""
 
     __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "attn_out_norm", "post_norm", "mlp", "mlp_out_norm",
-                 "window", "sinks", "layer_type")
+                 "window", "sinks", "rope_kind")
 
     def __init__(self, layer, config, layer_id: int, pack: bool, heads: int, kv_heads: int, head_dim: int):
         attn = layer.self_attn
@@ -157,6 +159,7 @@ class DecoderLayer:
         mlp = layer.mlp
         self.mlp = _MixtureOfExperts(mlp, config, pack) if hasattr(mlp, "experts") else _DenseMLP(mlp, config, pack)
         self.window = layer_window(config, layer_id)
-        types = getattr(config, "layer_types", None)
-        self.layer_type = types[layer_id] if types else None  # Gemma: its rotary table (local or global)
+        # Gemma's local and global layers rotate by different bases: the key of this layer's rotary table (None: the
+        # model's one table)
+        self.rope_kind = config.layer_types[layer_id] if is_gemma(config) else None
         self.sinks = getattr(attn, "sinks", None)  # gpt-oss: a softmax logit per head with no value

@@ -1,8 +1,8 @@
 """The target model: prefill, and verification of a chain or a tree of draft tokens in one forward pass.
 
-`TargetModel` runs the forward pass of a Llama-family causal LM (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE;
-their layers: `hybridspec.model.layers`) itself, over the weights of the loaded transformers model, with a
-preallocated KV cache of B rows (one per sequence in flight):
+`TargetModel` runs the forward pass of a decoder-only causal LM (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE,
+gpt-oss, Gemma 3; their layers: `hybridspec.model.layers`) itself, over the weights of the loaded transformers model,
+with a preallocated KV cache of B rows (one per sequence in flight):
 
 - A step feeds each row its last committed token followed by its draft nodes ([B, q] tokens, a cache's rows padded to
   the same q; the caches of one pass, concurrent calls and a prompt's chunk beside them, packed without padding).
@@ -39,7 +39,7 @@ from hybridspec.model.attention import Attention, rotary_table, rotate
 from hybridspec.model.head import GreedyHead
 from hybridspec.model.inputs import ForwardPart, StepInput, StepOutput
 from hybridspec.model.kv_cache import KVCache, tree_depths_and_mask
-from hybridspec.model.layers import ACTIVATIONS, DecoderLayer, is_gemma, layer_window, norm_weight
+from hybridspec.model.layers import ACTIVATIONS, DecoderLayer, is_gemma, norm_weight
 from hybridspec.model.linear import Linear, fast_bf16, tune_products
 from hybridspec.speculators.features import default_aux_layer_ids
 
@@ -51,7 +51,8 @@ CAUSAL_CHUNK, MASKED_CHUNK = 2048, 512
 
 
 class TargetModel:
-    """A Llama-family transformers model run with a static KV cache, tree attention and hidden-state capture."""
+    """A transformers causal LM of SUPPORTED_MODEL_TYPES run with a static KV cache, tree attention and hidden-state
+    capture."""
 
     def __init__(self, model, max_seq_len: int | None = None, pack_weights: bool = True, tune: bool = True):
         config = model.config
@@ -79,15 +80,6 @@ class TargetModel:
         decoder = model.model
         self.dtype = decoder.embed_tokens.weight.dtype
         self.device = decoder.embed_tokens.weight.device
-        self.attention = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device,
-                                   self.max_seq_len, sinks=config.model_type == "gpt_oss")
-        # The longest prompt chunk a step with a draft tree runs in one pass: where the chunk attends causally apart
-        # (`ForwardPart.causal_rows`) the mask spans the tree alone; elsewhere it spans the chunk too.
-        self.tree_prompt_chunk = CAUSAL_CHUNK if self.attention.cpu_flash else MASKED_CHUNK
-        # Sliding windows: past them a layer attends under a mask (`Attention.plan_window`), so chunks stay short.
-        self.windows = sorted({w for i in range(self.num_layers) if (w := layer_window(config, i))})
-        if self.windows:
-            self.tree_prompt_chunk = MASKED_CHUNK
         with torch.no_grad():
             self.embed = decoder.embed_tokens.weight
             # Gemma scales its embeddings by sqrt(hidden size), rounded to the weights' dtype as transformers does
@@ -102,10 +94,19 @@ class TargetModel:
                 tune_products(self.linears())
             # [max_seq_len, head_dim / 2] complex: every position's rotation, by the model's own rotary module; Gemma
             # has one per layer type (local layers rotate by another base)
-            self.rope_kinds = [layer.layer_type if is_gemma(config) else None for layer in self.layers]
+            kinds = {layer.rope_kind for layer in self.layers}
             self.ropes = {kind: rotary_table(
                 decoder.rotary_emb if kind is None else functools.partial(decoder.rotary_emb, layer_type=kind),
-                self.embed[:1][None], self.max_seq_len, self.head_dim) for kind in set(self.rope_kinds)}
+                self.embed[:1][None], self.max_seq_len, self.head_dim) for kind in kinds}
+        self.attention = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device,
+                                   self.max_seq_len, sinks=any(layer.sinks is not None for layer in self.layers))
+        # The longest prompt chunk a step with a draft tree runs in one pass: where the chunk attends causally apart
+        # (`ForwardPart.causal_rows`) the mask spans the tree alone; elsewhere it spans the chunk too.
+        self.tree_prompt_chunk = CAUSAL_CHUNK if self.attention.cpu_flash else MASKED_CHUNK
+        # Sliding windows: past them a layer attends under a mask (`Attention.plan_window`), so chunks stay short.
+        self.windows = sorted({layer.window for layer in self.layers if layer.window})
+        if self.windows:
+            self.tree_prompt_chunk = MASKED_CHUNK
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype = torch.float32,
@@ -183,7 +184,7 @@ class TargetModel:
             if layer.q_norm is not None:
                 query_key = torch.cat([self._rms_norm(query_key[:, :hq], layer.q_norm),
                                        self._rms_norm(query_key[:, hq:], layer.k_norm)], dim=1)
-            query_key = rotate(query_key, ropes[self.rope_kinds[layer_id]])
+            query_key = rotate(query_key, ropes[layer.rope_kind])
             windowed = window_plans.get(layer.window)
             if windowed is not None and any(w is not None for w in windowed):
                 layer_plans = [w or p for w, p in zip(windowed, plans)]
