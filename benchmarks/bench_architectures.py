@@ -4,11 +4,13 @@ realistic shapes (no download; timing does not depend on the weights' values).
 Shapes (float32): Qwen3-0.6B as published (28 layers, hidden 1024, 16/8 heads of 128, vocabulary 151,936);
 a Qwen3-MoE and a gpt-oss cut to fit this machine (their published layer shapes: 64 experts of 384 with 8 a token,
 hidden 1024; gpt-oss: 32 experts of 1024, 4 a token, sinks, every other layer windowed to 128, vocabulary 201,088;
-fewer layers). Per model, methods taking turns: a prompt of `--prompt` random tokens to its first token (prefill, ms
-per prompt token), and `--new` more tokens by plain greedy decoding (decode, ms per token: the difference of the two
-calls over the tokens between). hybridspec: `Engine.generate(speculate="none")`, prefix cache off; transformers:
-`generate` (SDPA; gpt-oss: eager, its only CPU attention). MoE rows: the expert weights a decode token multiplied
-(counted on the engine's products) against all of a layer's experts.
+fewer layers); a Qwen3.5 hybrid at hidden 1024 (24 layers, three Gated DeltaNet layers of 16 heads of 128 to one
+gated attention layer of 8/2 heads of 256, partial RoPE, vocabulary 248,320). Per model, methods taking turns: a
+prompt of `--prompt` random tokens to its first token (prefill, ms per prompt token), and `--new` more tokens by
+plain greedy decoding (decode, ms per token: the difference of the two calls over the tokens between). hybridspec:
+`Engine.generate(speculate="none")`, prefix cache off; transformers: `generate` (SDPA; gpt-oss: eager, its only CPU
+attention; Qwen3.5: its PyTorch gated delta rule, what runs without the CUDA-only kernels). MoE rows: the expert
+weights a decode token multiplied (counted on the engine's products) against all of a layer's experts.
 
     .venv/bin/python benchmarks/bench_architectures.py --json out/bench_architectures.json
 """
@@ -34,6 +36,10 @@ SHAPES = {
         vocab_size=201088, hidden_size=1024, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=16,
         num_key_value_heads=4, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
         tie_word_embeddings=False, attn_implementation="eager")),
+    "qwen3.5-hybrid-24l": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True)),
 }
 
 

@@ -1,7 +1,8 @@
 """The architectures beyond Llama on tiny random models (transformers' own config classes, no download): Qwen2 with
 biases, Qwen3 with q/k norms, Qwen3-MoE, sliding windows (Qwen3 half windowed, Mistral all windowed), gpt-oss
 (attention sinks, every other layer windowed, MoE with biases and a clamped SwiGLU, YaRN), Gemma 3 (four norms a
-layer, GELU, scaled embeddings, local layers windowed with their own rotary base). For each, plain
+layer, GELU, scaled embeddings, local layers windowed with their own rotary base), Qwen3.5 and its MoE (Gated
+DeltaNet beside gated attention; their state under speculation: tests/test_delta_net.py). For each, plain
 greedy decoding is transformers' `generate` token for token; greedy speculation (random, noisy-oracle and suffix
 chains and trees, n-gram) changes no token, one call at a time and batched; chunked prefill and prefix-cache hits
 change none; sampling keeps the target's distribution (chi-square, on the MoEs)."""
@@ -87,7 +88,8 @@ def test_chunked_prefill_and_prefix_hits_change_no_token(arch):
     assert chunked.prefix_cache.counters["hits"] > hits_before
 
 
-@pytest.mark.parametrize("name,tree", [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", True)])
+@pytest.mark.parametrize("name,tree", [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", True),
+                                       ("qwen3_5_moe", True)])
 def test_moe_sampling_keeps_the_target_distribution(name, tree):
     model = tiny_causal_lm(name, vocab_size=SMALL_VOCAB, seed=3, init_std=0.2)
     engine = Engine(TargetModel(model), tiny_tokenizer(SMALL_VOCAB), router=lambda ps, cs: list(ps))
@@ -132,7 +134,7 @@ def test_an_unsupported_architecture_names_the_supported_ones():
     assert "vLLM plugin mode" in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gemma3", "qwen3_5_moe"])
 def test_a_bfloat16_checkpoint_directory_loads_into_float32(tmp_path, name):
     """`hybridspec serve DIR` / `Engine.from_pretrained(DIR)`: a saved bfloat16 checkpoint of each family runs in
     float32 and decodes as the same weights do in memory."""

@@ -517,8 +517,14 @@ def test_model_resolution(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path / "cache"))
     assert cache_dir() == tmp_path / "cache"
-    with pytest.raises(FileNotFoundError, match="neither 'smollm2' nor a local Hugging Face model directory"):
+    with pytest.raises(FileNotFoundError, match="neither 'smollm2', a GGUF file nor a local Hugging Face model"):
         resolve_model(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no GGUF file"):
+        resolve_model(tmp_path / "missing.gguf")
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ValueError, match="transformers cannot read broken.gguf"):
+        resolve_model(tmp_path / "broken.gguf")
+    assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     assert resolve_model(tmp_path / "model") == tmp_path / "model"

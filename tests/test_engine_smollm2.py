@@ -103,3 +103,19 @@ def test_shipped_drafters_are_exact_and_accept_tokens(engine, agent_prompt, refe
     assert chat.token_ids == references["chat"]
     # a trained head drafts some of SmolLM2's own chat reply (chance is ~0 over a 49k vocabulary)
     assert chat.stats.accepted_tokens > 0
+
+
+def test_a_gguf_file_is_a_model(engine, agent_prompt, tmp_path, monkeypatch):
+    """`hybridspec serve FILE.gguf`: any GGUF transformers reads is converted once into the cache and runs; here the
+    embedded SmolLM2 GGUF, passed as a user passes a file, decodes as the embedded model does."""
+    from hybridspec.model.loading import resolve_model, smollm2_gguf
+    from hybridspec.runtime.engine import Engine
+
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    directory = resolve_model(smollm2_gguf())
+    assert directory.parent == tmp_path / "gguf" and (directory / "config.json").is_file()
+    assert resolve_model(smollm2_gguf()) == directory  # converted once
+    loaded = Engine.from_pretrained(str(smollm2_gguf()), verify_cost=None)
+    prompt = agent_prompt[-300:]
+    assert loaded.generate(prompt, max_new_tokens=16, speculate="suffix").token_ids == \
+        engine.generate(prompt, max_new_tokens=16, speculate="none").token_ids

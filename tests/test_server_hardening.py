@@ -202,6 +202,9 @@ MISTAKES = [  # endpoint, body, the param the 400 names
         "name": "r", "schema": {"type": "string", "pattern": "(a|aa)*b{1000}"}}}}, "response_format"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
         "name": "r", "schema": {"type": "string", "pattern": "[a-"}}}}, "response_format"),
+    # a pattern of one character no token writes (the property test below found it): the mask lets <unk> through
+    (CHAT, {"messages": USER, "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "r", "schema": {"type": "string", "pattern": "\u202e"}}}}, "response_format"),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "integer", "minimum": 5, "maximum": 1}}}], "tool_choice": "required"},
      "tools"),

@@ -500,11 +500,11 @@ def test_cli_trains_from_a_recipe_file(tmp_path, chat_file, tiny_model, tiny_tok
     assert json.loads((tmp_path / "out-lstm" / "train_log.json").read_text())["steps"] == 4
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "gemma3", "qwen3_5"])
 def test_a_head_trains_for_any_supported_target(arch, tmp_path, chat_file, tiny_tokenizer):
-    """The pipeline is per target, not per Llama: features from a Qwen3-MoE, gpt-oss or Gemma 3 target (the engine
-    writes its responses), a few P-EAGLE steps, and the head it wrote drafts in an Engine over that target with the
-    tokens of plain greedy decoding."""
+    """The pipeline is per target, not per Llama: features from a Qwen3-MoE, gpt-oss, Gemma 3 or Qwen3.5 target (the
+    engine writes its responses), a few P-EAGLE steps, and the head it wrote drafts in an Engine over that target with
+    the tokens of plain greedy decoding."""
     from hybridspec.model.target import TargetModel
     from hybridspec.runtime.engine import Engine
     from hybridspec.tools.testing import tiny_causal_lm

@@ -270,10 +270,14 @@ class Constraint:
                                    f"(a schema that can never be satisfied)", self.param)
 
     def accept(self, tokens: Sequence[int]) -> None:
-        """Advance past committed tokens (the target chose them from masked distributions: the grammar allows them)."""
+        """Advance past committed tokens (the target chose them from masked distributions). The mask can still allow
+        a token the matcher then rejects: where the schema wants characters no token of the vocabulary writes (a
+        pattern of one such character), xgrammar's mask lets the tokenizer's unknown token through; that request's
+        schema cannot be satisfied by this model, a client's error."""
         for token in tokens:
             if not self.matcher.accept_token(int(token)):
-                raise RuntimeError(f"the grammar rejected committed token {token}: the mask and the matcher disagree")
+                raise InvalidParameter(f"{self.param}: the output reached a point where the schema allows only "
+                                       f"characters this model's vocabulary cannot write", self.param)
 
     def redraw(self, proposal: Proposal, probs_fn: Callable[[torch.Tensor], torch.Tensor],
                generator: torch.Generator | None, keep_allowed: bool) -> Proposal:

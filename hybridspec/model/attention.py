@@ -30,27 +30,36 @@ except ImportError:  # pragma: no cover - a build without it: PyTorch's attentio
 STEP_KERNEL_MAX_QUERIES = 64
 
 
-def interleave_rotary_pairs(rows: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+def interleave_rotary_pairs(rows: torch.Tensor, heads: int, head_dim: int,
+                            rotary_dim: int | None = None) -> torch.Tensor:
     """A query or key projection's output rows (weight or bias) reordered within each head from Llama's halves
-    (x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}) to pairs (x_0, y_0, x_1, y_1, ...): RoPE then rotates each pair as one
-    complex number, one multiplication for all heads. Queries and keys are permuted alike, so their dot products,
-    and attention, are unchanged."""
-    order = torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)
+    (x_0 .. x_{r/2-1}, y_0 .. y_{r/2-1}, then the head_dim - r dimensions RoPE leaves alone; r = rotary_dim, all of
+    them by default) to pairs (x_0, y_0, x_1, y_1, ..., then the others as they are): RoPE then rotates each pair as
+    one complex number, one multiplication for all heads (the others by 1). Queries and keys are permuted alike, so
+    their dot products, and attention, are unchanged."""
+    rotary_dim = rotary_dim or head_dim
+    order = torch.cat([torch.arange(rotary_dim).view(2, rotary_dim // 2).t().reshape(-1),
+                       torch.arange(rotary_dim, head_dim)])
     return rows.reshape(heads, head_dim, -1)[:, order].reshape(rows.shape)
 
 
-def rotary_table(rotary_emb, like: torch.Tensor, max_seq_len: int, head_dim: int) -> torch.Tensor:
+def rotary_table(rotary_emb, like: torch.Tensor, max_seq_len: int, head_dim: int,
+                 rotary_dim: int | None = None) -> torch.Tensor:
     """[max_seq_len, head_dim / 2] complex: the rotation of every position, computed once by the model's own rotary
-    module (so any RoPE scaling it applies holds, YaRN's magnitude too), one complex number per pair of dimensions.
-    like: [1, 1, H], a tensor of the model's dtype and device. The module gives both halves (Llama) or one (gpt-oss)."""
+    module (so any RoPE scaling it applies holds, YaRN's magnitude too), one complex number per pair of dimensions;
+    1 for the pairs past rotary_dim (partial RoPE). like: [1, 1, H], a tensor of the model's dtype and device. The
+    module gives both halves (Llama) or one (gpt-oss)."""
     positions = torch.arange(max_seq_len, device=like.device)[None]
     cos, sin = (t[0].float() for t in rotary_emb(like, positions))
-    half = head_dim // 2
-    if cos.shape[-1] == half:
-        return torch.complex(cos, sin)
-    if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
-        raise ValueError("rotary tables whose two halves differ are not supported")
-    return torch.complex(cos[:, :half], sin[:, :half])
+    half = (rotary_dim or head_dim) // 2
+    if cos.shape[-1] != half:
+        if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+            raise ValueError("rotary tables whose two halves differ are not supported")
+        cos, sin = cos[:, :half], sin[:, :half]
+    table = torch.complex(cos, sin)
+    if half < head_dim // 2:
+        table = torch.cat([table, table.new_ones(max_seq_len, head_dim // 2 - half)], dim=-1)
+    return table
 
 
 def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

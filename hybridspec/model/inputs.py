@@ -50,6 +50,9 @@ class ForwardPart:
     causal_rows (one row): its first causal_rows inputs are consecutive tokens (a prompt chunk before a draft tree):
     they attend causally without a mask, the rest by tree_mask; the mask then spans the rest only.
     token_masks: see `StepInput`.
+    prompt_lengths (per row) and node_parents [b, n]: what linear-attention layers need to know: a row's first
+    prompt_lengths[r] inputs are prompt tokens (kept whatever happens), its last n inputs are step nodes, each with its
+    parent among them (-1: the row's committed tokens).
     """
 
     cache: KVCache
@@ -61,6 +64,8 @@ class ForwardPart:
     features_index: torch.Tensor | None = None
     causal_rows: int = 0
     token_masks: torch.Tensor | None = None  # [b, n, V / 32] int32: the tokens each output may be (bits; a grammar's)
+    prompt_lengths: Sequence[int] | None = None
+    node_parents: torch.Tensor | None = None
 
 
 @dataclass

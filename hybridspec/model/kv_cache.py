@@ -1,27 +1,82 @@
-"""The target model's KV cache: B rows in one preallocated tensor, each with its own length; and the attention mask of
-a step's [last token] + draft nodes (chains and trees alike)."""
+"""The target model's KV cache: B rows in one preallocated tensor, each with its own length, and the recurrent state
+of linear-attention layers where the model has them; and the attention mask of a step's [last token] + draft nodes
+(chains and trees alike)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 
+@dataclass(frozen=True)
+class RecurrentShape:
+    """The state a Gated DeltaNet layer keeps per row: the last conv_width inputs of its causal convolution
+    ([channels, conv_width], the model's dtype) and its recurrent state ([heads, key_dim, value_dim], float32)."""
+
+    layers: int
+    channels: int
+    conv_width: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_row(self) -> int:
+        return self.layers * (self.channels * self.conv_width * self.dtype.itemsize
+                              + self.heads * self.key_dim * self.value_dim * 4)
+
+
+@dataclass
+class PendingNodes:
+    """What a pass computed at each row's step inputs (nodes) of the linear-attention layers, all layers stacked:
+    enough to replay any root-to-node path onto the rows' states (`KVCache.commit`) without keeping a state per node.
+    inputs [layers, b, n, channels] (the convolution's), keys [layers, b, n, heads, key_dim] (normalised), values
+    [.., value_dim], decays and betas [layers, b, n, heads]."""
+
+    inputs: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    decays: torch.Tensor
+    betas: torch.Tensor
+
+
+def delta_update(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+                 beta: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule: state [..., heads, key_dim, value_dim] decayed by exp(decay), then corrected
+    towards value along key by beta: S <- a S + beta k (v - a S^T k)^T, a = exp(decay). Float32 throughout."""
+    state = state * decay.exp()[..., None, None]
+    delta = (value - (state * key[..., None]).sum(-2)) * beta[..., None]
+    return state + key[..., None] * delta[..., None, :]
+
+
 class KVCache:
-    """Keys and values of B sequences: [layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b] tokens.
+    """Keys and values of B sequences: [attention layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b]
+    tokens. With `recurrent`, each row also holds the state of the model's linear-attention layers after its tokens:
+    `conv` [layers, B, channels, conv_width] and `state` [layers, B, heads, key_dim, value_dim].
 
     Slots at or beyond a row's length are scratch: a step writes its input tokens there, and `commit` decides which of
-    them become part of the sequence. The tensors are inference tensors: every method that writes them runs in
-    inference mode.
+    them become part of the sequence. A recurrent state has no slots: a pass leaves what it computed at the step's
+    nodes in `pending` and `commit` replays the accepted path onto the state (a prompt's tokens, always kept, update
+    it during the pass). Such a cache cannot go back to a shorter length. The tensors are inference tensors: every
+    method that writes them runs in inference mode.
     """
 
     @torch.inference_mode()
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", recurrent: RecurrentShape | None = None):
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * batch_size
+        self.recurrent = recurrent
+        self.conv = self.state = None
+        if recurrent is not None:
+            r = recurrent
+            self.conv = torch.zeros(r.layers, batch_size, r.channels, r.conv_width, dtype=r.dtype, device=device)
+            self.state = torch.zeros(r.layers, batch_size, r.heads, r.key_dim, r.value_dim, device=device)
+        self.pending: PendingNodes | None = None
 
     @property
     def batch_size(self) -> int:
@@ -33,7 +88,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        states = 0 if self.recurrent is None else self.conv.nbytes + self.state.nbytes
+        return self.keys.nbytes + self.values.nbytes + states
 
     @torch.inference_mode()
     def reserve(self, capacity: int, *, exact: bool = False) -> None:
@@ -57,6 +113,8 @@ class KVCache:
         length. Otherwise (a tree path) the kept slots are gathered into consecutive positions.
         """
         base = self.lengths[row]
+        if self.recurrent is not None and keep:
+            self._replay(row, list(keep))
         if list(keep) != list(range(len(keep))):
             src = torch.as_tensor(keep, dtype=torch.long, device=self.keys.device) + base
             dst = torch.arange(base, base + len(keep), device=self.keys.device)
@@ -65,10 +123,25 @@ class KVCache:
             self.values[:, row, :, dst] = self.values[:, row, :, src]
         self.lengths[row] = base + len(keep)
 
+    @torch.inference_mode()
+    def _replay(self, row: int, keep: list[int]) -> None:
+        """The linear-attention state of `row` after the step nodes `keep` (a root-to-node path), all layers at once."""
+        p = self.pending
+        if p is None or max(keep) >= p.keys.shape[2]:
+            raise ValueError(f"no pass computed nodes {keep} of row {row}")
+        state = self.state[:, row]
+        for node in keep:
+            state = delta_update(state, p.keys[:, row, node], p.values[:, row, node], p.decays[:, row, node],
+                                 p.betas[:, row, node])
+        self.state[:, row] = state
+        width = self.recurrent.conv_width
+        self.conv[:, row] = torch.cat([self.conv[:, row], p.inputs[:, row, keep].transpose(1, 2)], dim=-1)[..., -width:]
+
     def truncate(self, row: int, length: int) -> None:
-        """Drop a row's tokens beyond `length` (e.g. to re-run a prompt suffix)."""
-        if not 0 <= length <= self.lengths[row]:
-            raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}")
+        """Drop a row's tokens beyond `length` (e.g. to re-run a prompt suffix; not in a recurrent cache)."""
+        if not 0 <= length <= self.lengths[row] or (self.recurrent is not None and length != self.lengths[row]):
+            raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}"
+                             + (" (a recurrent state cannot go back)" if self.recurrent is not None else ""))
         self.lengths[row] = length
 
     @torch.inference_mode()
@@ -78,16 +151,29 @@ class KVCache:
         if length > min(source.lengths[source_row], self.capacity) or not 0 <= start <= min(length, self.lengths[row]):
             raise ValueError(f"cannot copy tokens {start}..{length}: the source row holds "
                              f"{source.lengths[source_row]}, this row {self.lengths[row]} of {self.capacity}")
+        if self.recurrent is not None:  # the state exists at the source's length only
+            if length != source.lengths[source_row]:
+                raise ValueError(f"a recurrent state holds {source.lengths[source_row]} tokens, not {length}")
+            self.conv[:, row] = source.conv[:, source_row]
+            self.state[:, row] = source.state[:, source_row]
         self.keys[:, row, :, start:length] = source.keys[:, source_row, :, start:length]
         self.values[:, row, :, start:length] = source.values[:, source_row, :, start:length]
         self.lengths[row] = length
+
+    def usable_prefix(self, row: int, length: int) -> int:
+        """How much of a `length`-token prefix match on `row` a copy can use: all of it, or with a recurrent state,
+        only the row's whole length (0 otherwise)."""
+        if self.recurrent is None:
+            return length
+        return length if length == self.lengths[row] else 0
 
     @torch.inference_mode()
     def row(self, row: int) -> "KVCache":
         """A one-row cache with a copy of this row's tokens, sized to them."""
         length = self.lengths[row]
         shape = self.keys.shape
-        copy = KVCache(shape[0], 1, shape[2], shape[4], max(length, 1), self.keys.dtype, self.keys.device)
+        copy = KVCache(shape[0], 1, shape[2], shape[4], max(length, 1), self.keys.dtype, self.keys.device,
+                       self.recurrent)
         copy.copy_prefix(0, self, row, length)
         return copy
 
@@ -97,6 +183,9 @@ class KVCache:
         index = torch.as_tensor(list(rows), dtype=torch.long, device=self.keys.device)
         self.keys = self.keys.index_select(1, index)
         self.values = self.values.index_select(1, index)
+        if self.recurrent is not None:
+            self.conv, self.state = self.conv.index_select(1, index), self.state.index_select(1, index)
+            self.pending = None
         self.lengths = [self.lengths[r] for r in rows]
 
 

@@ -1,12 +1,15 @@
 """A decoder layer's weights in the layout `TargetModel`'s fused forward uses: one product for Q, K and V (rows in
-rotary pair order), one for gate and up; a dense gated MLP or a sparse mixture of experts; q/k norms, a sliding
-window, sinks and Gemma's norms around attention and MLP outputs where the architecture has them."""
+rotary pair order; Qwen3.5's output gate with them), one for gate and up; a dense gated MLP or a sparse mixture of
+experts (Qwen3.5's with a gated shared expert); q/k norms, a sliding window, sinks and Gemma's norms around attention
+and MLP outputs where the architecture has them; or Qwen3.5's Gated DeltaNet in place of attention
+(`hybridspec.model.delta_net`)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from hybridspec.model.attention import interleave_rotary_pairs
+from hybridspec.model.delta_net import GatedDeltaNet
 from hybridspec.model.linear import Linear
 
 
@@ -27,8 +30,16 @@ def is_gemma(config) -> bool:
 
 
 def norm_weight(norm, config) -> torch.Tensor:
-    """An RMSNorm's multiplier: Gemma's norms scale by 1 + weight (in float32), the others by weight."""
-    return (1.0 + norm.weight.float()).to(norm.weight.dtype) if is_gemma(config) else norm.weight
+    """An RMSNorm's multiplier: Gemma's and Qwen3.5's norms scale by 1 + weight (in float32), the others by weight."""
+    zero_centred = is_gemma(config) or config.model_type.startswith("qwen3_5")
+    return (1.0 + norm.weight.float()).to(norm.weight.dtype) if zero_centred else norm.weight
+
+
+def rotary_dim(config, head_dim: int) -> int:
+    """The dimensions of a head that RoPE rotates (Qwen3.5: the first quarter; the rest pass unrotated)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    factor = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
+    return int(head_dim * factor)
 
 
 class _DenseMLP:
@@ -63,7 +74,7 @@ class _MixtureOfExperts:
     gpt-oss: the top_k logits (the router has a bias), then their softmax; experts with biases and a clamped SwiGLU
     (alpha, limit) whose gate and up rows are interleaved in the checkpoint."""
 
-    __slots__ = ("router", "experts", "top_k", "renormalise", "softmax_first", "clamp")
+    __slots__ = ("router", "experts", "top_k", "renormalise", "softmax_first", "clamp", "shared", "shared_gate")
 
     def __init__(self, block, config, pack: bool):
         experts = block.experts
@@ -80,12 +91,18 @@ class _MixtureOfExperts:
             self.router = Linear(block.gate.weight, pack=pack)
             self.experts = [(Linear(experts.gate_up_proj[e], pack=pack), Linear(experts.down_proj[e], pack=pack))
                             for e in range(experts.num_experts)]
-            self.softmax_first, self.renormalise = True, bool(config.norm_topk_prob)
+            self.softmax_first, self.renormalise = True, bool(getattr(config, "norm_topk_prob", True))
             self.clamp = None
         self.top_k = int(config.num_experts_per_tok)
+        # Qwen3.5's shared expert, on every token, its output scaled by sigmoid(shared_gate(x))
+        self.shared = self.shared_gate = None
+        if getattr(block, "shared_expert", None) is not None:
+            self.shared = _DenseMLP(block.shared_expert, config, pack)
+            self.shared_gate = Linear(block.shared_expert_gate.weight, pack=pack)
 
     def linears(self) -> list[Linear]:
-        return [self.router] + [lin for pair in self.experts for lin in pair]
+        shared = [] if self.shared is None else [*self.shared.linears(), self.shared_gate]
+        return [self.router] + [lin for pair in self.experts for lin in pair] + shared
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -115,6 +132,8 @@ class _MixtureOfExperts:
                 rows = pairs // self.top_k
                 gate_up, down = self.experts[expert]
                 out.index_add_(0, rows, down(self._activation(gate_up(x[rows]))) * weights[pairs, None])
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return residual + out
 
 
@@ -123,13 +142,15 @@ def _cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class DecoderLayer:
-    """One decoder layer's weights in the layout the fused forward uses."""
+    """One decoder layer's weights in the layout the fused forward uses: attention (`qkv`, `o`; with a per-head output
+    gate `gated`, Qwen3.5's) or Qwen3.5's linear attention (`delta`), then the MLP. `kv_index`: the layer's place in
+    the KV cache (attention layers only)."""
 
-    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "attn_out_norm", "post_norm", "mlp", "mlp_out_norm",
-                 "window", "sinks", "rope_kind")
+    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "gated", "attn_out_norm", "post_norm", "mlp",
+                 "mlp_out_norm", "window", "sinks", "rope_kind", "delta", "kv_index")
 
-    def __init__(self, layer, config, layer_id: int, pack: bool, heads: int, kv_heads: int, head_dim: int):
-        attn = layer.self_attn
+    def __init__(self, layer, config, layer_id: int, pack: bool, heads: int, kv_heads: int, head_dim: int,
+                 kv_index: int | None = None, delta_index: int | None = None):
         self.input_norm = norm_weight(layer.input_layernorm, config)
         # Gemma normalises the attention's and the MLP's outputs too, before each residual addition
         self.attn_out_norm = self.mlp_out_norm = None
@@ -138,28 +159,47 @@ class DecoderLayer:
             self.post_norm = norm_weight(layer.pre_feedforward_layernorm, config)
             self.mlp_out_norm = norm_weight(layer.post_feedforward_layernorm, config)
         else:
-            self.post_norm = layer.post_attention_layernorm.weight
+            self.post_norm = norm_weight(layer.post_attention_layernorm, config)
+        mlp = layer.mlp
+        self.mlp = _MixtureOfExperts(mlp, config, pack) if hasattr(mlp, "experts") else _DenseMLP(mlp, config, pack)
+        self.window = self.sinks = self.rope_kind = self.qkv = self.o = self.q_norm = self.k_norm = None
+        self.gated, self.delta, self.kv_index = False, None, kv_index
+        if hasattr(layer, "linear_attn"):
+            self.delta = GatedDeltaNet(layer.linear_attn, delta_index, pack)
+            return
+        attn = layer.self_attn
+        rotary = rotary_dim(config, head_dim)
+        q_weight, q_bias = attn.q_proj.weight, attn.q_proj.bias
+        gate_rows = []
+        if q_weight.shape[0] == 2 * heads * head_dim:  # Qwen3.5: each head's query rows, then its gate's
+            self.gated = True
+            per_head = q_weight.view(heads, 2, head_dim, -1)
+            q_weight, gate_rows = per_head[:, 0].flatten(0, 1), [per_head[:, 1].flatten(0, 1)]
+            if q_bias is not None:
+                raise ValueError("a gated attention's query bias is not supported")
         # One matrix for Q, K and V (and one for gate and up): fewer, larger matmuls per layer.
-        weights = [interleave_rotary_pairs(attn.q_proj.weight, heads, head_dim),
-                   interleave_rotary_pairs(attn.k_proj.weight, kv_heads, head_dim), attn.v_proj.weight]
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        weights = [interleave_rotary_pairs(q_weight, heads, head_dim, rotary),
+                   interleave_rotary_pairs(attn.k_proj.weight, kv_heads, head_dim, rotary), attn.v_proj.weight,
+                   *gate_rows]
+        biases = [q_bias, attn.k_proj.bias, attn.v_proj.bias]
         bias = None
         if all(b is not None for b in biases):
-            bias = torch.cat([interleave_rotary_pairs(biases[0], heads, head_dim),
-                              interleave_rotary_pairs(biases[1], kv_heads, head_dim), biases[2]])
+            bias = torch.cat([interleave_rotary_pairs(biases[0], heads, head_dim, rotary),
+                              interleave_rotary_pairs(biases[1], kv_heads, head_dim, rotary), biases[2]])
         self.qkv = Linear(torch.cat(weights), bias, pack)
         # Qwen3's and Gemma's per-head RMSNorm of queries and keys, its weight in the same pair order as their rows;
         # Gemma's attention scale (query_pre_attn_scalar ** -0.5, not head_dim's) goes into the queries' norm
-        self.q_norm = self.k_norm = None
         if getattr(attn, "q_norm", None) is not None:
             scale = getattr(config, "query_pre_attn_scalar", head_dim) ** -0.5 / head_dim ** -0.5
-            self.q_norm = interleave_rotary_pairs(norm_weight(attn.q_norm, config) * scale, 1, head_dim)
-            self.k_norm = interleave_rotary_pairs(norm_weight(attn.k_norm, config), 1, head_dim)
+            self.q_norm = interleave_rotary_pairs(norm_weight(attn.q_norm, config) * scale, 1, head_dim, rotary)
+            self.k_norm = interleave_rotary_pairs(norm_weight(attn.k_norm, config), 1, head_dim, rotary)
         self.o = Linear(attn.o_proj.weight, attn.o_proj.bias, pack=pack)
-        mlp = layer.mlp
-        self.mlp = _MixtureOfExperts(mlp, config, pack) if hasattr(mlp, "experts") else _DenseMLP(mlp, config, pack)
         self.window = layer_window(config, layer_id)
         # Gemma's local and global layers rotate by different bases: the key of this layer's rotary table (None: the
         # model's one table)
         self.rope_kind = config.layer_types[layer_id] if is_gemma(config) else None
         self.sinks = getattr(attn, "sinks", None)  # gpt-oss: a softmax logit per head with no value
+
+    def linears(self) -> list[Linear]:
+        mixer = self.delta.linears() if self.delta is not None else [self.qkv, self.o]
+        return mixer + self.mlp.linears()

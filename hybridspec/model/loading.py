@@ -7,6 +7,7 @@ to a temporary directory and renames it into place, so an interrupted run never 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import logging
 import os
@@ -97,8 +98,11 @@ def _write_converted(gguf: Path, out_dir: Path, tmp: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except (ValueError, KeyError) as e:  # an architecture or a quantisation transformers does not read
+            raise ValueError(f"transformers cannot read {gguf.name}: {e}") from e
         # transformers dequantises GGUF weights on load; only the quantizer marker blocks saving them as plain fp32.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -127,7 +131,8 @@ def _is_converted(path: Path) -> bool:
 
 
 def resolve_model(name_or_path: str | os.PathLike = "smollm2") -> Path:
-    """A local Hugging Face directory for `name_or_path`: "smollm2" (converted on first use) or an existing one."""
+    """A local Hugging Face directory for `name_or_path`: "smollm2" or a GGUF file (each converted to safetensors in
+    the cache on first use; a GGUF of any architecture transformers reads), or an existing directory."""
     name = str(name_or_path)
     if name.lower() in SMOLLM2_ALIASES:
         out_dir = cache_dir() / f"smollm2-135m-instruct-v{_CONVERSION_VERSION}"
@@ -135,9 +140,18 @@ def resolve_model(name_or_path: str | os.PathLike = "smollm2") -> Path:
             _convert_gguf(smollm2_gguf(), out_dir)
         return out_dir
     path = Path(name).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {name!r}")
+        stat = path.resolve().stat()  # a changed file converts again
+        key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        out_dir = cache_dir() / "gguf" / f"{path.stem}-{key}-v{_CONVERSION_VERSION}"
+        if not _is_converted(out_dir):
+            _convert_gguf(path, out_dir)
+        return out_dir
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{name!r} is neither 'smollm2' nor a local Hugging Face model directory (no config.json there)")
+        raise FileNotFoundError(f"{name!r} is neither 'smollm2', a GGUF file nor a local Hugging Face model directory "
+                                "(no config.json there)")
     return path
 
 

@@ -1,8 +1,8 @@
 """The target model: prefill, and verification of a chain or a tree of draft tokens in one forward pass.
 
-`TargetModel` runs the forward pass of a decoder-only causal LM (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-gpt-oss, Gemma 3; their layers: `hybridspec.model.layers`) itself, over the weights of the loaded transformers model,
-with a preallocated KV cache of B rows (one per sequence in flight):
+`TargetModel` runs the forward pass of a decoder-only causal LM (SUPPORTED_MODEL_TYPES; their layers:
+`hybridspec.model.layers`) itself, over the loaded transformers model's weights, with a preallocated KV cache of B rows
+(one per sequence in flight; Gated DeltaNet layers keep a state instead, `hybridspec.model.delta_net`):
 
 - A step feeds each row its last committed token followed by its draft nodes ([B, q] tokens, a cache's rows padded to
   the same q; the caches of one pass, concurrent calls and a prompt's chunk beside them, packed without padding).
@@ -36,14 +36,16 @@ from typing import Sequence
 import torch
 
 from hybridspec.model.attention import Attention, rotary_table, rotate
+from hybridspec.model.delta_net import new_pending
 from hybridspec.model.head import GreedyHead
 from hybridspec.model.inputs import ForwardPart, StepInput, StepOutput
 from hybridspec.model.kv_cache import KVCache, tree_depths_and_mask
-from hybridspec.model.layers import ACTIVATIONS, DecoderLayer, is_gemma, norm_weight
+from hybridspec.model.layers import ACTIVATIONS, DecoderLayer, is_gemma, norm_weight, rotary_dim
 from hybridspec.model.linear import Linear, fast_bf16, tune_products
 from hybridspec.speculators.features import default_aux_layer_ids
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "qwen3_5",
+                         "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 # Prefill chunks: long where the chunk attends causally without a mask (fewer passes; PyTorch's flash attention, where
 # the prompt kernel does not run, skips more of the blocks above the diagonal in one long chunk than in several short
 # ones), short where a mask is needed (its memory).
@@ -66,8 +68,7 @@ class TargetModel:
         for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
             if getattr(config, cap, None):
                 raise ValueError(f"{cap} is not supported (Gemma 2's; Gemma 3 has none)")
-        self.model = model
-        self.config = config
+        self.model, self.config = model, config
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -84,8 +85,14 @@ class TargetModel:
             self.embed = decoder.embed_tokens.weight
             # Gemma scales its embeddings by sqrt(hidden size), rounded to the weights' dtype as transformers does
             self.embed_scale = torch.tensor(self.hidden_size ** 0.5).to(self.dtype) if is_gemma(config) else None
+            # attention layers keep keys and values, Gated DeltaNet layers a state: each kind indexed on its own
+            kinds = [hasattr(layer, "linear_attn") for layer in decoder.layers]
             self.layers = [DecoderLayer(layer, config, i, pack_weights, self.num_heads, self.num_kv_heads,
-                                        self.head_dim) for i, layer in enumerate(decoder.layers)]
+                                        self.head_dim, kv_index=i - sum(kinds[:i]), delta_index=sum(kinds[:i]))
+                           for i, layer in enumerate(decoder.layers)]
+            self.num_kv_layers = kinds.count(False)
+            deltas = [layer.delta for layer in self.layers if layer.delta is not None]
+            self.recurrent = deltas[0].shape(len(deltas), self.dtype) if deltas else None
             self.final_norm = norm_weight(decoder.norm, config)
             self.lm_head = Linear(model.get_output_embeddings().weight, pack=pack_weights)
             self.greedy_head = GreedyHead(model.get_output_embeddings().weight) \
@@ -94,10 +101,11 @@ class TargetModel:
                 tune_products(self.linears())
             # [max_seq_len, head_dim / 2] complex: every position's rotation, by the model's own rotary module; Gemma
             # has one per layer type (local layers rotate by another base)
-            kinds = {layer.rope_kind for layer in self.layers}
+            rotary = rotary_dim(config, self.head_dim)
             self.ropes = {kind: rotary_table(
                 decoder.rotary_emb if kind is None else functools.partial(decoder.rotary_emb, layer_type=kind),
-                self.embed[:1][None], self.max_seq_len, self.head_dim) for kind in kinds}
+                self.embed[:1][None], self.max_seq_len, self.head_dim, rotary)
+                for kind in {layer.rope_kind for layer in self.layers if layer.delta is None}}
         self.attention = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device,
                                    self.max_seq_len, sinks=any(layer.sinks is not None for layer in self.layers))
         # The longest prompt chunk a step with a draft tree runs in one pass: where the chunk attends causally apart
@@ -119,17 +127,22 @@ class TargetModel:
 
     def linears(self) -> list[Linear]:
         """Every product of a forward pass, in the order a pass runs them."""
-        products = [lin for layer in self.layers for lin in (layer.qkv, layer.o, *layer.mlp.linears())]
+        products = [lin for layer in self.layers for lin in layer.linears()]
         return products + [self.lm_head] + ([self.greedy_head.bf16] if self.greedy_head is not None else [])
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """The bytes of one token's keys and values, every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """The bytes of one token's keys and values, every attention layer."""
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def state_bytes_per_row(self) -> int:
+        """The bytes of a sequence's linear-attention state, whatever its length (0: the model has none)."""
+        return 0 if self.recurrent is None else self.recurrent.bytes_per_row
 
     def new_cache(self, batch_size: int = 1, capacity: int = 1024) -> KVCache:
-        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim,
-                       min(capacity, self.max_seq_len), self.dtype, self.device)
+        return KVCache(self.num_kv_layers, batch_size, self.num_kv_heads, self.head_dim,
+                       min(capacity, self.max_seq_len), self.dtype, self.device, self.recurrent)
 
     # ------------------------------------------------------------------------------------------------------------
     # forward
@@ -162,6 +175,9 @@ class TargetModel:
             positions.append((lengths[:, None] + part.depths).reshape(-1))
             spans.append((begin, begin + b * q))
             begin += b * q
+            if part.cache.recurrent is not None:  # room for what the step's nodes compute, until commit
+                nodes = 0 if part.node_parents is None else part.node_parents.shape[1]
+                part.cache.pending = new_pending(part.cache.recurrent, b, nodes, self.device) if nodes else None
         total = begin
         positions = torch.cat(positions)
         ropes = {kind: table[positions][:, None] for kind, table in self.ropes.items()}  # [T, 1, D / 2] each
@@ -179,6 +195,10 @@ class TargetModel:
         for layer_id, layer in enumerate(self.layers):
             if return_hidden and layer_id in self.aux_layer_ids:
                 layer_inputs[layer_id] = x
+            if layer.delta is not None:
+                x = layer.delta.plus(self._rms_norm(x, layer.input_norm), parts, spans, x)
+                x = layer.mlp.plus(self._rms_norm(x, layer.post_norm), x)
+                continue
             qkv = layer.qkv(self._rms_norm(x, layer.input_norm))
             query_key = qkv[:, :(hq + hk) * hd].view(total, hq + hk, hd)
             if layer.q_norm is not None:
@@ -188,10 +208,11 @@ class TargetModel:
             windowed = window_plans.get(layer.window)
             if windowed is not None and any(w is not None for w in windowed):
                 layer_plans = [w or p for w, p in zip(windowed, plans)]
-                attn = self._attend(layer, layer_id, layer_plans, [], range(len(parts)), parts, spans, query_key,
-                                    qkv)
+                attn = self._attend(layer, layer_plans, [], range(len(parts)), parts, spans, query_key, qkv)
             else:
-                attn = self._attend(layer, layer_id, plans, joined, apart, parts, spans, query_key, qkv)
+                attn = self._attend(layer, plans, joined, apart, parts, spans, query_key, qkv)
+            if layer.gated:  # Qwen3.5: each head's output scaled by sigmoid of its gate
+                attn = attn * torch.sigmoid(qkv[:, (hq + 2 * hk) * hd:])
             if layer.attn_out_norm is None:
                 x = layer.o.plus(attn, x)
                 x = layer.mlp.plus(self._rms_norm(x, layer.post_norm), x)
@@ -247,7 +268,7 @@ class TargetModel:
                 out.drafter_features = [(aux_at, self._rms_norm(x[rows], self.final_norm))]
         return outs
 
-    def _attend(self, layer: DecoderLayer, layer_id: int, plans: Sequence, joined: Sequence, apart: Sequence[int],
+    def _attend(self, layer: DecoderLayer, plans: Sequence, joined: Sequence, apart: Sequence[int],
                 parts: Sequence[ForwardPart], spans: Sequence[tuple[int, int]], query_key: torch.Tensor,
                 qkv: torch.Tensor) -> torch.Tensor:
         """One layer's attention for every part of the pass: [T, heads * D] in the packed inputs' order."""
@@ -256,17 +277,17 @@ class TargetModel:
         for i in apart:
             (lo, hi), (b, q) = spans[i], parts[i].tokens.shape
             qk = query_key[lo:hi].view(b, q, hq + hk, hd)
-            value = qkv[lo:hi, (hq + hk) * hd:].view(b, q, hk, hd).transpose(1, 2)
+            value = qkv[lo:hi, (hq + hk) * hd:(hq + 2 * hk) * hd].view(b, q, hk, hd).transpose(1, 2)
             query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
-            out = self.attention.attend(plans[i], layer_id, query, key, value, layer.sinks)
+            out = self.attention.attend(plans[i], layer.kv_index, query, key, value, layer.sinks)
             attn.append(out.transpose(1, 2).reshape(b * q, hq * hd))
         if not joined:
             return attn[0] if len(attn) == 1 else torch.cat(attn)
         # the steps of many caches: one kernel call each (`Attention.join_steps`), in their places
         everything = query_key.new_empty(query_key.shape[0], hq * hd)
         for j in joined:
-            everything[j.inputs] = self.attention.attend_joined(j, layer_id, query_key[j.inputs],
-                                                                qkv[j.inputs, (hq + hk) * hd:])
+            everything[j.inputs] = self.attention.attend_joined(j, layer.kv_index, query_key[j.inputs],
+                                                                qkv[j.inputs, (hq + hk) * hd:(hq + 2 * hk) * hd])
         for i, out in zip(apart, attn):
             everything[spans[i][0]:spans[i][1]] = out
         return everything
@@ -324,7 +345,8 @@ class TargetModel:
                 last[b] = len(chunk) - 1 if chunk else 0
             part = ForwardPart(cache, ids.to(self.device), torch.arange(q, device=self.device).expand(bsz, q),
                                mask.to(self.device), causal=all(len(c) == q for c in chunks),
-                               output_index=(last[:, None] + torch.arange(1 - logits_tail, 1)).to(self.device))
+                               output_index=(last[:, None] + torch.arange(1 - logits_tail, 1)).to(self.device),
+                               prompt_lengths=[len(c) for c in chunks])
             step = self.forward([part], return_hidden=return_hidden or drafter_context > 0,
                                 hidden_at_every_input=drafter_context > 0, argmax_only=argmax_only)[0]
             if drafter_context > 0:
@@ -386,6 +408,7 @@ class TargetModel:
         tokens = torch.zeros(rows, q, dtype=torch.long)
         depths = torch.zeros(rows, q, dtype=torch.long)
         tree_mask = torch.eye(q, dtype=torch.bool).repeat(rows, 1, 1)
+        node_parents = torch.full((rows, q - width), -1, dtype=torch.long)  # padding: as if a first node
         if prompt:  # the prompt's chunk is causal, and every step input sees all of it
             tokens[0, :width] = torch.as_tensor(prompt, dtype=torch.long)
             depths[0, :width] = torch.arange(width)
@@ -403,6 +426,7 @@ class TargetModel:
             tokens[b, width + 1:width + n + 1] = torch.as_tensor(draft, dtype=torch.long)
             depths[b, width:width + n + 1] = width + torch.as_tensor(depth)
             tree_mask[b, width:width + n + 1, width:width + n + 1] = mask
+            node_parents[b, 1:n + 1] = torch.as_tensor(row_parents, dtype=torch.long) + 1
         if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         if not 0 <= step.drafter_context <= width:
@@ -421,4 +445,6 @@ class TargetModel:
                            output_index=None if output_index is None else output_index.to(self.device),
                            features_index=torch.arange(width - step.drafter_context, width, device=self.device)
                            if step.drafter_context else None,
-                           token_masks=None if token_masks is None else token_masks.to(self.device))
+                           token_masks=None if token_masks is None else token_masks.to(self.device),
+                           prompt_lengths=[width] if prompt else None,
+                           node_parents=node_parents if step.last_tokens else None)

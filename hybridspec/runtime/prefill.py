@@ -108,7 +108,7 @@ class Prefill:
     def kv_bytes(self, call: CallState) -> int:
         """The KV the call's cache will hold (`cache_for_prompts`' capacity, every row), for admission."""
         capacity = cache_capacity(self.need(call), self.target.max_seq_len, self.prefix_cache is not None)
-        return len(call.seqs) * capacity * self.target.kv_bytes_per_token
+        return len(call.seqs) * (capacity * self.target.kv_bytes_per_token + self.target.state_bytes_per_row)
 
     def share(self, call: CallState, running: list[CallState]) -> bool:
         """Before a step's pass over the `running` calls (oldest first): copy into `call`'s cache what they have
@@ -182,7 +182,7 @@ class Prefill:
             if other is call or other.cache is None or other.cache.batch_size != 1:
                 continue
             shared = common_prefix(np.asarray(other.seqs[0].tokens, dtype=np.int64), mine)
-            if min(shared, other.cache.lengths[0]) > best:
+            if other.cache.usable_prefix(0, min(shared, other.cache.lengths[0])) > best:
                 best, source = min(shared, other.cache.lengths[0]), other
             # a call begun earlier whose chunk of this pass runs position `done`, which `call` shares with it
             ahead = other.cache.lengths[0] <= done < min(shared, other.cache.lengths[0] + self.prefill_chunk)

@@ -81,7 +81,7 @@ class PrefixCache:
             if n == len(entry.tokens) and best.extends is None and entry.owner == owner:
                 best.extends, best.extends_length = request_id, n
             if entry.cache is not None:
-                usable = min(n, len(tokens) - 1, entry.cache.lengths[0])
+                usable = entry.cache.usable_prefix(0, min(n, len(tokens) - 1, entry.cache.lengths[0]))
                 if usable > best.length:
                     best.length, best.cache, best.request_id = usable, entry.cache, request_id
         if best.length:
@@ -157,6 +157,8 @@ def cache_for_prompts(prefix_cache: PrefixCache | None, new_cache: Callable[[int
             m.length = m.extends_length - 1  # the drafter continues the extended request's state from here
         else:  # a drafter starting afresh reads the target's features at the prompt's tail
             m.length = max(0, min(m.length, len(prompt) - 1 - feature_tail))
+        if m.length:
+            m.length = m.cache.usable_prefix(0, m.length)
     extends = [m.extends for m in matches]
     m = matches[0]
     if len(prompts) == 1 and m.length and 2 * m.length >= m.cache.lengths[0]:

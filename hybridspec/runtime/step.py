@@ -249,9 +249,8 @@ class StepRunner:
                                                                 step.results)):
             seq = call.seqs[i]
             kept_slots = [0] + [1 + a for a in result.accepted]  # the step's input slot and the accepted path
-            call.cache.commit(row, kept_slots)
             committed = self.commit(call, seq, result.tokens(draft))
-            call.cache.truncate(row, len(seq.tokens) - 1)  # a stop inside the committed tokens drops the rest
+            call.cache.commit(row, kept_slots[:len(committed)])  # a stop inside the tokens drops the rest
             call.feed_proposer(row, seq, committed, step.out, kept_slots)
             if seq.logprobs is not None:
                 seq.logprobs += token_logprobs(step.out.logits[row, kept_slots[:len(committed)]], committed,

@@ -33,8 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    "Anthropic's Messages API",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default="smollm2",
-                        help="'smollm2' (the embedded model, the default) or a local Hugging Face model directory "
-                             "(the architectures: docs/models.md)")
+                        help="'smollm2' (the embedded model, the default), a local Hugging Face model directory or "
+                             "a GGUF file (the architectures: docs/models.md)")
     parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                         help="the model, as the positional argument (vLLM's spelling)")
     parser.add_argument("--host", default="127.0.0.1",
