@@ -9,7 +9,11 @@ gated attention layer of 8/2 heads of 256, partial RoPE, vocabulary 248,320). Pe
 prompt of `--prompt` random tokens to its first token (prefill, ms per prompt token), and `--new` more tokens by
 plain greedy decoding (decode, ms per token: the difference of the two calls over the tokens between). hybridspec:
 `Engine.generate(speculate="none")`, prefix cache off; transformers: `generate` (SDPA; gpt-oss: eager, its only CPU
-attention; Qwen3.5: its PyTorch gated delta rule, what runs without the CUDA-only kernels). MoE rows: the expert
+attention; Qwen3.5: its PyTorch gated delta rule, what runs without the CUDA-only kernels). `--peers`, each in a
+process of its own after the others, on the same weights (the architectures one does not run say why): vLLM on CPU
+(.venv-vllm; `LLM.generate` on the weights saved to a directory, float32, prefix caching off) and llama.cpp
+(llama-cpp-python in .venv-peers; the weights written to a float32 GGUF, Qwen3 and Qwen3-MoE; greedy by argmax over
+its logits). Both are timed as the engine is: a prompt to its first token, then per decoded token. MoE rows: the expert
 weights a decode token multiplied (counted on the engine's products) against all of a layer's experts.
 
     .venv/bin/python benchmarks/bench_architectures.py --json out/bench_architectures.json
@@ -17,12 +21,20 @@ weights a decode token multiplied (counted on the engine's products) against all
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from common import machine_info, median_ms_each, write_json
+from common import PEERS_PYTHON, VLLM_ENV, VLLM_PYTHON, machine_info, median_ms_each, write_json
+
+VLLM_WORKER = Path(__file__).with_name("vllm_decode_worker.py")
+LLAMA_CPP_WORKER = Path(__file__).with_name("llama_cpp_decode_worker.py")
 
 SHAPES = {
     "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM", dict(
@@ -47,8 +59,9 @@ def build(name: str):
     import transformers
 
     config_cls, model_cls, shape = SHAPES[name]
-    config = getattr(transformers, config_cls)(**{"attn_implementation": "sdpa", **shape}, initializer_range=0.02,
-                                               max_position_embeddings=4096, eos_token_id=0, pad_token_id=0)
+    config = getattr(transformers, config_cls)(**{"attn_implementation": "sdpa", "initializer_range": 0.02,
+                                                  "max_position_embeddings": 4096, "eos_token_id": 0,
+                                                  "pad_token_id": 0, **shape})
     torch.manual_seed(0)
     return getattr(transformers, model_cls)(config).eval()
 
@@ -81,6 +94,97 @@ def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
     return one_token / 2 ** 20, total / 2 ** 20
 
 
+def peer_timings(python: Path, worker: Path, job: dict, env: dict) -> dict:
+    """A peer's worker (vllm_decode_worker.py, llama_cpp_decode_worker.py) in a process of its own: ms per prompt
+    token and per decoded token and its first tokens, or why it did not run."""
+    if not python.exists():
+        return {"error": f"{python} is missing (scripts/setup_vllm.sh, scripts/setup_peers.sh make them)"}
+    try:
+        done = subprocess.run([str(python), str(worker), json.dumps(job)], env={**os.environ, **env}, text=True,
+                              capture_output=True, timeout=3600)
+    except subprocess.TimeoutExpired:
+        return {"error": "it ran past an hour"}
+    for line in done.stdout.splitlines():
+        kind, _, payload = line.partition(" ")
+        if kind == "@@result":
+            got = json.loads(payload)
+            return {"prefill_ms_per_token": got["prefill_ms"] / len(job["prompt"]),
+                    "decode_ms_per_token": got["decode_ms"], "tokens": got["tokens"]}
+        if kind == "@@error":
+            return {"error": json.loads(payload)["error"]}
+    lines = done.stderr.strip().splitlines() or [""]
+    reason = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1])
+    return {"error": f"the worker exited {done.returncode}: {reason.strip()[:300]}"}
+
+
+def vllm_timings(model, job: dict) -> dict:
+    """vLLM on this CPU (.venv-vllm) on the same weights, saved to a temporary directory, float32."""
+    with tempfile.TemporaryDirectory(prefix="bench-arch-") as tmp:
+        model.save_pretrained(tmp)
+        env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(job["threads"])}
+        return peer_timings(VLLM_PYTHON, VLLM_WORKER, {**job, "model": tmp, "dtype": "float32"}, env)
+
+
+def llama_cpp_timings(model, job: dict) -> dict:
+    """llama.cpp (llama-cpp-python in .venv-peers) on the same weights written to a float32 GGUF."""
+    with tempfile.TemporaryDirectory(prefix="bench-arch-") as tmp:
+        path = Path(tmp) / "model.gguf"
+        try:
+            write_gguf(model, path)
+        except KeyError as e:
+            return {"error": f"no GGUF writer here for {e}"}
+        return peer_timings(PEERS_PYTHON, LLAMA_CPP_WORKER, {**job, "gguf": str(path)}, {})
+
+
+PEERS = {"vllm": vllm_timings, "llama.cpp": llama_cpp_timings}
+
+
+def write_gguf(model, path: Path) -> None:
+    """The model's float32 weights as llama.cpp reads them (Qwen3 and Qwen3-MoE), with a placeholder vocabulary (the
+    benchmark passes token ids)."""
+    import gguf
+
+    config = model.config
+    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}[config.model_type]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == gguf.MODEL_ARCH.QWEN3MOE:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_types([gguf.TokenType.NORMAL] * config.vocab_size)
+    writer.add_token_merges(["t 0"])  # llama.cpp wants a merge list; none is ever used (ids go in)
+    writer.add_eos_token_id(0)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):  # [experts, 2 x intermediate, hidden]: gate rows, then up rows
+            gate, up = tensor.chunk(2, dim=1)
+            block = names.get_name(name.replace("gate_up_proj", "gate_proj"))
+            tensors = [(block + ".weight", gate), (block.replace("gate", "up") + ".weight", up)]
+        elif name.endswith("experts.down_proj"):
+            tensors = [(names.get_name(name) + ".weight", tensor)]
+        else:
+            tensors = [(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor)]
+        for gguf_name, t in tensors:
+            writer.add_tensor(gguf_name, t.detach().float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -88,9 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=32, help="decoded tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"comma-separated, of {', '.join(PEERS)} (empty: transformers only)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     models = args.models.split(",")
+    peers = [p for p in args.peers.split(",") if p]
+    if unknown := set(peers) - set(PEERS):
+        parser.error(f"unknown peers {sorted(unknown)}; choose from {', '.join(PEERS)}")
     if unknown := set(models) - set(SHAPES):
         parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(SHAPES)}")
     if args.prompt < 1 or args.new < 2 or args.repeats < 1:
@@ -130,21 +239,42 @@ def main(argv: list[str] | None = None) -> int:
         row["prefill_speedup"] = row["transformers_prefill_ms_per_token"] / row["hybridspec_prefill_ms_per_token"]
         if any(hasattr(layer.mlp, "experts") for layer in engine.target.layers):
             row["expert_mib_per_token"], row["expert_mib_all"] = expert_bytes(engine, prompt[:16])
+        if peers:
+            engine = None  # a peer loads the weights again beside the model
+            reference = theirs(8)()[0, args.prompt:].tolist()
+            job = {"prompt": prompt, "new": args.new, "repeats": args.repeats, "threads": args.threads}
+            row["peers"] = {}
+            for peer in peers:
+                got = row["peers"][peer] = PEERS[peer](model, job)
+                print(f"{name}: {peer} {got.get('error') or 'ran'}", file=sys.stderr)
+                if "error" not in got:
+                    got["same_tokens"] = got.pop("tokens") == reference
+                    got["prefill_ratio"] = got["prefill_ms_per_token"] / row["hybridspec_prefill_ms_per_token"]
+                    got["decode_ratio"] = got["decode_ms_per_token"] / row["hybridspec_decode_ms_per_token"]
         rows.append(row)
         engine = model = None  # the next model is built without this one beside it
 
     print(f"\n{args.prompt}-token prompt, {args.new} decoded tokens, float32, {args.threads} threads; ms per token "
           "(transformers / hybridspec = speed-up)\n")
     print("| model | params (M) | prefill: transformers | hybridspec | speed-up | decode: transformers | hybridspec "
-          "| speed-up | expert weights a token multiplies |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| speed-up | " + " | ".join(f"{p}: prefill / decode (its / ours)" for p in peers)
+          + " | expert weights a token multiplies |")
+    print("|---" * (9 + len(peers)) + "|")
     for r in rows:
         experts = (f"{r['expert_mib_per_token']:.0f} of {r['expert_mib_all']:.0f} MiB" if "expert_mib_all" in r
                    else "-")
+        columns = ["did not run" if "error" in got else
+                   f"{got['prefill_ms_per_token']:.2f} / {got['decode_ms_per_token']:.1f} "
+                   f"({got['prefill_ratio']:.2f}x / **{got['decode_ratio']:.2f}x**)"
+                   for got in (r["peers"][p] for p in peers)]
         print(f"| {r['model']} | {r['params_m']:.0f} | {r['transformers_prefill_ms_per_token']:.2f} | "
               f"{r['hybridspec_prefill_ms_per_token']:.2f} | {r['prefill_speedup']:.2f}x | "
               f"{r['transformers_decode_ms_per_token']:.1f} | {r['hybridspec_decode_ms_per_token']:.1f} | "
-              f"**{r['decode_speedup']:.2f}x** | {experts} |")
+              f"**{r['decode_speedup']:.2f}x** | " + " | ".join(columns + [experts]) + " |")
+    for r in rows:
+        for peer, got in r.get("peers", {}).items():
+            if "error" in got:
+                print(f"{r['model']}: {peer} did not run: {got['error']}")
     write_json(args.json, {"machine": machine_info(), "args": vars(args), "rows": rows})
     return 0
 

@@ -1,7 +1,8 @@
 """vLLM's side of benchmarks/bench_architectures.py, run by .venv-vllm/bin/python (no hybridspec needed): one model,
 vLLM's engine in-process, prefill and plain greedy decode timed as the parent times the others.
 
-argv[1] is a JSON object {"model": HF_DIR, "prompt": [token ids], "new": N, "repeats": R, "dtype": "float32"}. Prints
+argv[1] is a JSON object {"model": HF_DIR, "prompt": [token ids], "new": N, "repeats": R, "dtype": "float32",
+"threads": T}. Prints
 `@@result {"prefill_ms": ..., "decode_ms": ..., "tokens": [...]}` (the median ms of a call with max_tokens=1 and of
 one with N + 1, the tokens of a short greedy call to check against the others) or `@@error {"error": ...}` and exits 3.
 Prefix caching off, so every call runs its whole prompt.
@@ -31,6 +32,9 @@ def main() -> int:
     except Exception as e:  # an architecture or a dtype vLLM's CPU backend does not run
         reply("error", {"error": f"{type(e).__name__}: {e}"[:400]})
         return 3
+    import torch
+
+    torch._C.set_num_threads(job.get("threads", 2))  # vLLM's CPU worker replaces torch.set_num_threads with a no-op
     prompt = {"prompt_token_ids": job["prompt"]}
 
     def run(n: int) -> list[int]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The peers' environment: .venv-peers with ArcticInference's suffix decoding (`arctic_inference.suffix_decoding`) and
-# hybridspec (editable) side by side, so that benchmarks/bench_suffix.py runs every proposer in one process.
+# hybridspec (editable) side by side, so that benchmarks/bench_suffix.py runs every proposer in one process; and
+# llama-cpp-python for benchmarks/bench_architectures.py.
 # Idempotent: each step is skipped when what it installs already imports.
 #
 # arctic-inference is on PyPI only as an sdist. Its full build compiles only the suffix-tree extension on a machine
@@ -50,4 +51,8 @@ fi
 "$PIP" install -q "Cython>=3.0" "setuptools>=77" wheel
 "$VENV/bin/python" -c "import hybridspec.suffix" 2>/dev/null || "$PIP" install -q --no-build-isolation -e "$ROOT"
 
-"$VENV/bin/python" -c "import arctic_inference.suffix_decoding, hybridspec.suffix; print('peers ready')"
+# llama.cpp, the CPU peer of benchmarks/bench_architectures.py: built from source (~10 min on 2 cores the first time;
+# pip keeps the wheel in its cache, so a fresh checkout on the same machine installs it in seconds).
+"$VENV/bin/python" -c "import llama_cpp" 2>/dev/null || "$PIP" install -q llama-cpp-python==0.3.36
+
+"$VENV/bin/python" -c "import arctic_inference.suffix_decoding, hybridspec.suffix, llama_cpp; print('peers ready')"

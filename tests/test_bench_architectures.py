@@ -24,7 +24,7 @@ def test_tiny_run_times_both_and_counts_the_chosen_experts(tmp_path, monkeypatch
     monkeypatch.setattr(bench_architectures, "SHAPES", TINY)
     out = tmp_path / "arch.json"
     assert bench_architectures.main(["--models", "tiny-moe,tiny-oss", "--prompt", "24", "--new", "4", "--repeats",
-                                     "1", "--threads", "1", "--json", str(out)]) == 0
+                                     "1", "--threads", "1", "--peers", "", "--json", str(out)]) == 0
     rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
     for name, top_k in (("tiny-moe", 2), ("tiny-oss", 4)):
         row = rows[name]
@@ -35,3 +35,34 @@ def test_tiny_run_times_both_and_counts_the_chosen_experts(tmp_path, monkeypatch
     assert "| tiny-moe |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_architectures.main(["--models", "nope"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_peers_time_the_same_weights(tmp_path, monkeypatch, capsys):
+    """vLLM on CPU (.venv-vllm) and llama.cpp (.venv-peers, a GGUF written from the weights) run a tiny Qwen3 (peaked
+    logits): both decode the tokens of the others, so each ran the same model, and the ratios come from their own
+    timings; an architecture a peer does not run is reported, not fatal."""
+    shapes = {
+        "tiny-qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(  # vLLM's CPU attention wants head_dim >= 32
+            vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=64, tie_word_embeddings=False, initializer_range=0.3)),
+        "tiny-qwen3.5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)),
+    }
+    monkeypatch.setattr(bench_architectures, "SHAPES", shapes)
+    out = tmp_path / "arch.json"
+    assert bench_architectures.main(["--models", "tiny-qwen3,tiny-qwen3.5", "--prompt", "24", "--new", "4",
+                                     "--repeats", "1", "--json", str(out)]) == 0
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    printed = capsys.readouterr().out
+    for peer in ("vllm", "llama.cpp"):
+        got = rows["tiny-qwen3"]["peers"][peer]
+        assert "error" not in got and got["same_tokens"], got
+        assert got["decode_ratio"] == pytest.approx(
+            got["decode_ms_per_token"] / rows["tiny-qwen3"]["hybridspec_decode_ms_per_token"])
+        hybrid = rows["tiny-qwen3.5"]["peers"][peer]  # neither runs Qwen3.5 here: said, not fatal
+        assert hybrid.get("same_tokens") is not None if "error" not in hybrid else \
+            f"tiny-qwen3.5: {peer} did not run" in printed

@@ -13,6 +13,7 @@ token and a tree are the same code: the state moves by exactly the kept tokens.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -113,18 +114,7 @@ class GatedDeltaNet:
         value_dim]; leaves what commit replays in the cache's pending nodes."""
         layer, width = self.index, self.width
         b, n, _ = x.shape
-        parent_rows = parents.tolist()
-        # the convolution's window of node j: its `width` nearest ancestors (then the row's conv state), itself last;
-        # as columns of [conv state (width columns), the nodes' inputs (n columns)]
-        columns = torch.empty(b, n, width + 1, dtype=torch.long)
-        for r, row in enumerate(parent_rows):
-            for j in range(n):
-                path, node = [width + j], row[j]
-                while len(path) <= width and node >= 0:
-                    path.append(width + node)
-                    node = row[node]
-                path += range(width - 1, width - 1 - (width + 1 - len(path)), -1)
-                columns[r, j] = torch.tensor(path[::-1])
+        columns, chain = _windows(tuple(map(tuple, parents.tolist())), width)
         source = torch.cat([cache.conv[layer], x.transpose(1, 2)], dim=-1)  # [b, channels, width + n]
         index = columns.to(x.device).view(b, 1, n * (width + 1)).expand(-1, source.shape[1], -1)
         windows = source.gather(2, index).view(b, -1, n, width + 1)
@@ -139,7 +129,6 @@ class GatedDeltaNet:
         pending = cache.pending
         pending.inputs[layer], pending.keys[layer], pending.values[layer] = x, k, v
         pending.decays[layer], pending.betas[layer] = decay, beta
-        chain = all(row == list(range(-1, n - 1)) for row in parent_rows)
         states = None if chain else cache.state.new_empty(b, n + 1, *cache.state.shape[2:])
         state, out = cache.state[layer], []
         if states is not None:
@@ -153,6 +142,24 @@ class GatedDeltaNet:
                 states[:, j + 1] = state
             out.append((state * q[:, j, ..., None]).sum(-2))
         return torch.stack(out, dim=1).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _windows(parents: tuple[tuple[int, ...], ...], width: int) -> tuple[torch.Tensor, bool]:
+    """Where each node's convolution window comes from, [b, n, width + 1], as columns of [a row's conv state (width
+    columns), its nodes' inputs (n columns)]: the node's `width` nearest ancestors, then the conv state's last
+    columns, itself last; and whether every row is a chain. Every layer of a pass asks for the same parents."""
+    n = len(parents[0])
+    columns = torch.empty(len(parents), n, width + 1, dtype=torch.long)
+    for r, row in enumerate(parents):
+        for j in range(n):
+            path, node = [width + j], row[j]
+            while len(path) <= width and node >= 0:
+                path.append(width + node)
+                node = row[node]
+            path += range(width - 1, width - 1 - (width + 1 - len(path)), -1)
+            columns[r, j] = torch.tensor(path[::-1])
+    return columns, all(row == tuple(range(-1, n - 1)) for row in parents)
 
 
 def new_pending(shape: RecurrentShape, rows: int, nodes: int, device: torch.device) -> PendingNodes:
