@@ -163,9 +163,9 @@ def write_gguf(model, path: Path) -> None:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_list(["t", "0", "t0"] + [f"t{i}" for i in range(3, config.vocab_size)])
     writer.add_token_types([gguf.TokenType.NORMAL] * config.vocab_size)
-    writer.add_token_merges(["t 0"])  # llama.cpp wants a merge list; none is ever used (ids go in)
+    writer.add_token_merges(["t 0"])  # a merge list both readers accept; none is ever used (ids go in)
     writer.add_eos_token_id(0)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():

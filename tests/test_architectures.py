@@ -173,3 +173,29 @@ def test_serve_names_the_supported_architectures_in_one_line(tmp_path):
             cli_main(["serve", str(tmp_path / "missing"), "--threads", str(threads)])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_qwen3_gguf_file_loads_and_decodes_as_its_weights(tmp_path, monkeypatch):
+    """`hybridspec serve model.gguf` beyond SmolLM2: a Qwen3 written to a float32 GGUF (the benchmark's writer, the
+    layout llama.cpp reads) is converted once and decodes, speculating, as the same weights do in memory; a file
+    transformers reads with the wrong shapes is refused with its reason, not loaded with fresh weights."""
+    import transformers
+    from bench_architectures import write_gguf
+
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path / "cache"))
+    config = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                      max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    write_gguf(model, tmp_path / "qwen3.gguf")
+    loaded = Engine.from_pretrained(str(tmp_path / "qwen3.gguf"), verify_cost=None)
+    assert loaded.target.config.model_type == "qwen3"
+    in_memory = Engine(TargetModel(model), tiny_tokenizer(256), verify_cost=None)
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 3
+    assert loaded.generate(prompt, max_new_tokens=16, speculate="suffix").token_ids == \
+        in_memory.generate(prompt, max_new_tokens=16, speculate="none").token_ids
+    narrow = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**config.to_dict(), "head_dim": 16}))
+    write_gguf(narrow, tmp_path / "narrow.gguf")  # transformers reads no head_dim from a GGUF: 128 is assumed
+    with pytest.raises(ValueError, match="transformers cannot read narrow.gguf"):
+        Engine.from_pretrained(str(tmp_path / "narrow.gguf"), verify_cost=None)

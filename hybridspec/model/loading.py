@@ -101,7 +101,7 @@ def _write_converted(gguf: Path, out_dir: Path, tmp: Path) -> None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        except (ValueError, KeyError) as e:  # an architecture or a quantisation transformers does not read
+        except (ValueError, KeyError, RuntimeError) as e:  # an architecture, a quantisation or shapes it does not read
             raise ValueError(f"transformers cannot read {gguf.name}: {e}") from e
         # transformers dequantises GGUF weights on load; only the quantizer marker blocks saving them as plain fp32.
         model.hf_quantizer = None
