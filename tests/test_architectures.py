@@ -199,3 +199,25 @@ def test_a_qwen3_gguf_file_loads_and_decodes_as_its_weights(tmp_path, monkeypatc
     write_gguf(narrow, tmp_path / "narrow.gguf")  # transformers reads no head_dim from a GGUF: 128 is assumed
     with pytest.raises(ValueError, match="transformers cannot read narrow.gguf"):
         Engine.from_pretrained(str(tmp_path / "narrow.gguf"), verify_cost=None)
+
+
+def test_a_qwen3_5_checkpoint_as_published_loads_its_language_model(tmp_path):
+    """Qwen3.5 is published as a vision-language checkpoint (`Qwen3_5ForConditionalGeneration`, the text layers
+    under model.language_model): its directory loads as the causal LM the engine runs, and a speculative call gives
+    the whole model's greedy tokens."""
+    import transformers
+
+    text = tiny_causal_lm("qwen3_5").config.to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    published = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    published.save_pretrained(tmp_path)
+    tiny_tokenizer(128).save_pretrained(tmp_path)
+    engine = Engine.from_pretrained(str(tmp_path), verify_cost=None)
+    assert engine.target.recurrent is not None
+    prompt = [5, 6, 7, 8, 9, 10] * 4
+    with torch.no_grad():
+        want = published.generate(input_ids=torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                  eos_token_id=2, pad_token_id=0)[0, len(prompt):].tolist()
+    assert engine.generate(prompt, max_new_tokens=16, speculate="suffix").token_ids == want
