@@ -2,7 +2,8 @@
 biases, Qwen3 with q/k norms, Qwen3-MoE, sliding windows (Qwen3 half windowed, Mistral all windowed), gpt-oss
 (attention sinks, every other layer windowed, MoE with biases and a clamped SwiGLU, YaRN), Gemma 3 (four norms a
 layer, GELU, scaled embeddings, local layers windowed with their own rotary base), Qwen3.5 and its MoE (Gated
-DeltaNet beside gated attention; their state under speculation: tests/test_delta_net.py). For each, plain
+DeltaNet beside gated attention; their state under speculation: tests/test_delta_net.py), Qwen3-Next (the same
+with fused projections). For each, plain
 greedy decoding is transformers' `generate` token for token; greedy speculation (random, noisy-oracle and suffix
 chains and trees, n-gram) changes no token, one call at a time and batched; chunked prefill and prefix-cache hits
 change none; sampling keeps the target's distribution (chi-square, on the MoEs)."""

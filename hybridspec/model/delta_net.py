@@ -1,5 +1,5 @@
-"""Gated DeltaNet, the linear attention of Qwen3.5's hybrid layers (three of them to one full-attention layer), run so
-that speculation stays exact.
+"""Gated DeltaNet, the linear attention of Qwen3.5's and Qwen3-Next's hybrid layers (three of them to one
+full-attention layer), run so that speculation stays exact.
 
 A layer keeps, per row, a fixed-size state instead of keys and values: the last conv_width inputs of a depthwise
 causal convolution, and a recurrent matrix per value head updated by the gated delta rule (`delta_update`). A prompt
@@ -36,8 +36,7 @@ class GatedDeltaNet:
                  "key_heads", "value_heads", "key_dim", "value_dim", "width")
 
     def __init__(self, module, index: int, pack: bool):
-        self.in_proj = Linear(torch.cat([module.in_proj_qkv.weight, module.in_proj_z.weight, module.in_proj_b.weight,
-                                         module.in_proj_a.weight]), pack=pack)
+        self.in_proj = Linear(torch.cat(_projections(module)), pack=pack)
         self.out = Linear(module.out_proj.weight, pack=pack)
         self.conv_weight = module.conv1d.weight  # [channels, 1, kernel]
         self.conv_bias = module.conv1d.bias
@@ -142,6 +141,19 @@ class GatedDeltaNet:
                 states[:, j + 1] = state
             out.append((state * q[:, j, ..., None]).sum(-2))
         return torch.stack(out, dim=1).to(x.dtype)
+
+
+def _projections(module) -> list[torch.Tensor]:
+    """The rows of the queries, keys, values, z, b and a projections, Qwen3.5's layout. Qwen3-Next fuses them into two
+    products grouped by key head ([q, k, the group's v, its z] and [its b, its a] per key head): regrouped here."""
+    if hasattr(module, "in_proj_qkv"):
+        return [module.in_proj_qkv.weight, module.in_proj_z.weight, module.in_proj_b.weight, module.in_proj_a.weight]
+    hk, dk, dv = module.num_k_heads, module.head_k_dim, module.head_v_dim
+    group = module.num_v_heads // hk
+    qkvz = module.in_proj_qkvz.weight.view(hk, 2 * dk + 2 * group * dv, -1)
+    q, k, v, z = qkvz.split([dk, dk, group * dv, group * dv], dim=1)
+    b, a = module.in_proj_ba.weight.view(hk, 2 * group, -1).split([group, group], dim=1)
+    return [t.flatten(0, 1) for t in (q, k, v, z, b, a)]
 
 
 @functools.lru_cache(maxsize=256)

@@ -30,8 +30,9 @@ def is_gemma(config) -> bool:
 
 
 def norm_weight(norm, config) -> torch.Tensor:
-    """An RMSNorm's multiplier: Gemma's and Qwen3.5's norms scale by 1 + weight (in float32), the others by weight."""
-    zero_centred = is_gemma(config) or config.model_type.startswith("qwen3_5")
+    """An RMSNorm's multiplier: Gemma's, Qwen3.5's and Qwen3-Next's norms scale by 1 + weight (in float32), the others
+    by weight."""
+    zero_centred = is_gemma(config) or config.model_type.startswith(("qwen3_5", "qwen3_next"))
     return (1.0 + norm.weight.float()).to(norm.weight.dtype) if zero_centred else norm.weight
 
 

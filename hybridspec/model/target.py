@@ -45,7 +45,7 @@ from hybridspec.model.linear import Linear, fast_bf16, tune_products
 from hybridspec.speculators.features import default_aux_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "qwen3_5",
-                         "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+                         "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 # Prefill chunks: long where the chunk attends causally without a mask (fewer passes; PyTorch's flash attention, where
 # the prompt kernel does not run, skips more of the blocks above the diagonal in one long chunk than in several short
 # ones), short where a mask is needed (its memory).

@@ -32,7 +32,7 @@ def tiny_llama(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 6
 
 # The architectures `tiny_causal_lm` builds, each small and with one of every layer kind its family has.
 TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_window", "mistral_window", "gpt_oss", "gemma3",
-                      "qwen3_5", "qwen3_5_moe")
+                      "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: int = 0, init_std: float = 0.3,
@@ -44,7 +44,8 @@ def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: 
     token, YaRN (eager attention, its reference in transformers); "gemma3" with its four norms a layer, GELU, scaled
     embeddings, query_pre_attn_scalar and local layers windowed with their own rotary base; "qwen3_5" Gated DeltaNet
     and gated full attention in turn (partial RoPE, 2 key heads to 4 value heads); "qwen3_5_moe" that with 8 experts,
-    2 a token, and a gated shared expert. Norm weights are random too (a wrong permutation of them shows)."""
+    2 a token, and a gated shared expert; "qwen3_next" that MoE (layer 2 dense) with Qwen3-Next's fused projections.
+    Norm weights are random too (a wrong permutation of them shows)."""
     if arch == "llama":
         return tiny_llama(vocab_size=vocab_size, num_layers=num_layers, seed=seed, dtype=dtype, init_std=init_std,
                           eos_token_id=eos_token_id)
@@ -86,6 +87,13 @@ def tiny_causal_lm(arch: str, vocab_size: int = 128, num_layers: int = 6, seed: 
             config = transformers.Qwen3_5MoeTextConfig(**hybrid, **common, num_experts=8, num_experts_per_tok=2,
                                                        moe_intermediate_size=32, shared_expert_intermediate_size=48)
             cls = transformers.Qwen3_5MoeForCausalLM
+    elif arch == "qwen3_next":  # Qwen3.5's layers with fused, key-head-grouped DeltaNet projections; MoE, a dense layer
+        config = transformers.Qwen3NextConfig(
+            head_dim=16, linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"] * (num_layers // 2),
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2], **common)
+        cls = transformers.Qwen3NextForCausalLM
     elif arch == "mistral_window":
         config, cls = transformers.MistralConfig(sliding_window=window, **common), transformers.MistralForCausalLM
     else:
