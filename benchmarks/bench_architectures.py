@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             return lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
         with torch.inference_mode():
-            assert ours(8)().token_ids == theirs(8)()[0, args.prompt:].tolist(), f"{name}: outputs differ"
+            reference = theirs(8)()[0, args.prompt:].tolist()  # every method decodes these tokens
+            assert ours(8)().token_ids == reference, f"{name}: outputs differ"
             ms = median_ms_each({("hybridspec", 1): ours(1), ("transformers", 1): theirs(1),
                                  ("hybridspec", args.new + 1): ours(args.new + 1),
                                  ("transformers", args.new + 1): theirs(args.new + 1)}, args.repeats, warmup=1)
@@ -241,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
             row["expert_mib_per_token"], row["expert_mib_all"] = expert_bytes(engine, prompt[:16])
         if peers:
             engine = None  # a peer loads the weights again beside the model
-            reference = theirs(8)()[0, args.prompt:].tolist()
             job = {"prompt": prompt, "new": args.new, "repeats": args.repeats, "threads": args.threads}
             row["peers"] = {}
             for peer in peers:

@@ -144,14 +144,14 @@ def _cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
 
 class DecoderLayer:
     """One decoder layer's weights in the layout the fused forward uses: attention (`qkv`, `o`; with a per-head output
-    gate `gated`, Qwen3.5's) or Qwen3.5's linear attention (`delta`), then the MLP. `kv_index`: the layer's place in
-    the KV cache (attention layers only)."""
+    gate `gated`, Qwen3.5's) or Qwen3.5's linear attention (`delta`), then the MLP. kind_index: the layer's place
+    among the model's layers of its kind, in the KV cache (`kv_index`) or among the cache's recurrent states."""
 
     __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "gated", "attn_out_norm", "post_norm", "mlp",
                  "mlp_out_norm", "window", "sinks", "rope_kind", "delta", "kv_index")
 
     def __init__(self, layer, config, layer_id: int, pack: bool, heads: int, kv_heads: int, head_dim: int,
-                 kv_index: int | None = None, delta_index: int | None = None):
+                 kind_index: int):
         self.input_norm = norm_weight(layer.input_layernorm, config)
         # Gemma normalises the attention's and the MLP's outputs too, before each residual addition
         self.attn_out_norm = self.mlp_out_norm = None
@@ -164,10 +164,11 @@ class DecoderLayer:
         mlp = layer.mlp
         self.mlp = _MixtureOfExperts(mlp, config, pack) if hasattr(mlp, "experts") else _DenseMLP(mlp, config, pack)
         self.window = self.sinks = self.rope_kind = self.qkv = self.o = self.q_norm = self.k_norm = None
-        self.gated, self.delta, self.kv_index = False, None, kv_index
+        self.gated, self.delta, self.kv_index = False, None, None
         if hasattr(layer, "linear_attn"):
-            self.delta = GatedDeltaNet(layer.linear_attn, delta_index, pack)
+            self.delta = GatedDeltaNet(layer.linear_attn, kind_index, pack)
             return
+        self.kv_index = kind_index
         attn = layer.self_attn
         rotary = rotary_dim(config, head_dim)
         q_weight, q_bias = attn.q_proj.weight, attn.q_proj.bias

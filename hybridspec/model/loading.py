@@ -125,6 +125,13 @@ def _write_converted(gguf: Path, out_dir: Path, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _converted(gguf: Callable[[], Path], out_dir: Path) -> Path:
+    """out_dir, converted from the GGUF file gguf() unless an earlier conversion is there (gguf() may fetch it)."""
+    if not _is_converted(out_dir):
+        _convert_gguf(gguf(), out_dir)
+    return out_dir
+
+
 def _is_converted(path: Path) -> bool:
     marker = path / "hybridspec_conversion.txt"
     return marker.is_file() and marker.read_text().split("\n", 1)[0] == str(_CONVERSION_VERSION)
@@ -135,20 +142,14 @@ def resolve_model(name_or_path: str | os.PathLike = "smollm2") -> Path:
     the cache on first use; a GGUF of any architecture transformers reads), or an existing directory."""
     name = str(name_or_path)
     if name.lower() in SMOLLM2_ALIASES:
-        out_dir = cache_dir() / f"smollm2-135m-instruct-v{_CONVERSION_VERSION}"
-        if not _is_converted(out_dir):
-            _convert_gguf(smollm2_gguf(), out_dir)
-        return out_dir
+        return _converted(smollm2_gguf, cache_dir() / f"smollm2-135m-instruct-v{_CONVERSION_VERSION}")
     path = Path(name).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {name!r}")
         stat = path.resolve().stat()  # a changed file converts again
         key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        out_dir = cache_dir() / "gguf" / f"{path.stem}-{key}-v{_CONVERSION_VERSION}"
-        if not _is_converted(out_dir):
-            _convert_gguf(path, out_dir)
-        return out_dir
+        return _converted(lambda: path, cache_dir() / "gguf" / f"{path.stem}-{key}-v{_CONVERSION_VERSION}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{name!r} is neither 'smollm2', a GGUF file nor a local Hugging Face model directory "
                                 "(no config.json there)")

@@ -88,8 +88,8 @@ class TargetModel:
             # attention layers keep keys and values, Gated DeltaNet layers a state: each kind indexed on its own
             kinds = [hasattr(layer, "linear_attn") for layer in decoder.layers]
             self.layers = [DecoderLayer(layer, config, i, pack_weights, self.num_heads, self.num_kv_heads,
-                                        self.head_dim, kv_index=i - sum(kinds[:i]), delta_index=sum(kinds[:i]))
-                           for i, layer in enumerate(decoder.layers)]
+                                        self.head_dim, kinds[:i].count(kind)) for i, (layer, kind)
+                           in enumerate(zip(decoder.layers, kinds))]
             self.num_kv_layers = kinds.count(False)
             deltas = [layer.delta for layer in self.layers if layer.delta is not None]
             self.recurrent = deltas[0].shape(len(deltas), self.dtype) if deltas else None
