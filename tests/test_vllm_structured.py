@@ -2,6 +2,8 @@
 greedy outputs constrained by a JSON schema, the two constraints vLLM's server compiles for `tool_choice: "required"`
 (a JSON list of calls; the hermes parser's structural tag) and a regex equal vLLM's without speculation, token for
 token, at batch 1 and 5; every output is valid against its constraint; our proposer drafted and vLLM accepted some.
+The same for the suffix + P-EAGLE hybrid (HYBRIDSPEC_VLLM=hybrid, `method: "eagle3"`), whose router chose drafts of
+both sources under the grammar.
 
 Why this holds without anything of the plugin's own: vLLM's scheduler checks every draft against the request's grammar
 before scheduling it (`StructuredOutputManager.validate_tokens`: the longest grammar-valid prefix, the matcher rolled
@@ -9,7 +11,7 @@ back) and the runner masks the target's logits with a bitmask per draft position
 is never verified and the bonus token stays in it. Our proposer's drafts are cut there like vLLM's own; what it sees
 next step is only what vLLM committed (`SuffixRequests.update`), so the suffix cache never learns a cut draft.
 
-One vLLM subprocess (two engine starts, ~1-2 minutes here).
+One vLLM subprocess (three engine starts, ~2-3 minutes here).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_vllm_plugin import life_cycle, needs_vllm, read_events, replay_through_fresh_cache, run_vllm
+from test_vllm_plugin import (K_PEAGLE, life_cycle, needs_vllm, peagle_for_vllm, read_events,
+                              replay_through_fresh_cache, run_vllm)
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 48
@@ -138,14 +141,18 @@ def structured_runs(tmp_path_factory):
     batches = [[r] for r in requests] + [requests]  # each alone, then all at once
     runs = [{"name": "none", "batches": batches},
             {"name": "suffix", "batches": batches, "record": str(work / "rec-suffix"),
-             "speculative_config": {"method": "suffix", "num_speculative_tokens": K_SUFFIX}}]
-    results = run_structured(runs, work, {"HYBRIDSPEC_VLLM": "suffix"})
+             "speculative_config": {"method": "suffix", "num_speculative_tokens": K_SUFFIX}},
+            {"name": "hybrid", "batches": batches, "record": str(work / "rec-hybrid"),
+             "speculative_config": {"method": "eagle3", "model": str(peagle_for_vllm(work)),
+                                    "num_speculative_tokens": K_PEAGLE, "parallel_drafting": True}}]
+    results = run_structured(runs, work, {"HYBRIDSPEC_VLLM": "suffix,hybrid"})
     return SimpleNamespace(work=work, batches=batches, results=results)
 
 
 @needs_vllm
-def test_structured_greedy_outputs_of_our_suffix_method_equal_vllm_without_speculation(structured_runs):
-    plain, ours = structured_runs.results["none"], structured_runs.results["suffix"]
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_structured_greedy_outputs_of_our_methods_equal_vllm_without_speculation(structured_runs, method):
+    plain, ours = structured_runs.results["none"], structured_runs.results[method]
     assert all(len(o) > 0 for batch in plain["tokens"] for o in batch)
     assert ours["tokens"] == plain["tokens"]  # batch 1 (one batch per case) and all together (the last)
     assert ours["texts"] == plain["texts"]
@@ -153,7 +160,7 @@ def test_structured_greedy_outputs_of_our_suffix_method_equal_vllm_without_specu
 
 @needs_vllm
 def test_every_structured_output_satisfies_its_constraint(structured_runs):
-    for name in ("none", "suffix"):
+    for name in ("none", "suffix", "hybrid"):
         for batch, texts in zip(structured_runs.batches, structured_runs.results[name]["texts"]):
             for request, text in zip(batch, texts):
                 assert valid(text, request["constraint"]), (name, request["constraint"], text)
@@ -171,6 +178,15 @@ def test_our_proposer_drafted_under_the_grammar_and_vllm_accepted_some(structure
     assert counts["drafts"] > 0
     cycles = life_cycle(recordings[0])
     assert cycles["start"] == sum(len(b) for b in structured_runs.batches) and cycles["restart"] == 0
+
+
+@needs_vllm
+def test_the_hybrid_chose_both_sources_under_the_grammar_and_vllm_accepted_some(structured_runs):
+    counters = structured_runs.results["hybrid"]["counters"]
+    assert counters.get("vllm:spec_decode_num_accepted_tokens", 0) > 0, counters
+    recordings = read_events(structured_runs.work / "rec-hybrid")
+    chosen = [e["source"] for recording in recordings for e in recording if e["event"] == "chosen"]
+    assert {"suffix", "peagle"} <= set(chosen), sorted(set(chosen))
 
 
 def test_the_constraint_check_accepts_and_refuses():

@@ -12,12 +12,16 @@
     unset, "" or "0"               the plugin does nothing: installing hybridspec changes no vLLM that did not ask
 
 vLLM loads `register()` (the `vllm.general_plugins` entry point) in every process: the front end, the engine core and
-each worker; the variable is inherited by spawned workers. vLLM 0.32 has no proposer registry and its `custom_class`
-method sees no request ids and no hidden states, so `register()` applies the patches of `PATCHES`: each target is
-checked to exist first, all are applied or none (a failure restores what was patched, logs one error and leaves vLLM
-as it was), and each is logged. None of their targets is public API: they are pinned to SUPPORTED_VLLM_VERSIONS, and
-any other version is refused with a message, vLLM untouched. The proposers themselves are in `proposers`, the
-request life cycle they share in `requests`, the switches in `config`.
+each worker; the variable is inherited by spawned workers. vLLM has no proposer registry (0.33 neither) and its
+`custom_class` method sees no request ids and no hidden states, so `register()` applies the patches of `PATCHES`: each
+target is checked to exist first, all are applied or none (a failure restores what was patched, logs one error and
+leaves vLLM as it was), and each is logged. None of their targets is public API: each patch names the vLLM series it is
+written for (SUPPORTED_VLLM_SERIES, 0.32.x and 0.33.x; the V1 model runner's interfaces the proposers use are the same
+in both), and any other version is refused with a message naming the range, vLLM untouched. vLLM 0.33 runs most
+speculative methods on its V2 model runner (MRV2), which has no place for a proposer of ours: there the plugin keeps a
+config that asks for the hybrid on the V1 runner, as 0.33 itself does for `suffix` and parallel drafting
+(`_keep_v1_runner`). The proposers themselves are in `proposers`, the request life cycle they share in `requests`, the
+switches in `config`.
 
 Per request the suffix cache is driven as hybridspec's Engine drives it: `start_request` with the prompt the first time
 the request has a sampled token, `append` of the tokens each step committed (cut by the engine's commit rules,
@@ -35,15 +39,16 @@ Nothing heavy is imported here at module level: vLLM and torch only inside `regi
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from hybridspec.vllm_plugin.config import (ENV_SWITCH, SUPPORTED_VLLM_VERSIONS, PluginError, check_vllm_version,
-                                           logger, requested_modes)
+from hybridspec.vllm_plugin.config import (ENV_SWITCH, HYBRID_METHODS, SUPPORTED_VLLM_RANGE, SUPPORTED_VLLM_SERIES,
+                                           PluginError, check_vllm_version, logger, requested_modes)
 
-__all__ = ["register", "requested_modes", "check_vllm_version", "PluginError", "SUPPORTED_VLLM_VERSIONS", "Patch",
-           "PATCHES", "apply_patches", "restore_patches"]
+__all__ = ["register", "requested_modes", "check_vllm_version", "PluginError", "SUPPORTED_VLLM_SERIES",
+           "SUPPORTED_VLLM_RANGE", "Patch", "PATCHES", "apply_patches", "restore_patches"]
 
 _lock = threading.Lock()
 _applied: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) of every patch in force
@@ -52,13 +57,14 @@ _applied: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) of eve
 @dataclass(frozen=True)
 class Patch:
     """Replace `attribute` of `target` ("module" or "module:Class") by `replacement(original)`, for `mode` (None:
-    whenever the plugin is on)."""
+    whenever the plugin is on) on the vLLM `series` named (empty: every supported one)."""
 
     target: str
     attribute: str
     replacement: Callable[[Any], Any]
     mode: str | None = None
     why: str = ""
+    series: tuple[str, ...] = ()
 
     def owner(self) -> Any:
         module, _, qualname = self.target.partition(":")
@@ -102,6 +108,20 @@ def _wrap_update_states(original: Callable) -> Callable:
     return _update_states
 
 
+def _keep_v1_runner(original: property) -> property:
+    def use_v2_model_runner(self: Any) -> bool:
+        v2, spec = original.fget(self), self.speculative_config
+        if not v2 or spec is None or spec.method not in HYBRID_METHODS:
+            return v2
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip() not in ("", "0"):  # as vllm.envs reads it
+            raise PluginError(f"{ENV_SWITCH}=hybrid runs on vLLM's V1 model runner, and VLLM_USE_V2_MODEL_RUNNER=1 "
+                              f"asks for the V2 one (it has no place for hybridspec's proposer); unset one of them")
+        logger.info("hybridspec: the hybrid keeps speculative method %r on vLLM's V1 model runner", spec.method)
+        return False
+
+    return property(use_v2_model_runner)
+
+
 RUNNER = "vllm.v1.worker.gpu_model_runner"
 SPECULATORS = "vllm.transformers_utils.configs.speculators.base"
 PATCHES: tuple[Patch, ...] = (
@@ -120,13 +140,17 @@ PATCHES: tuple[Patch, ...] = (
           "fasteagle", why="a FastEagle checkpoint served as the model runs as eagle3 with parallel drafting"),
     Patch("vllm.model_executor.models.registry:ModelRegistry", "models", _fasteagle("with_fasteagle_model"),
           "fasteagle", why="the FastEagle cascade's model class (hybridspec.vllm_plugin.fasteagle_model)"),
+    Patch("vllm.config.vllm:VllmConfig", "use_v2_model_runner", _keep_v1_runner, "hybrid", series=("0.33",),
+          why="eagle/eagle3 with the hybrid stay on the V1 runner, where the hybrid's proposer is (MRV2 would run "
+              "plain EAGLE)"),
 )
 
 
-def apply_patches(patches: Sequence[Patch], modes: frozenset[str]) -> bool:
-    """Apply every patch for `modes`, all or nothing: each target and attribute is checked first, and a failure
-    restores what was already patched and logs one error (vLLM then runs unchanged). Returns whether they apply."""
-    wanted = [p for p in patches if p.mode is None or p.mode in modes]
+def apply_patches(patches: Sequence[Patch], modes: frozenset[str], series: str) -> bool:
+    """Apply every patch for `modes` on vLLM `series`, all or nothing: each target and attribute is checked first,
+    and a failure restores what was already patched and logs one error (vLLM then runs unchanged). Returns whether
+    they apply."""
+    wanted = [p for p in patches if (p.mode is None or p.mode in modes) and (not p.series or series in p.series)]
     done: list[tuple[Any, str, Any]] = []
     try:
         owners = [p.owner() for p in wanted]
@@ -169,7 +193,7 @@ def register() -> None:
             return
         import vllm
 
-        check_vllm_version(vllm.__version__)
+        series = check_vllm_version(vllm.__version__)
         try:
             import numpy  # noqa: F401
 
@@ -179,4 +203,4 @@ def register() -> None:
             raise PluginError(f"{ENV_SWITCH} is set but hybridspec cannot load ({e}); install it into vLLM's "
                               f"environment with `pip install \"hybridspec[vllm]\"` (from a checkout: "
                               f"scripts/setup_vllm.sh), or unset {ENV_SWITCH}") from None
-        apply_patches(PATCHES, modes)
+        apply_patches(PATCHES, modes, series)

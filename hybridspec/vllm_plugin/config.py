@@ -4,7 +4,9 @@ from __future__ import annotations
 import logging
 import os
 
-SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
+# The vLLM release series whose internals the patches are written for (each patch may name the series it applies to).
+SUPPORTED_VLLM_SERIES: tuple[str, ...] = ("0.32", "0.33")
+SUPPORTED_VLLM_RANGE = ">=0.32,<0.34"  # the same, as pyproject's requirement writes it
 ENV_SWITCH = "HYBRIDSPEC_VLLM"
 ENV_OBSERVER = "HYBRIDSPEC_VLLM_OBSERVER"  # "module:Class": Class(config) gets event(kind, rid, **fields) calls
 # The engine's cost gate on vLLM's drafts: "default" (the built-in CPU tables of SmolLM2, router/cost.py) or the JSON
@@ -37,12 +39,26 @@ def requested_modes(value: str | None = None) -> frozenset[str]:
     return frozenset(modes)
 
 
-def check_vllm_version(version: str) -> None:
-    if version not in SUPPORTED_VLLM_VERSIONS:
-        raise PluginError(f"vLLM {version} is not supported (this hybridspec supports vLLM "
-                          f"{', '.join(SUPPORTED_VLLM_VERSIONS)}: it replaces parts of vLLM that are not public API); "
-                          f"nothing was changed. Install a supported vLLM, or unset {ENV_SWITCH} to run vLLM without "
-                          f"hybridspec.")
+def vllm_series(version: str) -> str | None:
+    """"0.33" for "0.33.0", "0.33.1+cpu" or "0.33.2.dev4+g1234"; None where the version cannot be read."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        return None
+    return ".".join(map(str, release[:2])) if len(release) >= 2 else None
+
+
+def check_vllm_version(version: str) -> str:
+    """The supported series `version` belongs to; otherwise a PluginError that names the range (vLLM untouched)."""
+    series = vllm_series(version)
+    if series not in SUPPORTED_VLLM_SERIES:
+        raise PluginError(f"vLLM {version} is not supported (this hybridspec supports vLLM {SUPPORTED_VLLM_RANGE}, "
+                          f"the series {', '.join(s + '.x' for s in SUPPORTED_VLLM_SERIES)}: it replaces parts of vLLM "
+                          f"that are not public API); nothing was changed. Install a supported vLLM, or unset "
+                          f"{ENV_SWITCH} to run vLLM without hybridspec.")
+    return series
 
 
 def announce(method: str, by: str) -> None:

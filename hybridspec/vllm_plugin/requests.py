@@ -43,11 +43,25 @@ class SuffixRequests:
 
     # -- called by the runner's _update_states, before it drops finished requests
     def on_scheduler_output(self, scheduler_output: Any, requests: dict) -> None:
+        self._keep_verified(scheduler_output)
         for rid in list(scheduler_output.finished_req_ids):
             if rid in self.started:
                 self._end(rid, self._finished_normally(requests.get(rid)))
         for rid in self.started & scheduler_output.scheduled_cached_reqs.resumed_req_ids:
             self._end(rid, False)  # back from preemption: restarted on its next sampled token
+
+    def _keep_verified(self, scheduler_output: Any) -> None:
+        """The gate learns from what vLLM verifies of a routed draft: the scheduler cuts a draft to the token budget
+        and, under structured outputs, at the first token the grammar refuses (-1 from there, or a shorter list);
+        the tokens cut were never verified, so they count as neither accepted nor rejected."""
+        scheduled = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        for rid in [r for r in self._routed if r in scheduler_output.num_scheduled_tokens]:
+            tokens = scheduled.get(rid, ())
+            verified = next((i for i, t in enumerate(tokens) if t < 0), len(tokens))
+            if verified == 0:
+                del self._routed[rid]
+            elif verified < len(self._routed[rid]):
+                self._routed[rid] = self._routed[rid].subset(range(verified))
 
     def _finished_normally(self, state: Any) -> bool:
         """The engine's rules ended it with its last token (a stop token, max_tokens, the model's length); anything
