@@ -31,6 +31,16 @@ attention = Extension(
     include_dirs=["hybridspec/model"],
     extra_compile_args=["-O3"],
 )
+# the products of decode and verification steps (a few rows) on a CPU, threaded by OpenMP: torch is imported first
+# and the extension shares its libgomp, so both use one pool of threads
+products = Extension(
+    "hybridspec.model._products",
+    sources=["hybridspec/model/_products.pyx"],
+    depends=["hybridspec/model/product_kernel.h"],
+    include_dirs=["hybridspec/model"],
+    extra_compile_args=["-O3", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+)
 
 setup(
     package_dir=package_dir,
@@ -44,5 +54,5 @@ setup(
                                              "recipes/ablations/*.yaml"],
                   "hybridspec.grammar": ["templates/*.jinja"]},
     include_package_data=False,
-    ext_modules=[ext, attention],
+    ext_modules=[ext, attention, products],
 )

@@ -67,8 +67,10 @@ def build(name: str):
 
 
 def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
-    """MiB of expert weights one decode token multiplied, counted on the engine's products, and MiB of all experts of
-    those layers."""
+    """MiB of expert weights one decode token multiplied, counted on the engine's products (the small-row kernel's
+    calls for the chosen experts, or each expert's own products), and MiB of all experts of those layers."""
+    from hybridspec.model import layers as model_layers
+
     layers = [layer.mlp for layer in engine.target.layers if hasattr(layer.mlp, "experts")]
     counted = {"bytes": 0}
 
@@ -78,8 +80,13 @@ def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
             return product(x)
         return call
 
-    saved = [moe.experts for moe in layers]
+    def chosen(x, weight, bias, experts, *rest):
+        counted["bytes"] += 4 * len(experts) * weight.shape[1] * weight.shape[2]
+        return kernel(x, weight, bias, experts, *rest)
+
+    saved, kernel = [moe.experts for moe in layers], model_layers.chosen_expert_products
     try:
+        model_layers.chosen_expert_products = chosen
         for moe in layers:
             moe.experts = [(counting(g, 4 * (g.shape[0] * g.shape[1] + d.shape[0] * d.shape[1])), d)
                            for g, d in moe.experts]
@@ -88,6 +95,7 @@ def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
         engine.generate(prompt, max_new_tokens=3, speculate="none")  # the same, and one more step
         one_token = counted["bytes"] - 2 * first
     finally:
+        model_layers.chosen_expert_products = kernel
         for moe, experts in zip(layers, saved):
             moe.experts = experts
     total = sum(4 * (g.shape[0] * g.shape[1] + d.shape[0] * d.shape[1]) for moe in saved for g, d in moe)

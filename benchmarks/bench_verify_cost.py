@@ -14,7 +14,8 @@ in one kernel call per layer (`Attention.join_steps`) and one call per cache.
     python benchmarks/bench_verify_cost.py --batch --no-verify-cost --threads 1
     python benchmarks/bench_verify_cost.py --threads 1 --context 2048 --plain-max-rows 0   # oneDNN for every product
     python benchmarks/bench_verify_cost.py --prefill 0+455,0+1490,0+2853,2989+1274 --no-verify-cost --threads 1
-    python benchmarks/bench_verify_cost.py --products --no-verify-cost --threads 1   # products by row count
+    python benchmarks/bench_verify_cost.py --products --no-verify-cost --threads 2   # products by row count
+    python benchmarks/bench_verify_cost.py --threads 2 --context 2048 --no-kernel   # without the small-row kernel
     python benchmarks/bench_verify_cost.py --calls 32,64 --context 50,2000 --no-verify-cost --threads 1
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 
 from common import machine_info, median_ms_each, write_json
 from hybridspec.model.calibration import DEFAULT_COST_DRAFT_TOKENS, measure_verify_cost
-from hybridspec.model.linear import MKL_ROWS, PLANNED_ROWS, time_routes, untuned_routes
+from hybridspec.model.linear import KERNEL_ROWS, MKL_ROWS, PLANNED_ROWS, time_routes, tune_products, untuned_routes
+from hybridspec.model.machine import work_clock
 from hybridspec.model.target import TargetModel
 
 def measure_prefill(target: TargetModel, cached: int, new: int, repeats: int = 3, seed: int = 0) -> dict:
@@ -72,6 +74,21 @@ def measure_calls_step(target: TargetModel, calls: int, context: int, repeats: i
     return {"calls": calls, "context": context, "joined_ms": round(ms["joined"], 1), "apart_ms": round(ms["apart"], 1)}
 
 
+def time_kernel(layers, repeats: int) -> dict[int, float]:
+    """Seconds of the layers' products by the small-row kernel, in order, by row count: the fastest of the repeats."""
+    clock, best = work_clock(), {}
+    with torch.inference_mode():
+        for round_ in range(repeats + 1):  # round 0 warms up
+            for rows in range(1, KERNEL_ROWS + 1):
+                inputs = {lin.shape[1]: torch.randn(rows, lin.shape[1]) for lin in layers}
+                start = clock()
+                for lin in layers:
+                    lin._kernel_product(inputs[lin.shape[1]], rows, None)
+                if round_:
+                    best[rows] = min(best.get(rows, float("inf")), clock() - start)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", action="store_true", help="also time a plain step at batch 1, 2, 4, 8")
@@ -87,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plain-max-rows", type=int,
                         help="untuned products: MKL's product up to this many rows, oneDNN's for more, no padding "
                              "(0: always oneDNN's; default: the routes tuned for this machine)")
+    parser.add_argument("--no-kernel", action="store_true",
+                        help="products by the routes alone, as on a CPU without the small-row product kernel")
     parser.add_argument("--sampling", action="store_true", help="steps with full logits (default: greedy steps)")
     parser.add_argument("--products", action="store_true",
-                        help="also time a step's products by row count, MKL's and oneDNN's (what tune_products "
-                             "measures: every layer's weights streamed from memory, as in a step)")
+                        help="also time a step's products by row count, MKL's, oneDNN's (what tune_products "
+                             "measures) and the small-row kernel's: every layer's weights streamed from memory, as in "
+                             "a step")
     parser.add_argument("--calls", help="time a plain step of N concurrent calls' one-row caches at each --context, "
                                         "joined and apart: N, comma-separated")
     parser.add_argument("--json", type=Path, help="write the measurement here")
@@ -107,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     target = TargetModel.from_pretrained(args.model, dtype=getattr(torch, args.dtype), pack_weights=not args.no_pack,
                                          tune=args.plain_max_rows is None)
+    if args.no_kernel:
+        for lin in target.linears():
+            lin.kernel_rows = 0
+        if args.plain_max_rows is None:
+            tune_products(target.linears())
     if args.plain_max_rows is not None:
         for lin in target.linears():
             lin.routes = untuned_routes(args.plain_max_rows)
@@ -117,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         by_context = []
         for context in contexts:
             cost = measure_verify_cost(target, ks, context=context, repeats=args.repeats, greedy=not args.sampling)
-            cost.update(machine=machine_info(), products="tuned" if args.plain_max_rows is None else
-                        f"untuned, MKL up to {args.plain_max_rows} rows")
+            routes = "tuned" if args.plain_max_rows is None else f"untuned: MKL up to {args.plain_max_rows} rows"
+            cost.update(machine=machine_info(),
+                        products=f"{'routes' if args.no_kernel else 'small-row kernel'}, {routes}")
             by_context.append(cost)
             print(f"verify cost at {cost['context']} context, {cost['dtype']}, {cost['threads']} threads, "
                   f"{'greedy' if cost['greedy'] else 'sampling'} steps")
@@ -144,11 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         table = {kernel: {rows: round(1000 * sum(t[(kernel == "mkl", rows)] for t in timed.values()), 2)
                           for rows in range(1, (MKL_ROWS if kernel == "mkl" else PLANNED_ROWS) + 1)}
                  for kernel in ("mkl", "onednn")}
+        if KERNEL_ROWS and not args.no_kernel and all(lin.kernel_rows for lin in layers):
+            table["kernel"] = {rows: round(1000 * ms, 2) for rows, ms in time_kernel(layers, args.repeats).items()}
         result["products_ms"] = table
-        print(f"{'rows':>6} {'MKL ms':>9} {'oneDNN ms':>10}  (a step's products, every layer's weights from memory)")
+        print(f"{'rows':>6} {'MKL ms':>9} {'oneDNN ms':>10} {'kernel ms':>10}  (a step's products, every layer's "
+              "weights from memory)")
         for rows in range(1, PLANNED_ROWS + 1):
-            mkl = table["mkl"].get(rows)
-            print(f"{rows:>6} {'-' if mkl is None else f'{mkl:.1f}':>9} {table['onednn'][rows]:>10.1f}")
+            cells = [table[k].get(rows) for k in ("mkl", "onednn", "kernel") if k in table]
+            print(f"{rows:>6} " + " ".join(f"{'-' if c is None else f'{c:.1f}':>{w}}"
+                                           for c, w in zip(cells, (9, 10, 10))))
     if prefills:
         result["prefill"] = [measure_prefill(target, cached, new) for cached, new in prefills]  # 3 runs each
         print(f"{'cached':>7} {'new':>6} {'s':>8} {'ms/token':>9}")

@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
+from hybridspec.model.linear import KERNEL_ROWS
 from hybridspec.model.target import SUPPORTED_MODEL_TYPES, TargetModel
 from hybridspec.runtime.engine import Engine
 from hybridspec.tools.testing import TINY_ARCHITECTURES, chi_square_p_value, tiny_causal_lm, tiny_tokenizer
@@ -107,21 +108,36 @@ def test_moe_sampling_keeps_the_target_distribution(name, tree):
     assert chi_square_p_value([counts.get(c, 0) for c in expected], list(expected.values())) > 1e-3
 
 
-def test_moe_runs_only_the_chosen_experts():
-    """A decode step's MoE layers multiply the weights of the experts its tokens chose, no others."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "expert-by-expert"])
+def test_moe_runs_only_the_chosen_experts(kernel, monkeypatch):
+    """A decode step's MoE layers multiply the weights of the experts its tokens chose, no others: whether by the
+    small-row kernel (one call for all chosen experts) or expert by expert; the other experts' weights set to NaN
+    change nothing."""
+    from hybridspec.model import layers
+
+    if kernel and not KERNEL_ROWS:
+        pytest.skip("the small-row product kernel needs an AVX-512 CPU")
+    monkeypatch.setattr(layers, "EXPERT_KERNEL_PAIRS", 64 if kernel else 0)
     target = TargetModel(tiny_causal_lm("qwen3_moe"))
     moe, used = target.layers[0].mlp, []
 
     def counted(expert: int, product):
         return lambda x: (used.append(expert), product(x))[1]
 
+    real = layers.chosen_expert_products
+    monkeypatch.setattr(layers, "chosen_expert_products", lambda x, weight, bias, experts, *rest: (
+        used.extend(experts.tolist()) if weight is moe.stacked[0] else None, real(x, weight, bias, experts, *rest))[1])
     moe.experts = [(counted(e, gate_up), down) for e, (gate_up, down) in enumerate(moe.experts)]
     cache = target.new_cache(1, 64)
     target.prefill(cache, [[5, 6, 7]])
     assert len(set(used)) > moe.top_k  # three prompt tokens chose more than one token's experts
     used.clear()
-    target.step(cache, [9])
+    logits = target.step(cache, [9]).logits
     assert len(used) == moe.top_k and len(set(used)) == moe.top_k
+    with torch.no_grad():
+        for weight in moe.stacked[0], moe.stacked[2]:
+            weight[[e for e in range(len(moe.experts)) if e not in used]] = float("nan")
+    assert torch.equal(target.step(cache, [9]).logits, logits)
 
 
 def test_an_unsupported_architecture_names_the_supported_ones():

@@ -141,9 +141,10 @@ def test_a_drafters_prompt_runs_in_its_steps_passes(target_model, speculate, con
     assert len(given) == 3 and len(given[0]) == min(context, len(prompt) - 1)
     for features in given[1:]:
         assert len(features) == len(given[0])
-        # float32 sums in another order (chunks of other widths) over 30 layers: equal but for rounding
-        torch.testing.assert_close(features.aux, given[0].aux, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(features.final, given[0].final, atol=1e-4, rtol=1e-4)
+        # float32 sums in another order (chunks of other widths, by oneDNN's product past eight rows and the small-row
+        # kernel below) over 30 layers: equal but for rounding
+        torch.testing.assert_close(features.aux, given[0].aux, atol=5e-4, rtol=1e-4)
+        torch.testing.assert_close(features.final, given[0].final, atol=5e-4, rtol=1e-4)
     assert len(apart_passes) - len(fused_passes) == 1
     # the running call began with the same tokens: those positions whose features the drafter does not read are
     # copied from it (in-flight prefix sharing); the rest, 39 prompt tokens at most, run in chunks of 5, the last

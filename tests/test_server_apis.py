@@ -237,7 +237,8 @@ def test_logprobs_are_the_targets_whatever_was_drafted(engine, oai, server):
                                       **GREEDY)
     content = out.choices[0].logprobs.content
     assert len(content) == len(plain.token_ids) and all(len(c.top_logprobs) == 3 for c in content)
-    assert [round(c.logprob, 4) for c in content] == [round(lp.logprob, 4) for lp in plain.logprobs]
+    # the same logprobs but for float32 rounding (this call's prompt partly from the prefix cache: other products)
+    assert all(abs(c.logprob - lp.logprob) < 1e-4 for c, lp in zip(content, plain.logprobs))
     streamed = [c for chunk in oai.chat.completions.create(model=MODEL, messages=prompt, max_tokens=16,
                                                            logprobs=True, stream=True, **GREEDY)
                 for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]

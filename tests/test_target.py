@@ -11,6 +11,7 @@ import torch
 from bench_verify_cost import measure_calls_step, measure_prefill
 from hybridspec.model.calibration import measure_verify_cost
 from hybridspec.model.kv_cache import tree_depths_and_mask
+from hybridspec.model.linear import KERNEL_ROWS
 from hybridspec.speculators import default_aux_layer_ids
 from hybridspec.model.inputs import StepInput
 from hybridspec.model.target import TargetModel
@@ -324,6 +325,53 @@ def test_linear_products_in_a_compute_dtype(rows):
     torch.testing.assert_close(Linear(w).plus(x, residual), residual + x @ w.T, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not KERNEL_ROWS, reason="the small-row product kernel needs an AVX-512 CPU")
+@pytest.mark.parametrize("shape", [(96, 64), (1003, 1000), (5, 17)])
+def test_small_row_products_are_right_and_each_row_alone(shape, monkeypatch):
+    """A float32 product of 1 to 8 rows runs the kernel: F.linear's result (with a bias, with `plus`'s residual, from a
+    strided input, for sizes that are no multiple of its blocks), and each output row bitwise the same as that row's
+    product alone, whatever the row count: a token's logits do not depend on the draft it is verified with. Past
+    eight rows, oneDNN's product."""
+    from hybridspec.model import linear
+    from hybridspec.model.linear import Linear
+
+    F = torch.nn.functional
+    torch.manual_seed(shape[0])
+    w, b = torch.randn(shape), torch.randn(shape[0])
+    lin, plain = Linear(w, b), Linear(w)
+    assert lin.kernel_rows == KERNEL_ROWS == 8
+    x = torch.randn(KERNEL_ROWS + 1, 2 * shape[1])[:, ::2]  # every other column: not contiguous
+    residual = torch.randn(KERNEL_ROWS + 1, shape[0])
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(KERNEL_ROWS)])
+    for rows in range(1, KERNEL_ROWS + 1):
+        y = lin(x[:rows])
+        torch.testing.assert_close(y, F.linear(x[:rows], w, b), atol=1e-4, rtol=1e-4)
+        assert torch.equal(y, alone[:rows])
+        torch.testing.assert_close(plain.plus(x[:rows], residual[:rows]), residual[:rows] + x[:rows] @ w.T,
+                                   atol=1e-4, rtol=1e-4)
+    calls, real = [], linear._products.small_product
+    monkeypatch.setattr(linear._products, "small_product", lambda *a: calls.append(a[-2]) or real(*a))
+    lin(x[:3].reshape(1, 3, -1)), lin(x)
+    assert calls == [3]  # nine rows ran oneDNN's product
+    assert Linear(w, compute_dtype=torch.bfloat16).kernel_rows == 0  # float32 only
+
+
+@pytest.mark.skipif(not KERNEL_ROWS, reason="the small-row product kernel needs an AVX-512 CPU")
+def test_a_verified_draft_has_bitwise_the_logits_of_plain_steps(target):
+    """With the small-row products and the step attention kernel, every input of a pass is computed alone: the logits
+    at a chain's tokens are bitwise those of decoding the same tokens one plain step at a time, so greedy speculation
+    picks exactly plain decoding's tokens even in a near-tie."""
+    tokens = [5, 17, 33, 9, 60, 61, 62, 100]
+    cache = target.new_cache(1, 64)
+    target.prefill(cache, [tokens[:4]])
+    chain = target.step(cache, [tokens[4]], [tokens[5:]]).logits[0]
+    plain = []
+    for token in tokens[4:]:
+        plain.append(target.step(cache, [token]).logits[0, 0])
+        cache.commit(0, [0])
+    assert torch.equal(chain, torch.stack(plain))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_follows_its_routes(bias, monkeypatch):
     """A packed float32 Linear multiplies n rows as routes[n] says: MKL's product (F.linear on its plain weight) or
@@ -338,6 +386,7 @@ def test_linear_follows_its_routes(bias, monkeypatch):
     lin = Linear(w, b)
     if lin.packed is None:
         pytest.skip("oneDNN is not available in this torch build")
+    lin.kernel_rows = 0  # as on a CPU without the small-row kernel (its own test below)
     calls, onednn = [], torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(linear, "F", type("Spy", (), {"linear": lambda *a: calls.append(("mkl", a[0].shape[0]))
                                                       or F.linear(*a), "pad": F.pad}))
@@ -384,7 +433,8 @@ def test_plan_routes_takes_the_fastest_route_and_pads_only_for_a_clear_gain():
 
 def test_tune_products_measures_once_per_machine_and_keeps_the_plan(tmp_path, monkeypatch):
     """The first tuning measures and stores the routes in the user cache; a second (another model with the same
-    products, a later process) reads them back; remeasure=True measures again."""
+    products, a later process) reads them back; remeasure=True measures again. Products the small-row kernel runs
+    are not measured."""
     from hybridspec.model import linear
     from hybridspec.model.linear import Linear, tune_products
 
@@ -401,11 +451,16 @@ def test_tune_products_measures_once_per_machine_and_keeps_the_plan(tmp_path, mo
     layers = [Linear(torch.randn(32, 16)) for _ in range(3)] + [Linear(torch.randn(16, 32))]
     if layers[0].packed is None:
         pytest.skip("oneDNN is not available in this torch build")
+    kernel = layers[0].kernel_rows
+    assert tune_products(layers) == {} or not kernel  # the small-row kernel's products need no plan
+    for lin in layers:
+        lin.kernel_rows = 0  # as on a CPU without the kernel
     plans = tune_products(layers)
     assert measured == [4] and set(plans) == {layers[0].family, layers[3].family}
     assert all(lin.routes == tuple(map(tuple, plans[lin.family])) for lin in layers)
     assert list(tmp_path.glob("product_plans_*.json"))
     again = [Linear(torch.randn(32, 16))]
+    again[0].kernel_rows = 0
     tune_products(again)
     assert measured == [4] and again[0].routes == layers[0].routes
     tune_products(again, remeasure=True)

@@ -10,7 +10,11 @@ import torch.nn.functional as F
 
 from hybridspec.model.attention import interleave_rotary_pairs
 from hybridspec.model.delta_net import GatedDeltaNet
-from hybridspec.model.linear import Linear
+from hybridspec.model.linear import KERNEL_ROWS, Linear, _products
+
+# the most (token, expert) pairs a mixture of experts multiplies by the small-row kernel in one call per product
+# (a few tokens' steps); more (a prompt chunk) go expert by expert, each expert's rows by oneDNN's product
+EXPERT_KERNEL_PAIRS = 64
 
 
 def layer_window(config, layer_id: int) -> int | None:
@@ -75,25 +79,33 @@ class _MixtureOfExperts:
     gpt-oss: the top_k logits (the router has a bias), then their softmax; experts with biases and a clamped SwiGLU
     (alpha, limit) whose gate and up rows are interleaved in the checkpoint."""
 
-    __slots__ = ("router", "experts", "top_k", "renormalise", "softmax_first", "clamp", "shared", "shared_gate")
+    __slots__ = ("router", "experts", "top_k", "renormalise", "softmax_first", "clamp", "shared", "shared_gate",
+                 "stacked", "kernel")
 
     def __init__(self, block, config, pack: bool):
         experts = block.experts
         if hasattr(block, "router"):  # gpt-oss: weights stored [in, out], gate and up interleaved
             self.router = Linear(block.router.weight, block.router.bias, pack=pack)
             pairs = lambda w: torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1)  # noqa: E731
-            self.experts = [(Linear(pairs(experts.gate_up_proj[e]).t().contiguous(),
-                                    pairs(experts.gate_up_proj_bias[e]), pack=pack),
-                             Linear(experts.down_proj[e].t().contiguous(), experts.down_proj_bias[e], pack=pack))
-                            for e in range(experts.num_experts)]
+            gate_up, gate_up_bias = pairs(experts.gate_up_proj).transpose(1, 2), pairs(experts.gate_up_proj_bias)
+            down, down_bias = experts.down_proj.transpose(1, 2), experts.down_proj_bias
             self.softmax_first, self.renormalise = False, False
             self.clamp = (float(experts.alpha), float(experts.limit))
         else:
             self.router = Linear(block.gate.weight, pack=pack)
-            self.experts = [(Linear(experts.gate_up_proj[e], pack=pack), Linear(experts.down_proj[e], pack=pack))
-                            for e in range(experts.num_experts)]
+            gate_up, gate_up_bias, down, down_bias = experts.gate_up_proj, None, experts.down_proj, None
             self.softmax_first, self.renormalise = True, bool(getattr(config, "norm_topk_prob", True))
             self.clamp = None
+        # every expert's weights in one tensor [experts, out, in] (and biases [experts, out]), each expert's Linear a
+        # view of it: the small-row kernel multiplies a few tokens' chosen experts in one call
+        gate_up, down = gate_up.contiguous(), down.contiguous()
+        gate_up_bias = None if gate_up_bias is None else gate_up_bias.contiguous()
+        down_bias = None if down_bias is None else down_bias.contiguous()
+        self.stacked = (gate_up, gate_up_bias, down, down_bias)
+        self.kernel = bool(KERNEL_ROWS) and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu"
+        self.experts = [(Linear(gate_up[e], None if gate_up_bias is None else gate_up_bias[e], pack=pack),
+                         Linear(down[e], None if down_bias is None else down_bias[e], pack=pack))
+                        for e in range(gate_up.shape[0])]
         self.top_k = int(config.num_experts_per_tok)
         # Qwen3.5's shared expert, on every token, its output scaled by sigmoid(shared_gate(x))
         self.shared = self.shared_gate = None
@@ -124,18 +136,44 @@ class _MixtureOfExperts:
             weights = torch.softmax(top, dim=-1)
         weights = weights.to(x.dtype).reshape(-1)
         order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, k) pairs grouped by expert
-        counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts)).tolist()
-        out, begin = torch.zeros_like(x), 0
-        for expert, count in enumerate(counts):
-            if count:
-                pairs = order[begin:begin + count]
-                begin += count
-                rows = pairs // self.top_k
-                gate_up, down = self.experts[expert]
-                out.index_add_(0, rows, down(self._activation(gate_up(x[rows]))) * weights[pairs, None])
+        counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts))
+        rows = order // self.top_k
+        if self.kernel and len(order) <= EXPERT_KERNEL_PAIRS and x.dtype == torch.float32:
+            products = self._chosen_experts(x[rows], counts)
+        else:  # many tokens (a prompt chunk): each expert's rows by its own Linear, oneDNN's product
+            products, begin = x.new_empty(len(order), x.shape[-1]), 0
+            for expert, count in enumerate(counts.tolist()):
+                if count:
+                    gate_up, down = self.experts[expert]
+                    products[begin:begin + count] = down(self._activation(gate_up(x[rows[begin:begin + count]])))
+                    begin += count
+        # each token's experts summed in expert order, as transformers does
+        out = torch.zeros_like(x).index_add_(0, rows, products * weights[order, None])
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return residual + out
+
+    def _chosen_experts(self, gathered: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """down(act(gate_up(rows))) of the gathered token rows, grouped by expert (`counts` a row each): one kernel
+        call for every chosen expert's gate_up, one for their down."""
+        experts = counts.nonzero().reshape(-1)
+        counts = counts[experts]
+        starts = torch.cumsum(counts, 0) - counts
+        gate_up, gate_up_bias, down, down_bias = self.stacked
+        hidden = chosen_expert_products(gathered, gate_up, gate_up_bias, experts, starts, counts)
+        return chosen_expert_products(self._activation(hidden), down, down_bias, experts, starts, counts)
+
+
+def chosen_expert_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor,
+                           starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows [starts[s], starts[s] + counts[s]) of x [rows, in] by expert experts[s]'s weight (weight [experts, out,
+    in], bias [experts, out]), by the small-row kernel: only the chosen experts' weights are read."""
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], weight.shape[1])
+    _products.expert_products(x.data_ptr(), x.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                              weight.shape[1], weight.shape[2], experts.data_ptr(), starts.data_ptr(),
+                              counts.data_ptr(), len(experts), y.data_ptr(), y.stride(0), torch.get_num_threads())
+    return y
 
 
 def _cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,7 +1,8 @@
-"""Linear layers for small-batch inference on a CPU. A product of n rows runs the kernel and the row count that this
-machine multiplies fastest, measured once per machine (`tune_products`): MKL's product on the plain weight or oneDNN's
-on a weight packed once, the input padded with zero rows where a few more rows run faster than n. `pack_linears`
-swaps them into any module (the drafters)."""
+"""Linear layers for small-batch inference on a CPU. A float32 product of up to eight rows runs this package's kernel
+(`product_kernel.h`: it streams the weight at the memory's speed, each output computed alone, so bitwise the same for
+any row count); any other runs the kernel and the row count that this machine multiplies fastest, measured once per
+machine (`tune_products`): MKL's product on the plain weight or oneDNN's on a weight packed once, the input padded
+with zero rows where a few more rows run faster than n. `pack_linears` swaps them into any module (the drafters)."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from hybridspec.model.machine import work_clock
+
+try:  # the small-row product kernel (built with the package; AVX-512 CPUs)
+    from hybridspec.model import _products
+except ImportError:  # pragma: no cover - a build without it: oneDNN's and MKL's products throughout
+    _products = None
+# the most rows a float32 product runs by the kernel (a step's 1 + draft tokens; a longer prompt chunk runs oneDNN's)
+KERNEL_ROWS = _products.MAX_ROWS if _products is not None and _products.supported() else 0
 
 PLANNED_ROWS = 8   # row counts a plan covers; more rows run oneDNN's product as they are
 MKL_ROWS = 4       # row counts MKL's product is timed at (it repacks the weight on every call above a few rows)
@@ -46,19 +54,21 @@ def untuned_routes(plain_max_rows: int = 3) -> tuple[Route, ...]:
 
 
 class Linear:
-    """y = x @ weight.T (+ bias), the product of n rows by `routes[n]`: MKL's (F.linear on the plain weight) or
-    oneDNN's (on the weight packed once), on n rows or on n padded with zero rows to a count that runs faster.
+    """y = x @ weight.T (+ bias): float32 on a CPU with AVX-512, up to `kernel_rows` rows by the small-row kernel;
+    otherwise the product of n rows by `routes[n]`: MKL's (F.linear on the plain weight) or oneDNN's (on the weight
+    packed once), on n rows or on n padded with zero rows to a count that runs faster.
 
     Why: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix, and a decode step is
     bound by reading those weights. Which kernel streams a weight fastest for a few rows depends on the CPU, and so does
     the blocking oneDNN picks per row count: on an Intel Xeon MKL won up to three rows; on an AMD EPYC (Zen 4) oneDNN
     wins at every count and reads weights faster for four to six rows than for one or two (`python
-    benchmarks/bench_verify_cost.py --products` times both by row count). `tune_products` measures it; until then the
-    routes are `untuned_routes()`. A float32 weight is kept in both layouts (the packed copy is as large as the
-    weight); without oneDNN it is F.linear.
+    benchmarks/bench_verify_cost.py --products` times them and the kernel by row count), and the kernel streams it
+    faster than either at every count to eight. `tune_products` measures the routes; until then they are
+    `untuned_routes()`. A float32 weight is kept in both layouts (the packed copy, as large as the weight, runs prompt
+    chunks); without oneDNN it is F.linear.
     """
 
-    __slots__ = ("weight", "bias", "packed", "compute_dtype", "routes", "shape", "dtype")
+    __slots__ = ("weight", "bias", "packed", "compute_dtype", "routes", "shape", "dtype", "kernel_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  compute_dtype: torch.dtype | None = None):
@@ -73,6 +83,10 @@ class Linear:
         # the plain weight stays for MKL's few-row products, except in bfloat16 (torch repacks it for every call)
         self.weight = weight if self.packed is None or weight.dtype == torch.float32 else None
         self.routes: tuple[Route, ...] = untuned_routes()
+        # products of up to kernel_rows rows run by the kernel: a float32 weight on a CPU that has it
+        self.kernel_rows = KERNEL_ROWS if weight.dtype == torch.float32 and weight.device.type == "cpu" else 0
+        if self.kernel_rows:
+            self.weight, self.bias = weight.contiguous(), None if bias is None else bias.contiguous()
 
     @property
     def family(self) -> str:
@@ -98,8 +112,23 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), self.packed, self.bias, "add")
 
+    def _kernel_product(self, x: torch.Tensor, rows: int, residual: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(rows, x.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        out = flat.new_empty(rows, self.shape[0])
+        if residual is not None:
+            residual = residual.reshape(rows, self.shape[0]).contiguous()
+        _products.small_product(flat.data_ptr(), flat.stride(0), self.weight.data_ptr(), self.shape[0],
+                                self.shape[1], 0 if self.bias is None else self.bias.data_ptr(),
+                                0 if residual is None else residual.data_ptr(), out.data_ptr(), self.shape[0], rows,
+                                torch.get_num_threads())
+        return out.view(*x.shape[:-1], self.shape[0])
+
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if 0 < rows <= self.kernel_rows and x.dtype == torch.float32:
+            return self._kernel_product(x, rows, residual)
         plain, padded = self._route(rows)
         flat = x.reshape(rows, x.shape[-1])
         flat_residual = None if residual is None else residual.reshape(rows, residual.shape[-1])
@@ -170,7 +199,7 @@ def tune_products(linears: Iterable[Linear], *, repeats: int = 2, remeasure: boo
     from hybridspec.model.loading import first_run
     from hybridspec.model.machine import keep_measured, measured_here
 
-    linears = [lin for lin in linears if lin.packed is not None]
+    linears = [lin for lin in linears if lin.packed is not None and not lin.kernel_rows]  # the kernel needs no plan
     if not linears:
         return {}
     known = measured_here(PLANS_FILE)

@@ -1,0 +1,39 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The small-row product kernel of linear layers on a CPU (`product_kernel.h`), on raw pointers of tensors the caller
+checked (`hybridspec.model.linear`): a thin layer, the GIL released while it runs."""
+from libc.stdint cimport int64_t, uintptr_t
+
+
+cdef extern from "product_kernel.h" nogil:
+    int hs_small_product(const float *x, long x_stride, const float *w, int n, int k, const float *bias,
+                         const float *residual, float *y, long y_stride, int rows, int threads)
+    void hs_expert_products(const float *x, long x_stride, const float *w, const float *bias, int n, int k,
+                            const int64_t *experts, const int64_t *starts, const int64_t *counts, int segments,
+                            float *y, long y_stride, int threads)
+    int HS_PRODUCT_MAX_ROWS
+    int hs_product_supported()
+
+MAX_ROWS = HS_PRODUCT_MAX_ROWS
+
+
+def supported() -> bool:
+    """Whether this CPU runs the kernel (AVX-512F)."""
+    return bool(hs_product_supported())
+
+
+def small_product(uintptr_t x, long x_stride, uintptr_t w, int n, int k, uintptr_t bias, uintptr_t residual,
+                  uintptr_t y, long y_stride, int rows, int threads) -> None:
+    """y [rows, n] = x [rows, k] @ w [n, k].T (+ bias where nonzero) (+ residual [rows, n] where nonzero)."""
+    with nogil:
+        hs_small_product(<const float *>x, x_stride, <const float *>w, n, k, <const float *>bias,
+                         <const float *>residual, <float *>y, y_stride, rows, threads)
+
+
+def expert_products(uintptr_t x, long x_stride, uintptr_t w, uintptr_t bias, int n, int k, uintptr_t experts,
+                    uintptr_t starts, uintptr_t counts, int segments, uintptr_t y, long y_stride,
+                    int threads) -> None:
+    """Segment s: y rows [starts[s], + counts[s]) = the same rows of x @ (w [E, n, k])[experts[s]].T (+ its bias)."""
+    with nogil:
+        hs_expert_products(<const float *>x, x_stride, <const float *>w, <const float *>bias, n, k,
+                           <const int64_t *>experts, <const int64_t *>starts, <const int64_t *>counts, segments,
+                           <float *>y, y_stride, threads)
