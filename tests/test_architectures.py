@@ -9,6 +9,7 @@ chains and trees, n-gram) changes no token, one call at a time and batched; chun
 change none; sampling keeps the target's distribution (chi-square, on the MoEs)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -28,10 +29,19 @@ ARCHITECTURES = [a for a in TINY_ARCHITECTURES if a != "llama"]  # Llama: tests/
 WINDOW = 12  # short: the tests' prompts and replies run well past it
 
 
+def small_ring(target: TargetModel) -> TargetModel:
+    """The target with sliding-window rings of the window and 3 inputs (not a prompt chunk's): the tests' sequences
+    wrap each ring many times, and their passes of more inputs grow it."""
+    if target.ring is not None:
+        target.ring = dataclasses.replace(target.ring, slack=3)
+    return target
+
+
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def arch(request):
     model = tiny_causal_lm(request.param, window=WINDOW)
-    engine = Engine(TargetModel(model), tiny_tokenizer(128), router=lambda proposals, contexts: list(proposals))
+    engine = Engine(small_ring(TargetModel(model)), tiny_tokenizer(128),
+                    router=lambda proposals, contexts: list(proposals))
     return request.param, model, engine
 
 
@@ -75,7 +85,7 @@ def test_chunked_prefill_and_prefix_hits_change_no_token(arch):
     """Prompts prefilled 5 tokens a step beside other calls, and calls that begin with an earlier call's prompt and
     reply (prefix-cache hits past the window), give the tokens of each call alone."""
     name, model, engine = arch
-    chunked = Engine(TargetModel(model), tiny_tokenizer(128), prefill_chunk=5)
+    chunked = Engine(small_ring(TargetModel(model)), tiny_tokenizer(128), prefill_chunk=5)
     rng = random.Random(5)
     prompts = long_prompts(3, seed=9)
     want = [engine.generate(p, max_new_tokens=20, speculate="none").token_ids for p in prompts]
@@ -138,6 +148,47 @@ def test_moe_runs_only_the_chosen_experts(kernel, monkeypatch):
         for weight in moe.stacked[0], moe.stacked[2]:
             weight[[e for e in range(len(moe.experts)) if e not in used]] = float("nan")
     assert torch.equal(target.step(cache, [9]).logits, logits)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "mistral_window"])
+def test_a_sliding_window_layer_keeps_only_its_window(name):
+    """A sliding-window layer's keys and values live in a ring of the window and one pass's inputs, whatever the
+    sequence's length; only the other attention layers' grow with it. Admission counts the ring per row. A ring goes
+    back (truncate, a prefix copy) only as far as it still holds the window, and says so otherwise."""
+    from hybridspec.model.kv_cache import RingShape
+
+    target = small_ring(TargetModel(tiny_causal_lm(name, window=WINDOW)))
+    windowed = sum(layer.window is not None for layer in target.layers)
+    assert target.ring == RingShape(windowed, WINDOW, 3) and windowed > 0
+    assert target.num_kv_layers == len(target.layers) - windowed  # gpt-oss: every other layer; Mistral: none
+    ring_bytes = 2 * windowed * target.num_kv_heads * (WINDOW - 1 + 3) * target.head_dim * 4
+    assert target.state_bytes_per_row == ring_bytes
+    cache = target.new_cache(1, 256)
+    tokens = [random.Random(1).randrange(3, 128) for _ in range(4 * WINDOW)]
+    target.prefill(cache, [tokens], chunk_size=2)  # passes of two inputs: the ring keeps its size
+    assert cache.ring_keys.shape[3] == WINDOW - 1 + 3 and cache.nbytes == ring_bytes + 2 * cache.keys.nbytes
+    assert cache.keys.shape[0] == target.num_kv_layers and cache.keys.shape[3] >= len(tokens)
+    reference = tiny_causal_lm(name, window=WINDOW)
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens + [5]])).logits[0, -2:]  # at the last token, then at 5 after it
+    torch.testing.assert_close(target.step(cache, [5]).logits[0, 0], want[1], atol=1e-4, rtol=1e-4)
+    # back by one step's scratch: held; back past the ring: refused, nothing changed
+    assert cache.usable_prefix(0, len(tokens) - 1) == len(tokens) - 1
+    assert cache.usable_prefix(0, len(tokens) - 8) == 0
+    with pytest.raises(ValueError, match="sliding-window ring no longer holds"):
+        cache.truncate(0, len(tokens) - 8)
+    with pytest.raises(ValueError, match="cannot copy"):
+        target.new_cache(1, 256).copy_prefix(0, cache, 0, len(tokens) - 8)
+    assert cache.lengths == [len(tokens)]
+    copy = target.new_cache(1, 256)
+    copy.copy_prefix(0, cache, 0, len(tokens) - 1)  # the window before it, into a ring of its own
+    cache.truncate(0, len(tokens) - 1)
+    for c in (cache, copy):
+        torch.testing.assert_close(target.step(c, [tokens[-1]]).logits[0, 0], want[0], atol=1e-4, rtol=1e-4)
+    # a pass of more inputs than the slack grows the ring, keeping what it holds
+    drafted = target.step(cache, [tokens[-1]], [[5, 6, 7, 8, 9, 10, 11, 12]]).logits[0, :2]
+    assert cache.ring_keys.shape[3] >= WINDOW - 1 + 9
+    torch.testing.assert_close(drafted, want, atol=1e-4, rtol=1e-4)
 
 
 def test_an_unsupported_architecture_names_the_supported_ones():

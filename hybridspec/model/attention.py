@@ -137,6 +137,7 @@ class AttentionPlan:
     # The step kernel's inputs (`hybridspec.model._attention`) where it runs instead of `mask`: per row the keys every
     # input sees ([b] int64), which of the step's own keys each input sees ([b, q, q] uint8), a scratch for the scores
     kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    ring: bool = False  # a sliding-window layer's: its keys and values in the cache's ring (`plan_ring`)
 
 
 @dataclass
@@ -198,21 +199,27 @@ class Attention:
         return AttentionPlan(cache, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None,
                              causal_chunk, causal_rows)
 
-    def plan_window(self, plan: AttentionPlan, depths: torch.Tensor, tree_mask: torch.Tensor,
-                    window: int) -> AttentionPlan | None:
-        """The plan of `plan`'s inputs in a layer whose attention sees only the last `window` positions (itself
-        included), by position (a tree node's is its row's length plus its depth); None where no input is that far
-        from any key it sees, so the full plan holds."""
-        lengths = torch.tensor(plan.cache.lengths, dtype=torch.long, device=self.device)
-        positions = lengths[:, None] + depths  # [b, q]
-        if int(positions.max()) < window:
-            return None
-        bsz = depths.shape[0]
-        key_positions = torch.arange(plan.kv_len, device=self.device).repeat(bsz, 1)
-        key_positions.scatter_(1, plan.slots, positions)
-        mask = self._visible(lengths, plan.slots, tree_mask, plan.kv_len)
-        mask &= key_positions[:, None, :] > positions[:, :, None] - window
-        return AttentionPlan(plan.cache, plan.kv_len, self._fold(mask), plan.slots, plan.start, False)
+    def plan_ring(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, window: int) -> AttentionPlan:
+        """The plan of one cache's rows in a sliding-window layer, whose keys and values are in the cache's ring
+        (`RingShape`): each input goes to the slot of its place among the pass's inputs past its row's length, and
+        sees, by position (a tree node's is its row's length plus its depth), the committed keys of the last `window`
+        positions (itself included) and those of its own tree block within them. Attends under a mask over the ring's
+        slots: attention does not depend on the order of its keys (they were rotated before they were stored)."""
+        bsz, q = depths.shape
+        cache.reserve_inputs(q)
+        size = cache.ring_size
+        lengths = torch.tensor(cache.lengths, dtype=torch.long, device=self.device)[:, None]
+        positions = lengths + depths  # [b, q]
+        slots = (lengths + torch.arange(q, device=self.device)) % size  # [b, q]: where each input's key goes
+        # the committed position each slot holds (the last p < length with p % size == slot; negative: none yet)
+        held = lengths - 1 - (lengths - 1 - torch.arange(size, device=self.device)) % size  # [b, size]
+        mask = (held[:, None, :] >= 0) & (held[:, None, :] > positions[:, :, None] - window)  # [b, q, size]
+        own = tree_mask & (positions[:, None, :] > positions[:, :, None] - window)  # [b, q, q]: own keys it sees
+        rows = torch.arange(bsz, device=self.device)[:, None, None]
+        mask[rows, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = own
+        for row, length in enumerate(cache.lengths):
+            cache.note_ring_writes(row, length + q)
+        return AttentionPlan(cache, size, self._fold(mask), slots, None, False, ring=True)
 
     def _visible(self, lengths: torch.Tensor, slots: torch.Tensor, tree_mask: torch.Tensor,
                  kv_len: int) -> torch.Tensor:
@@ -282,7 +289,9 @@ class Attention:
                value: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write one cache's new keys and values ([b, kv_heads, q, D]) at their slots, and attend over the cache
         (with the layer's attention sinks [heads], `with_sinks`, where it has them)."""
-        keys, values = plan.cache.keys[layer_id], plan.cache.values[layer_id]
+        keys, values = (plan.cache.ring_keys, plan.cache.ring_values) if plan.ring else \
+            (plan.cache.keys, plan.cache.values)
+        keys, values = keys[layer_id], values[layer_id]
         q = key.shape[2]
         if plan.start is not None:
             keys[:, :, plan.start:plan.start + q] = key

@@ -1,6 +1,6 @@
-"""The target model's KV cache: B rows in one preallocated tensor, each with its own length, and the recurrent state
-of linear-attention layers where the model has them; and the attention mask of a step's [last token] + draft nodes
-(chains and trees alike)."""
+"""The target model's KV cache: B rows in one preallocated tensor, each with its own length; the keys and values of
+sliding-window layers in a ring of their window's size, and the recurrent state of linear-attention layers where the
+model has them; and the attention mask of a step's [last token] + draft nodes (chains and trees alike)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,6 +28,21 @@ class RecurrentShape:
                               + self.heads * self.key_dim * self.value_dim * 4)
 
 
+@dataclass(frozen=True)
+class RingShape:
+    """The sliding-window layers of a model, whose keys and values a cache keeps in a ring: position p in slot
+    p % size, size = window - 1 + slack, where slack is the most inputs a pass writes (the ring grows to fit a pass
+    with more: `KVCache.reserve_inputs`). window: the largest of the layers' windows."""
+
+    layers: int
+    window: int
+    slack: int = 64
+
+    def bytes_per_row(self, kv_heads: int, head_dim: int, dtype: torch.dtype, slack: int | None = None) -> int:
+        size = self.window - 1 + (self.slack if slack is None else slack)
+        return 2 * self.layers * kv_heads * size * head_dim * dtype.itemsize
+
+
 @dataclass
 class PendingNodes:
     """What a pass computed at each row's step inputs (nodes) of the linear-attention layers, all layers stacked:
@@ -53,29 +68,39 @@ def delta_update(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, de
 
 class KVCache:
     """Keys and values of B sequences: [attention layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b]
-    tokens. With `recurrent`, each row also holds the state of the model's linear-attention layers after its tokens:
-    `conv` [layers, B, channels, conv_width] and `state` [layers, B, heads, key_dim, value_dim].
+    tokens. With `ring`, the sliding-window layers' keys and values are apart, in a ring of a window's size
+    (`RingShape`): `ring_keys` and `ring_values` [layers, B, kv_heads, ring size, head_dim], position p in slot
+    p % size; `ring_from[b]`: the oldest position row b's ring still holds. With `recurrent`, each row also holds the
+    state of the model's linear-attention layers after its tokens: `conv` [layers, B, channels, conv_width] and
+    `state` [layers, B, heads, key_dim, value_dim].
 
     Slots at or beyond a row's length are scratch: a step writes its input tokens there, and `commit` decides which of
-    them become part of the sequence. A recurrent state has no slots: a pass leaves what it computed at the step's
-    nodes in `pending` and `commit` replays the accepted path onto the state (a prompt's tokens, always kept, update
-    it during the pass). Such a cache cannot go back to a shorter length. The tensors are inference tensors: every
+    them become part of the sequence. A ring's scratch slots are those of its oldest positions past the window. A
+    recurrent state has no slots: a pass leaves what it computed at the step's nodes in `pending` and `commit` replays
+    the accepted path onto the state (a prompt's tokens, always kept, update it during the pass). Such a cache cannot
+    go back to a shorter length, nor a ring further back than it holds. The tensors are inference tensors: every
     method that writes them runs in inference mode.
     """
 
     @torch.inference_mode()
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", recurrent: RecurrentShape | None = None):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", recurrent: RecurrentShape | None = None,
+                 ring: RingShape | None = None):
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * batch_size
-        self.recurrent = recurrent
-        self.conv = self.state = None
+        self.recurrent, self.ring = recurrent, ring
+        self.conv = self.state = self.ring_keys = self.ring_values = None
         if recurrent is not None:
             r = recurrent
             self.conv = torch.zeros(r.layers, batch_size, r.channels, r.conv_width, dtype=r.dtype, device=device)
             self.state = torch.zeros(r.layers, batch_size, r.heads, r.key_dim, r.value_dim, device=device)
+        if ring is not None:
+            ring_shape = (ring.layers, batch_size, num_kv_heads, ring.window - 1 + ring.slack, head_dim)
+            self.ring_keys = torch.zeros(ring_shape, dtype=dtype, device=device)
+            self.ring_values = torch.zeros(ring_shape, dtype=dtype, device=device)
+        self.ring_from = [0] * batch_size
         self.pending: PendingNodes | None = None
 
     @property
@@ -87,9 +112,39 @@ class KVCache:
         return self.keys.shape[3]
 
     @property
+    def ring_size(self) -> int:
+        return 0 if self.ring is None else self.ring_keys.shape[3]
+
+    @property
     def nbytes(self) -> int:
         states = 0 if self.recurrent is None else self.conv.nbytes + self.state.nbytes
-        return self.keys.nbytes + self.values.nbytes + states
+        rings = 0 if self.ring is None else self.ring_keys.nbytes + self.ring_values.nbytes
+        return self.keys.nbytes + self.values.nbytes + states + rings
+
+    @torch.inference_mode()
+    def reserve_inputs(self, inputs: int) -> None:
+        """Grow the ring (if any) to take a pass of `inputs` inputs per row without overwriting a key in any of their
+        windows: size >= window - 1 + inputs (doubling the slack). The positions each row's ring holds move along."""
+        if self.ring is None or self.ring_size >= self.ring.window - 1 + inputs:
+            return
+        old_size = self.ring_size
+        size = self.ring.window - 1 + max(inputs, 2 * (old_size - self.ring.window + 1))
+        for name in ("ring_keys", "ring_values"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[:3] + (size,) + old.shape[4:])
+            for row, length in enumerate(self.lengths):
+                held = torch.arange(max(self.ring_from[row], length - old_size), length, device=old.device)
+                new[:, row, :, held % size] = old[:, row, :, held % old_size]
+            setattr(self, name, new)
+
+    def _ring_holds(self, row: int, length: int) -> bool:
+        """Whether row's ring holds the window before `length` (what the next token at `length` attends to)."""
+        return self.ring is None or max(0, length - self.ring.window + 1) >= self.ring_from[row]
+
+    def note_ring_writes(self, row: int, end: int) -> None:
+        """A pass wrote row's ring up to position end - 1: the positions a ring's size before are gone."""
+        if self.ring is not None:
+            self.ring_from[row] = max(self.ring_from[row], end - self.ring_size)
 
     @torch.inference_mode()
     def reserve(self, capacity: int, *, exact: bool = False) -> None:
@@ -121,6 +176,10 @@ class KVCache:
             # Advanced indexing on the right-hand side copies before the write, so overlapping slots are safe.
             self.keys[:, row, :, dst] = self.keys[:, row, :, src]
             self.values[:, row, :, dst] = self.values[:, row, :, src]
+            if self.ring is not None:
+                src, dst = src % self.ring_size, dst % self.ring_size
+                self.ring_keys[:, row, :, dst] = self.ring_keys[:, row, :, src]
+                self.ring_values[:, row, :, dst] = self.ring_values[:, row, :, src]
         self.lengths[row] = base + len(keep)
 
     @torch.inference_mode()
@@ -138,17 +197,22 @@ class KVCache:
         self.conv[:, row] = torch.cat([self.conv[:, row], p.inputs[:, row, keep].transpose(1, 2)], dim=-1)[..., -width:]
 
     def truncate(self, row: int, length: int) -> None:
-        """Drop a row's tokens beyond `length` (e.g. to re-run a prompt suffix; not in a recurrent cache)."""
-        if not 0 <= length <= self.lengths[row] or (self.recurrent is not None and length != self.lengths[row]):
-            raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}"
-                             + (" (a recurrent state cannot go back)" if self.recurrent is not None else ""))
+        """Drop a row's tokens beyond `length` (e.g. to re-run a prompt suffix; not in a recurrent cache, and in a
+        ring only as far back as it holds the window)."""
+        if not 0 <= length <= self.lengths[row] or (self.recurrent is not None and length != self.lengths[row]) \
+                or not self._ring_holds(row, length):
+            why = (" (a recurrent state cannot go back)" if self.recurrent is not None and length != self.lengths[row]
+                   else " (its sliding-window ring no longer holds that window)" if 0 <= length <= self.lengths[row]
+                   else "")
+            raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}{why}")
         self.lengths[row] = length
 
     @torch.inference_mode()
     def copy_prefix(self, row: int, source: "KVCache", source_row: int, length: int, start: int = 0) -> None:
         """Make this row the first `length` tokens of `source`'s row `source_row` (a prefix cache hit); with `start`,
         the row's first `start` tokens are those already and only the rest is copied."""
-        if length > min(source.lengths[source_row], self.capacity) or not 0 <= start <= min(length, self.lengths[row]):
+        if length > min(source.lengths[source_row], self.capacity) or not 0 <= start <= min(length, self.lengths[row]) \
+                or not source._ring_holds(source_row, length):
             raise ValueError(f"cannot copy tokens {start}..{length}: the source row holds "
                              f"{source.lengths[source_row]}, this row {self.lengths[row]} of {self.capacity}")
         if self.recurrent is not None:  # the state exists at the source's length only
@@ -158,14 +222,21 @@ class KVCache:
             self.state[:, row] = source.state[:, source_row]
         self.keys[:, row, :, start:length] = source.keys[:, source_row, :, start:length]
         self.values[:, row, :, start:length] = source.values[:, source_row, :, start:length]
+        if self.ring is not None:  # the window before `length`, from slots of the source's ring size to this one's
+            window = torch.arange(max(0, length - self.ring.window + 1), length, device=self.keys.device)
+            self.ring_keys[:, row, :, window % self.ring_size] = \
+                source.ring_keys[:, source_row, :, window % source.ring_size]
+            self.ring_values[:, row, :, window % self.ring_size] = \
+                source.ring_values[:, source_row, :, window % source.ring_size]
+            self.ring_from[row] = int(window[0]) if len(window) else 0
         self.lengths[row] = length
 
     def usable_prefix(self, row: int, length: int) -> int:
-        """How much of a `length`-token prefix match on `row` a copy can use: all of it, or with a recurrent state,
-        only the row's whole length (0 otherwise)."""
-        if self.recurrent is None:
-            return length
-        return length if length == self.lengths[row] else 0
+        """How much of a `length`-token prefix match on `row` a copy can use: all of it; with a recurrent state only
+        the row's whole length, with a ring only as far back as it holds the window (0 otherwise)."""
+        if self.recurrent is not None and length != self.lengths[row]:
+            return 0
+        return length if self._ring_holds(row, length) else 0
 
     @torch.inference_mode()
     def row(self, row: int) -> "KVCache":
@@ -173,7 +244,8 @@ class KVCache:
         length = self.lengths[row]
         shape = self.keys.shape
         copy = KVCache(shape[0], 1, shape[2], shape[4], max(length, 1), self.keys.dtype, self.keys.device,
-                       self.recurrent)
+                       self.recurrent, self.ring)
+        copy.reserve_inputs(self.ring_size - self.ring.window + 1 if self.ring is not None else 0)
         copy.copy_prefix(0, self, row, length)
         return copy
 
@@ -186,7 +258,11 @@ class KVCache:
         if self.recurrent is not None:
             self.conv, self.state = self.conv.index_select(1, index), self.state.index_select(1, index)
             self.pending = None
+        if self.ring is not None:
+            self.ring_keys = self.ring_keys.index_select(1, index)
+            self.ring_values = self.ring_values.index_select(1, index)
         self.lengths = [self.lengths[r] for r in rows]
+        self.ring_from = [self.ring_from[r] for r in rows]
 
 
 def tree_depths_and_mask(parents: Sequence[int]) -> tuple[list[int], torch.Tensor]:

@@ -35,12 +35,12 @@ from typing import Sequence
 
 import torch
 
-from hybridspec.model.attention import Attention, rotary_table, rotate
+from hybridspec.model.attention import STEP_KERNEL_MAX_QUERIES, Attention, rotary_table, rotate
 from hybridspec.model.delta_net import new_pending
 from hybridspec.model.head import GreedyHead
 from hybridspec.model.inputs import ForwardPart, StepInput, StepOutput
-from hybridspec.model.kv_cache import KVCache, tree_depths_and_mask
-from hybridspec.model.layers import ACTIVATIONS, DecoderLayer, is_gemma, norm_weight, rotary_dim
+from hybridspec.model.kv_cache import KVCache, RingShape, tree_depths_and_mask
+from hybridspec.model.layers import ACTIVATIONS, DecoderLayer, is_gemma, layer_window, norm_weight, rotary_dim
 from hybridspec.model.linear import Linear, fast_bf16, tune_products
 from hybridspec.speculators.features import default_aux_layer_ids
 
@@ -85,12 +85,18 @@ class TargetModel:
             self.embed = decoder.embed_tokens.weight
             # Gemma scales its embeddings by sqrt(hidden size), rounded to the weights' dtype as transformers does
             self.embed_scale = torch.tensor(self.hidden_size ** 0.5).to(self.dtype) if is_gemma(config) else None
-            # attention layers keep keys and values, Gated DeltaNet layers a state: each kind indexed on its own
-            kinds = [hasattr(layer, "linear_attn") for layer in decoder.layers]
+            # attention layers keep keys and values (sliding-window layers in a ring of their window), Gated DeltaNet
+            # layers a state: each kind indexed on its own
+            kinds = ["delta" if hasattr(layer, "linear_attn") else "window" if layer_window(config, i) else "full"
+                     for i, layer in enumerate(decoder.layers)]
             self.layers = [DecoderLayer(layer, config, i, pack_weights, self.num_heads, self.num_kv_heads,
                                         self.head_dim, kinds[:i].count(kind)) for i, (layer, kind)
                            in enumerate(zip(decoder.layers, kinds))]
-            self.num_kv_layers = kinds.count(False)
+            self.num_kv_layers = kinds.count("full")
+            windows = [layer.window for layer in self.layers if layer.window]
+            # a ring holds the window and one pass's inputs: a prompt chunk's, a step's and its draft's
+            self.ring = RingShape(len(windows), max(windows), MASKED_CHUNK + 1 + STEP_KERNEL_MAX_QUERIES) \
+                if windows else None
             deltas = [layer.delta for layer in self.layers if layer.delta is not None]
             self.recurrent = deltas[0].shape(len(deltas), self.dtype) if deltas else None
             self.final_norm = norm_weight(decoder.norm, config)
@@ -111,7 +117,8 @@ class TargetModel:
         # The longest prompt chunk a step with a draft tree runs in one pass: where the chunk attends causally apart
         # (`ForwardPart.causal_rows`) the mask spans the tree alone; elsewhere it spans the chunk too.
         self.tree_prompt_chunk = CAUSAL_CHUNK if self.attention.cpu_flash else MASKED_CHUNK
-        # Sliding windows: past them a layer attends under a mask (`Attention.plan_window`), so chunks stay short.
+        # Sliding windows: their layers attend under a mask over their ring (`Attention.plan_ring`), so chunks stay
+        # short
         self.windows = sorted({layer.window for layer in self.layers if layer.window})
         if self.windows:
             self.tree_prompt_chunk = MASKED_CHUNK
@@ -132,17 +139,20 @@ class TargetModel:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """The bytes of one token's keys and values, every attention layer."""
+        """The bytes of one token's keys and values, every attention layer without a sliding window."""
         return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def state_bytes_per_row(self) -> int:
-        """The bytes of a sequence's linear-attention state, whatever its length (0: the model has none)."""
-        return 0 if self.recurrent is None else self.recurrent.bytes_per_row
+        """The bytes a sequence holds whatever its length (0: none): its linear-attention state and its
+        sliding-window layers' ring."""
+        states = 0 if self.recurrent is None else self.recurrent.bytes_per_row
+        rings = 0 if self.ring is None else self.ring.bytes_per_row(self.num_kv_heads, self.head_dim, self.dtype)
+        return states + rings
 
     def new_cache(self, batch_size: int = 1, capacity: int = 1024) -> KVCache:
         return KVCache(self.num_kv_layers, batch_size, self.num_kv_heads, self.head_dim,
-                       min(capacity, self.max_seq_len), self.dtype, self.device, self.recurrent)
+                       min(capacity, self.max_seq_len), self.dtype, self.device, self.recurrent, self.ring)
 
     # ------------------------------------------------------------------------------------------------------------
     # forward
@@ -185,9 +195,9 @@ class TargetModel:
         apart = sorted(set(range(len(parts))) - {i for j in joined for i in j.parts})
 
         hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        # Where a layer's sliding window hides keys from some input, that layer attends by a plan of its own.
-        window_plans = {w: [self.attention.plan_window(plan, part.depths, part.tree_mask, w)
-                            for plan, part in zip(plans, parts)] for w in self.windows}
+        # sliding-window layers attend over their ring, by a plan per window
+        ring_plans = {w: [self.attention.plan_ring(part.cache, part.depths, part.tree_mask, w) for part in parts]
+                      for w in self.windows}
         x = self.embed[torch.cat([p.tokens.reshape(-1) for p in parts])]  # [T, H], every part's inputs packed
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -205,10 +215,9 @@ class TargetModel:
                 query_key = torch.cat([self._rms_norm(query_key[:, :hq], layer.q_norm),
                                        self._rms_norm(query_key[:, hq:], layer.k_norm)], dim=1)
             query_key = rotate(query_key, ropes[layer.rope_kind])
-            windowed = window_plans.get(layer.window)
-            if windowed is not None and any(w is not None for w in windowed):
-                layer_plans = [w or p for w, p in zip(windowed, plans)]
-                attn = self._attend(layer, layer_plans, [], range(len(parts)), parts, spans, query_key, qkv)
+            if layer.window:
+                attn = self._attend(layer, ring_plans[layer.window], [], range(len(parts)), parts, spans, query_key,
+                                    qkv)
             else:
                 attn = self._attend(layer, plans, joined, apart, parts, spans, query_key, qkv)
             if layer.gated:  # Qwen3.5: each head's output scaled by sigmoid of its gate
@@ -324,8 +333,8 @@ class TargetModel:
         cache.reserve(longest)
         if chunk_size is None:
             uniform = len(set(counts)) == 1 and len(set(cache.lengths)) == 1
-            short = not self.windows or longest <= self.windows[0]  # no window hides a key: no mask
-            chunk_size = CAUSAL_CHUNK if uniform and short and self.attention.cpu_flash else MASKED_CHUNK
+            # a sliding-window layer's ring holds a window and MASKED_CHUNK inputs
+            chunk_size = CAUSAL_CHUNK if uniform and not self.windows and self.attention.cpu_flash else MASKED_CHUNK
         bsz, out = cache.batch_size, None
         last = torch.zeros(bsz, dtype=torch.long)
         features: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bsz)]
