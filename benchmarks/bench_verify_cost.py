@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="untuned products: MKL's product up to this many rows, oneDNN's for more, no padding "
                              "(0: always oneDNN's; default: the routes tuned for this machine)")
     parser.add_argument("--no-kernel", action="store_true",
-                        help="products by the routes alone, as on a CPU without the small-row product kernel")
+                        help="products by the routes alone and torch's norms, as on a CPU without the small-row "
+                             "product and norm kernels")
     parser.add_argument("--sampling", action="store_true", help="steps with full logits (default: greedy steps)")
     parser.add_argument("--products", action="store_true",
                         help="also time a step's products by row count, MKL's, oneDNN's (what tune_products "
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     target = TargetModel.from_pretrained(args.model, dtype=getattr(torch, args.dtype), pack_weights=not args.no_pack,
                                          tune=args.plain_max_rows is None)
     if args.no_kernel:
+        target.norm_kernel = False
         for lin in target.linears():
             lin.kernel_rows = 0
         if args.plain_max_rows is None:

@@ -150,6 +150,27 @@ def test_moe_runs_only_the_chosen_experts(kernel, monkeypatch):
     assert torch.equal(target.step(cache, [9]).logits, logits)
 
 
+@pytest.mark.skipif(not KERNEL_ROWS, reason="the small-row product kernel needs an AVX-512 CPU")
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_moe_kernel_products_are_the_expert_by_expert_ones(name, monkeypatch):
+    """The chosen experts' products in one kernel call equal each expert's own products, also where an expert has
+    more rows than one kernel pass takes (more than eight of a few tokens' pairs chose it)."""
+    from hybridspec.model import layers
+
+    moe = TargetModel(tiny_causal_lm(name)).layers[0].mlp
+    torch.manual_seed(0)
+    x, residual = torch.randn(30, moe.stacked[0].shape[2]), torch.randn(30, moe.stacked[0].shape[2])
+    chosen = []
+    real = layers.chosen_expert_products
+    monkeypatch.setattr(layers, "chosen_expert_products", lambda *a: chosen.append(a[-1].max().item()) or real(*a))
+    with torch.inference_mode():
+        fused = moe.plus(x, residual)
+        monkeypatch.setattr(layers, "EXPERT_KERNEL_PAIRS", 0)
+        apart = moe.plus(x, residual)
+    assert chosen and max(chosen) > KERNEL_ROWS  # the kernel ran, one expert with more rows than a pass takes
+    torch.testing.assert_close(fused, apart, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["gpt_oss", "mistral_window"])
 def test_a_sliding_window_layer_keeps_only_its_window(name):
     """A sliding-window layer's keys and values live in a ring of the window and one pass's inputs, whatever the

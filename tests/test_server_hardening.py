@@ -72,7 +72,8 @@ def test_a_non_streamed_call_whose_client_leaves_is_cancelled(server, engine, en
 def test_a_waiting_call_whose_client_leaves_leaves_the_line(tiny_model, tiny_tokenizer):
     engine = Engine(TargetModel(tiny_model), tiny_tokenizer, verify_cost=None, max_num_seqs=1)
     step = engine.loop.run_step
-    engine.loop.run_step = lambda plan: time.sleep(0.01) or step(plan)  # the first call runs for seconds
+    # the first call runs for 450 steps of 30 ms at least: still running while the second waits, then leaves
+    engine.loop.run_step = lambda plan: time.sleep(0.03) or step(plan)
     server = Server(create_app(engine, served_model_name=MODEL))
     try:
         body = {"model": MODEL, "messages": LONG, "max_tokens": 450, "temperature": 0, "speculate": "none"}

@@ -10,6 +10,8 @@ cdef extern from "product_kernel.h" nogil:
     void hs_expert_products(const float *x, long x_stride, const float *w, const float *bias, int n, int k,
                             const int64_t *experts, const int64_t *starts, const int64_t *counts, int segments,
                             float *y, long y_stride, int threads)
+    void hs_rms_norm(const float *x, long group_stride, const float *w, int period, float eps, float *y, int rows,
+                     int dim)
     int HS_PRODUCT_MAX_ROWS
     int hs_product_supported()
 
@@ -37,3 +39,11 @@ def expert_products(uintptr_t x, long x_stride, uintptr_t w, uintptr_t bias, int
         hs_expert_products(<const float *>x, x_stride, <const float *>w, <const float *>bias, n, k,
                            <const int64_t *>experts, <const int64_t *>starts, <const int64_t *>counts, segments,
                            <float *>y, y_stride, threads)
+
+
+def rms_norm(uintptr_t x, long group_stride, uintptr_t w, int period, float eps, uintptr_t y, int rows,
+             int dim) -> None:
+    """y [rows, dim], y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w[r % period]; x's rows in groups of `period`
+    consecutive ones, group_stride apart."""
+    with nogil:
+        hs_rms_norm(<const float *>x, group_stride, <const float *>w, period, eps, <float *>y, rows, dim)

@@ -185,7 +185,7 @@ class DecoderLayer:
     gate `gated`, Qwen3.5's) or Qwen3.5's linear attention (`delta`), then the MLP. kind_index: the layer's place
     among the model's layers of its kind, in the KV cache (`kv_index`) or among the cache's recurrent states."""
 
-    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "gated", "attn_out_norm", "post_norm", "mlp",
+    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "qk_norm", "o", "gated", "attn_out_norm", "post_norm", "mlp",
                  "mlp_out_norm", "window", "sinks", "rope_kind", "delta", "kv_index")
 
     def __init__(self, layer, config, layer_id: int, pack: bool, heads: int, kv_heads: int, head_dim: int,
@@ -202,6 +202,7 @@ class DecoderLayer:
         mlp = layer.mlp
         self.mlp = _MixtureOfExperts(mlp, config, pack) if hasattr(mlp, "experts") else _DenseMLP(mlp, config, pack)
         self.window = self.sinks = self.rope_kind = self.qkv = self.o = self.q_norm = self.k_norm = None
+        self.qk_norm = None
         self.gated, self.delta, self.kv_index = False, None, None
         if hasattr(layer, "linear_attn"):
             self.delta = GatedDeltaNet(layer.linear_attn, kind_index, pack)
@@ -233,6 +234,8 @@ class DecoderLayer:
             scale = getattr(config, "query_pre_attn_scalar", head_dim) ** -0.5 / head_dim ** -0.5
             self.q_norm = interleave_rotary_pairs(norm_weight(attn.q_norm, config) * scale, 1, head_dim, rotary)
             self.k_norm = interleave_rotary_pairs(norm_weight(attn.k_norm, config), 1, head_dim, rotary)
+            # both as one [heads + kv_heads, head_dim] table: a token's query and key heads normed in one call
+            self.qk_norm = torch.cat([self.q_norm.expand(heads, -1), self.k_norm.expand(kv_heads, -1)]).contiguous()
         self.o = Linear(attn.o_proj.weight, attn.o_proj.bias, pack=pack)
         self.window = layer_window(config, layer_id)
         # Gemma's local and global layers rotate by different bases: the key of this layer's rotary table (None: the

@@ -1,11 +1,12 @@
 /* The product of a few rows by a weight on a CPU: y = x @ w.T (+ bias) (+ residual) for 1 to HS_PRODUCT_MAX_ROWS
-   rows of x, float32, what every linear layer of a decode or verification step computes.
+   rows of x, float32, what every linear layer of a decode or verification step computes; the same for a mixture of
+   experts' chosen experts in one call; and the RMSNorm of a step's rows (at the end of this file).
 
    Why not oneDNN's or MKL's: with so few rows a step only streams the weight from memory, and their kernels read it
-   at 60-80% of the memory's speed on an AMD EPYC (Zen 4) for one row (`benchmarks/bench_products.py`). Here a block of
-   output rows is read once, for all input rows together: each (input row, output row) pair keeps one vector of
-   partial sums in a register while the weight rows stream past, and the blocks are dealt over OpenMP threads (torch's
-   own runtime: the extension shares its libgomp).
+   at 55-80% of the memory's speed on an AMD EPYC (Zen 4) for one or two rows (`benchmarks/bench_verify_cost.py
+   --products`). Here a block of output rows is read once, for all input rows together: each (input row, output row)
+   pair keeps one vector of partial sums in a register while the weight rows stream past, and the blocks are dealt
+   over OpenMP threads (torch's own runtime: the extension shares its libgomp).
 
    Exactness: every output is computed alone, in an order that depends on neither the number of input rows nor the
    block it falls in: 16 partial sums over k in steps of 16 (the tail masked), added across in one fixed order, then
@@ -15,6 +16,7 @@
    Layout: x [rows, k] with row stride x_stride; w [n, k] contiguous; bias [n] or NULL; residual [rows, n] with row
    stride y_stride, or NULL; y [rows, n], row stride y_stride. */
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
@@ -28,37 +30,64 @@ static int hs_product_supported(void) {
 }
 
 /* A block is 8 weight rows (enough independent sums to hide the FMA's latency, and streams to keep the memory busy)
-   by up to 3 input rows (24 sums, with the inputs and a weight vector, in the 32 registers); more input rows take the
-   block again, 3 at a time, from the cache. */
+   by the input rows, 3 at a time (24 sums, with the inputs and a weight vector, in the 32 registers). Up to 3 input
+   rows go through the weight rows once; more take them a chunk of k at a time, every group of 3 rows over the chunk
+   while it is in the L1 cache (the sums wait in memory between chunks), so the weight streams from memory once and
+   its arithmetic overlaps the streaming. The order of every output's additions is the same either way. */
 #define HS_PRODUCT_BLOCK 8
 #define HS_PRODUCT_GROUP 3
+#define HS_PRODUCT_CHUNK 256
 
-/* outputs [n0, n0 + R) of all M input rows: R x M vectors of partial sums in registers */
-HS_PRODUCT_TARGET HS_PRODUCT_INLINE void hs_product_block(const float *x, long x_stride, const float *w, int k,
-                                                          float *y, long y_stride, const float *bias,
-                                                          const float *residual, int n0, const int M, const int R) {
-    __m512 acc[HS_PRODUCT_GROUP][HS_PRODUCT_BLOCK];
+/* acc[m][r] += x[m] . w[r] over k in [j0, j1) for M input rows and R weight rows (lanes past k: masked, adding exact
+   zeros), the sums in registers while it runs */
+HS_PRODUCT_TARGET HS_PRODUCT_INLINE void hs_product_span(__m512 (*acc)[HS_PRODUCT_BLOCK], const float *x,
+                                                         long x_stride, const float *wb, int k, int j0, int j1,
+                                                         const int M, const int R) {
+    __m512 a[HS_PRODUCT_GROUP][HS_PRODUCT_BLOCK];
     for (int m = 0; m < M; m++)
-        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
-    const float *wb = w + (long)n0 * k;
-    int j = 0;
-    for (; j + 16 <= k; j += 16) {
+        for (int r = 0; r < R; r++) a[m][r] = acc[m][r];
+    int j = j0;
+    for (; j + 16 <= j1; j += 16) {
         __m512 xs[HS_PRODUCT_GROUP];
         for (int m = 0; m < M; m++) xs[m] = _mm512_loadu_ps(x + m * x_stride + j);
         for (int r = 0; r < R; r++) {
             __m512 wv = _mm512_loadu_ps(wb + (long)r * k + j);
-            for (int m = 0; m < M; m++) acc[m][r] = _mm512_fmadd_ps(wv, xs[m], acc[m][r]);
+            for (int m = 0; m < M; m++) a[m][r] = _mm512_fmadd_ps(wv, xs[m], a[m][r]);
         }
     }
-    if (j < k) {  /* the tail: lanes past k load zeros and add exact zeros */
-        __mmask16 tail = (__mmask16)((1u << (k - j)) - 1u);
+    if (j < j1) {
+        __mmask16 tail = (__mmask16)((1u << (j1 - j)) - 1u);
         for (int r = 0; r < R; r++) {
             __m512 wv = _mm512_maskz_loadu_ps(tail, wb + (long)r * k + j);
             for (int m = 0; m < M; m++)
-                acc[m][r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + m * x_stride + j), acc[m][r]);
+                a[m][r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + m * x_stride + j), a[m][r]);
         }
     }
     for (int m = 0; m < M; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = a[m][r];
+}
+
+/* outputs [n0, n0 + R) of `rows` input rows (1 to HS_PRODUCT_MAX_ROWS) */
+HS_PRODUCT_TARGET HS_PRODUCT_INLINE void hs_product_rows(const float *x, long x_stride, const float *w, int k, float *y,
+                                                         long y_stride, const float *bias, const float *residual,
+                                                         int n0, int rows, const int R) {
+    __m512 acc[HS_PRODUCT_MAX_ROWS][HS_PRODUCT_BLOCK];
+    for (int m = 0; m < rows; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
+    const float *wb = w + (long)n0 * k;
+    int chunk = rows <= HS_PRODUCT_GROUP ? k : HS_PRODUCT_CHUNK;
+    for (int j0 = 0; j0 < k; j0 += chunk) {
+        int j1 = j0 + chunk < k ? j0 + chunk : k;
+        for (int m0 = 0; m0 < rows; m0 += HS_PRODUCT_GROUP) {
+            const float *xg = x + m0 * x_stride;
+            switch (rows - m0 < HS_PRODUCT_GROUP ? rows - m0 : HS_PRODUCT_GROUP) {
+                case 1: hs_product_span(acc + m0, xg, x_stride, wb, k, j0, j1, 1, R); break;
+                case 2: hs_product_span(acc + m0, xg, x_stride, wb, k, j0, j1, 2, R); break;
+                default: hs_product_span(acc + m0, xg, x_stride, wb, k, j0, j1, 3, R); break;
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++)
         for (int r = 0; r < R; r++) {
             float v = _mm512_reduce_add_ps(acc[m][r]);
             if (bias) v += bias[n0 + r];
@@ -67,31 +96,22 @@ HS_PRODUCT_TARGET HS_PRODUCT_INLINE void hs_product_block(const float *x, long x
         }
 }
 
-/* outputs [n0, n0 + R) of `rows` input rows (any count), HS_PRODUCT_GROUP at a time */
-HS_PRODUCT_TARGET HS_PRODUCT_INLINE void hs_product_rows(const float *x, long x_stride, const float *w, int k, float *y,
-                                                         long y_stride, const float *bias, const float *residual,
-                                                         int n0, int rows, const int R) {
-    for (int m0 = 0; m0 < rows; m0 += HS_PRODUCT_GROUP) {
-        const float *xg = x + m0 * x_stride, *rg = residual ? residual + m0 * y_stride : 0;
-        float *yg = y + m0 * y_stride;
-        switch (rows - m0 < HS_PRODUCT_GROUP ? rows - m0 : HS_PRODUCT_GROUP) {
-            case 1: hs_product_block(xg, x_stride, w, k, yg, y_stride, bias, rg, n0, 1, R); break;
-            case 2: hs_product_block(xg, x_stride, w, k, yg, y_stride, bias, rg, n0, 2, R); break;
-            default: hs_product_block(xg, x_stride, w, k, yg, y_stride, bias, rg, n0, 3, R); break;
-        }
-    }
-}
-
-/* the outputs of block b: 8 output rows, or past the last whole block, the remaining ones one by one */
+/* the outputs of block b: 8 output rows, or past the last whole block, the remaining ones one by one; of any number of
+   input rows, HS_PRODUCT_MAX_ROWS at a time */
 HS_PRODUCT_TARGET HS_PRODUCT_INLINE void hs_product_part(const float *x, long x_stride, const float *w, int n, int k,
                                                          float *y, long y_stride, const float *bias,
                                                          const float *residual, int rows, int b) {
-    if ((b + 1) * HS_PRODUCT_BLOCK <= n) {
-        hs_product_rows(x, x_stride, w, k, y, y_stride, bias, residual, b * HS_PRODUCT_BLOCK, rows, HS_PRODUCT_BLOCK);
-        return;
+    for (int m0 = 0; m0 < rows; m0 += HS_PRODUCT_MAX_ROWS) {
+        int m = rows - m0 < HS_PRODUCT_MAX_ROWS ? rows - m0 : HS_PRODUCT_MAX_ROWS;
+        const float *xm = x + m0 * x_stride, *rm = residual ? residual + m0 * y_stride : 0;
+        float *ym = y + m0 * y_stride;
+        if ((b + 1) * HS_PRODUCT_BLOCK <= n) {
+            hs_product_rows(xm, x_stride, w, k, ym, y_stride, bias, rm, b * HS_PRODUCT_BLOCK, m, HS_PRODUCT_BLOCK);
+            continue;
+        }
+        for (int n0 = b * HS_PRODUCT_BLOCK; n0 < n; n0++)
+            hs_product_rows(xm, x_stride, w, k, ym, y_stride, bias, rm, n0, m, 1);
     }
-    for (int n0 = b * HS_PRODUCT_BLOCK; n0 < n; n0++)
-        hs_product_rows(x, x_stride, w, k, y, y_stride, bias, residual, n0, rows, 1);
 }
 
 #define HS_PRODUCT_PARTS(n) (((n) + HS_PRODUCT_BLOCK - 1) / HS_PRODUCT_BLOCK)
@@ -121,5 +141,38 @@ HS_PRODUCT_TARGET static void hs_expert_products(const float *x, long x_stride, 
         long s = i / parts, e = experts[s];
         hs_product_part(x + starts[s] * x_stride, x_stride, w + e * n * k, n, k, y + starts[s] * y_stride, y_stride,
                         bias ? bias + e * n : 0, 0, (int)counts[s], (int)(i % parts));
+    }
+}
+
+/* RMSNorm of `rows` rows of dim floats into y [rows, dim]: y[r] = (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) *
+   w[r % period], each row alone. The rows come in groups of `period` consecutive ones, group g at x + g * group_stride
+   (a token's query and key heads in its row of the QKV product: w then holds the query norm for each query head,
+   then the key norm for each key head); period 1: rows at that stride. A layer's norms in a call each, where torch's
+   composite norm costs ~40 us a call. */
+HS_PRODUCT_TARGET static void hs_rms_norm(const float *x, long group_stride, const float *w, int period, float eps,
+                                          float *y, int rows, int dim) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (r / period) * group_stride + (long)(r % period) * dim;
+        const float *wr = w + (long)(r % period) * dim;
+        float *yr = y + (long)r * dim;
+        __m512 squares = _mm512_setzero_ps();
+        int j = 0;
+        for (; j + 16 <= dim; j += 16) {
+            __m512 v = _mm512_loadu_ps(xr + j);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        if (j < dim) {
+            __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (dim - j)) - 1u), xr + j);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps));
+        for (j = 0; j + 16 <= dim; j += 16)
+            _mm512_storeu_ps(yr + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + j), scale),
+                                                   _mm512_loadu_ps(wr + j)));
+        if (j < dim) {
+            __mmask16 tail = (__mmask16)((1u << (dim - j)) - 1u);
+            _mm512_mask_storeu_ps(yr + j, tail, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, xr + j), scale),
+                                                              _mm512_maskz_loadu_ps(tail, wr + j)));
+        }
     }
 }

@@ -38,10 +38,11 @@ import torch
 from hybridspec.model.attention import STEP_KERNEL_MAX_QUERIES, Attention, rotary_table, rotate
 from hybridspec.model.delta_net import new_pending
 from hybridspec.model.head import GreedyHead
-from hybridspec.model.inputs import ForwardPart, StepInput, StepOutput
-from hybridspec.model.kv_cache import KVCache, RingShape, tree_depths_and_mask
+from hybridspec.model.inputs import ForwardPart, StepInput, StepOutput, step_part
+from hybridspec.model.kv_cache import KVCache, RingShape
 from hybridspec.model.layers import ACTIVATIONS, DecoderLayer, is_gemma, layer_window, norm_weight, rotary_dim
-from hybridspec.model.linear import Linear, fast_bf16, tune_products
+from hybridspec.model.linear import KERNEL_ROWS, Linear, fast_bf16, tune_products
+from hybridspec.model.norms import qk_norm, rms_norm
 from hybridspec.speculators.features import default_aux_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "qwen3_5",
@@ -81,6 +82,7 @@ class TargetModel:
         decoder = model.model
         self.dtype = decoder.embed_tokens.weight.dtype
         self.device = decoder.embed_tokens.weight.device
+        self.norm_kernel = KERNEL_ROWS > 0 and self.device.type == "cpu"  # float32 norms by the C kernel
         with torch.no_grad():
             self.embed = decoder.embed_tokens.weight
             # Gemma scales its embeddings by sqrt(hidden size), rounded to the weights' dtype as transformers does
@@ -158,10 +160,11 @@ class TargetModel:
     # forward
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # torch's own op: fewer dispatches, bitwise equal (tests/test_target.py)
-            return torch.rms_norm(x, weight.shape, weight, self.eps)
-        inverse_rms = x.float().pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        return (x.float() * inverse_rms).to(x.dtype) * weight
+        return rms_norm(x, weight, self.eps, self.norm_kernel)
+
+    def _qk_norm(self, query_key: torch.Tensor, layer: DecoderLayer) -> torch.Tensor:
+        return qk_norm(query_key, layer.q_norm, layer.k_norm, layer.qk_norm, self.num_heads, self.eps,
+                       self.norm_kernel)
 
     @torch.inference_mode()
     def forward(self, parts: Sequence[ForwardPart], *, return_hidden: bool = False,
@@ -212,8 +215,7 @@ class TargetModel:
             qkv = layer.qkv(self._rms_norm(x, layer.input_norm))
             query_key = qkv[:, :(hq + hk) * hd].view(total, hq + hk, hd)
             if layer.q_norm is not None:
-                query_key = torch.cat([self._rms_norm(query_key[:, :hq], layer.q_norm),
-                                       self._rms_norm(query_key[:, hq:], layer.k_norm)], dim=1)
+                query_key = self._qk_norm(query_key, layer)
             query_key = rotate(query_key, ropes[layer.rope_kind])
             if layer.window:
                 attn = self._attend(layer, ring_plans[layer.window], [], range(len(parts)), parts, spans, query_key,
@@ -394,66 +396,8 @@ class TargetModel:
                   argmax_only: bool = False) -> list[StepOutput]:
         """`step` for several caches in one pass; an output per input, of the inputs [last token] + draft (none for a
         prefill chunk alone). An input's prompt tokens go into its cache."""
-        parts = [self._step_part(i) for i in inputs]
+        parts = [step_part(i, self.vocab_size, self.device) for i in inputs]
         outs = self.forward(parts, return_hidden=return_hidden, argmax_only=argmax_only)
         for i in inputs:
             i.cache.lengths[0] += len(i.prompt)
         return outs
-
-    def _step_part(self, step: StepInput) -> ForwardPart:
-        """A StepInput's rows: [prompt] + [last token] + draft, padded to the longest row (padding sees only itself)."""
-        cache, prompt = step.cache, list(step.prompt)
-        if len(step.last_tokens) != cache.batch_size and not (prompt and not step.last_tokens):
-            raise ValueError(f"got {len(step.last_tokens)} rows for a cache of {cache.batch_size}")
-        if prompt and cache.batch_size != 1:
-            raise ValueError(f"prompt tokens go with a one-row cache, got {cache.batch_size} rows")
-        drafts = [list(d) for d in step.drafts] if step.drafts else [[] for _ in step.last_tokens]
-        parents = list(step.parents) if step.parents is not None else [None] * len(drafts)
-        if not len(drafts) == len(parents) == len(step.last_tokens):
-            raise ValueError(f"{len(step.last_tokens)} rows, {len(drafts)} drafts, {len(parents)} parent lists")
-        width = len(prompt)
-        q = width + (1 + max(map(len, drafts)) if drafts else 0)
-        rows = max(1, len(drafts))
-        tokens = torch.zeros(rows, q, dtype=torch.long)
-        depths = torch.zeros(rows, q, dtype=torch.long)
-        tree_mask = torch.eye(q, dtype=torch.bool).repeat(rows, 1, 1)
-        node_parents = torch.full((rows, q - width), -1, dtype=torch.long)  # padding: as if a first node
-        if prompt:  # the prompt's chunk is causal, and every step input sees all of it
-            tokens[0, :width] = torch.as_tensor(prompt, dtype=torch.long)
-            depths[0, :width] = torch.arange(width)
-            tree_mask[0, :, :width] = torch.ones(q, width, dtype=torch.bool).tril()
-        causal = True
-        for b, (last, draft, row_parents) in enumerate(zip(step.last_tokens, drafts, parents)):
-            n = len(draft)
-            chain = row_parents is None or list(row_parents) == list(range(-1, n - 1))
-            row_parents = list(row_parents) if row_parents is not None else list(range(-1, n - 1))
-            if len(row_parents) != n:
-                raise ValueError(f"row {b}: {n} draft tokens but {len(row_parents)} parents")
-            causal = causal and chain and width + 1 + n == q
-            depth, mask = tree_depths_and_mask(row_parents)
-            tokens[b, width] = int(last)
-            tokens[b, width + 1:width + n + 1] = torch.as_tensor(draft, dtype=torch.long)
-            depths[b, width:width + n + 1] = width + torch.as_tensor(depth)
-            tree_mask[b, width:width + n + 1, width:width + n + 1] = mask
-            node_parents[b, 1:n + 1] = torch.as_tensor(row_parents, dtype=torch.long) + 1
-        if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
-        if not 0 <= step.drafter_context <= width:
-            raise ValueError(f"drafter_context {step.drafter_context} for a prompt chunk of {width} tokens")
-        output_index = torch.arange(width, q)[None].expand(rows, q - width) if prompt else None
-        token_masks = None
-        if step.token_masks is not None and any(m is not None for m in step.token_masks):
-            words = next(m for m in step.token_masks if m is not None).shape[-1]
-            token_masks = torch.full((rows, q - width, words), -1, dtype=torch.int32)  # -1: every token allowed
-            for b, m in enumerate(step.token_masks):
-                if m is not None:
-                    token_masks[b, :m.shape[0]] = m[:q - width]
-        return ForwardPart(cache, tokens.to(self.device), depths.to(self.device), tree_mask.to(self.device),
-                           causal=causal and bool(prompt),  # a step alone attends by its mask (Attention's folding)
-                           causal_rows=width if prompt and not causal else 0,
-                           output_index=None if output_index is None else output_index.to(self.device),
-                           features_index=torch.arange(width - step.drafter_context, width, device=self.device)
-                           if step.drafter_context else None,
-                           token_masks=None if token_masks is None else token_masks.to(self.device),
-                           prompt_lengths=[width] if prompt else None,
-                           node_parents=node_parents if step.last_tokens else None)
