@@ -118,7 +118,8 @@ def test_wheel_holds_every_module_head_recipe_and_extension_once(built):
     assert {n[len(templates):] for n in files if n.startswith(templates)} == expected_templates
 
     extensions = sorted(n for n in files if n.endswith(".so"))
-    assert [n.split(".")[0] for n in extensions] == ["hybridspec/model/_attention", "hybridspec/suffix/_tree"]
+    assert [n.split(".")[0] for n in extensions] == ["hybridspec/model/_attention", "hybridspec/model/_products",
+                                                   "hybridspec/suffix/_tree"]
 
     data = {n for n in files if n.startswith((ckpt, recipes, templates))}
     other = {n for n in files if not n.endswith((".py", ".so")) and n not in data and ".dist-info/" not in n}
