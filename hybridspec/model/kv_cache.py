@@ -38,9 +38,8 @@ class RingShape:
     window: int
     slack: int = 64
 
-    def bytes_per_row(self, kv_heads: int, head_dim: int, dtype: torch.dtype, slack: int | None = None) -> int:
-        size = self.window - 1 + (self.slack if slack is None else slack)
-        return 2 * self.layers * kv_heads * size * head_dim * dtype.itemsize
+    def bytes_per_row(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * self.layers * kv_heads * (self.window - 1 + self.slack) * head_dim * dtype.itemsize
 
 
 @dataclass

@@ -2,9 +2,9 @@
    rows of x, float32, what every linear layer of a decode or verification step computes; the same for a mixture of
    experts' chosen experts in one call; and the RMSNorm of a step's rows (at the end of this file).
 
-   Why not oneDNN's or MKL's: with so few rows a step only streams the weight from memory, and their kernels read it
-   at 55-80% of the memory's speed on an AMD EPYC (Zen 4) for one or two rows (`benchmarks/bench_verify_cost.py
-   --products`). Here a block of output rows is read once, for all input rows together: each (input row, output row)
+   Why not oneDNN's or MKL's: with so few rows a step only streams the weight from memory, and on an AMD EPYC (Zen 4)
+   their kernels read it well below the memory's speed for one or two rows (`benchmarks/bench_verify_cost.py
+   --products` times all three by row count). Here a block of output rows is read once, for all input rows together: each (input row, output row)
    pair keeps one vector of partial sums in a register while the weight rows stream past, and the blocks are dealt
    over OpenMP threads (torch's own runtime: the extension shares its libgomp).
 
