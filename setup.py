@@ -22,21 +22,22 @@ ext = Extension(
     depends=[f"suffix/_tree_{part}.pxi" for part in ("nodes", "insert", "draft", "speculate")],  # included by _tree.pyx
     extra_compile_args=["-O3"],
 )
-# the attention of decode steps on a CPU; its AVX-512 code is compiled for that target only and runs where the CPU
-# has it (hybridspec.model.attention falls back to PyTorch's attention elsewhere)
+# the attention of decode steps on a CPU (threaded as the products below); its AVX-512 code is compiled for that
+# target only and runs where the CPU has it (hybridspec.model.attention falls back to PyTorch's attention elsewhere)
 attention = Extension(
     "hybridspec.model._attention",
     sources=["hybridspec/model/_attention.pyx"],
     depends=["hybridspec/model/attention_kernel.h"],
     include_dirs=["hybridspec/model"],
-    extra_compile_args=["-O3"],
+    extra_compile_args=["-O3", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
 )
 # the products of decode and verification steps (a few rows) on a CPU, threaded by OpenMP: torch is imported first
 # and the extension shares its libgomp, so both use one pool of threads
 products = Extension(
     "hybridspec.model._products",
     sources=["hybridspec/model/_products.pyx"],
-    depends=["hybridspec/model/product_kernel.h"],
+    depends=["hybridspec/model/product_kernel.h", "hybridspec/model/delta_kernel.h"],
     include_dirs=["hybridspec/model"],
     extra_compile_args=["-O3", "-fopenmp"],
     extra_link_args=["-fopenmp"],

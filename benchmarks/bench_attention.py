@@ -49,16 +49,16 @@ def measure(contexts: list[int], queries: list[int], layers: int, kv_heads: int,
             out, kv = torch.empty_like(query), context + q
             see = torch.ones(1, q, q, dtype=torch.uint8).tril().contiguous()
             prefix = torch.tensor([context])
-            scores = torch.empty(group * q * (kv + 16))
+            scores = torch.empty(torch.get_num_threads(), group * q * (kv + 16))
             mask = torch.zeros(1, 1, group * q, kv)  # the additive mask the target built for flash attention
             mask[..., context:] = torch.where(see[0].bool(), 0.0, float("-inf")).repeat(group, 1)
 
             def kernel():
                 for k, v in zip(keys, values):
                     _attention.decode_attention(
-                        query.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), scores.data_ptr(), 1,
-                        kv_heads, group * q, dim, q, prefix.data_ptr(), see.data_ptr(), k.stride(0), k.stride(1),
-                        k.stride(2), dim ** -0.5)
+                        query.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), scores.data_ptr(),
+                        scores.shape[1], 1, kv_heads, group * q, dim, q, prefix.data_ptr(), see.data_ptr(),
+                        k.stride(0), k.stride(1), k.stride(2), dim ** -0.5, scores.shape[0])
 
             def flash():
                 for k, v in zip(keys, values):

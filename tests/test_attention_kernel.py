@@ -16,17 +16,18 @@ if not attention.supported():
     pytest.skip("this CPU has no AVX-512F: the target uses PyTorch's attention", allow_module_level=True)
 
 
-def run_kernel(q, keys, values, prefix, see):
+def run_kernel(q, keys, values, prefix, see, threads=1):
     """q [B, H, R, D]; keys/values [B, H, capacity, D]; prefix [B]; see [B, nq, nq] bool."""
     b, h, r, d = q.shape
     nq = see.shape[1]
     q, out = q.contiguous(), torch.empty_like(q)
     prefix = torch.as_tensor(prefix, dtype=torch.int64)
     see = see.to(torch.uint8).contiguous()
-    scores = torch.empty(r * (int(prefix.max()) + nq + 16))
+    scores = torch.empty(threads, r * (int(prefix.max()) + nq + 16))
     assert attention.decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
-                                      scores.data_ptr(), b, h, r, d, nq, prefix.data_ptr(), see.data_ptr(),
-                                      keys.stride(0), keys.stride(1), keys.stride(2), d ** -0.5)
+                                      scores.data_ptr(), scores.shape[1], b, h, r, d, nq, prefix.data_ptr(),
+                                      see.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), d ** -0.5,
+                                      threads)
     return out
 
 
@@ -64,9 +65,9 @@ def test_the_kernel_rejects_a_head_size_it_does_not_have():
     q = torch.randn(1, 1, 1, 48)
     keys = torch.randn(1, 1, 8, 48)
     assert not attention.decode_attention(q.data_ptr(), keys.data_ptr(), keys.data_ptr(), q.data_ptr(),
-                                          torch.empty(64).data_ptr(), 1, 1, 1, 48, 1,
+                                          torch.empty(64).data_ptr(), 64, 1, 1, 1, 48, 1,
                                           torch.tensor([4]).data_ptr(), torch.ones(1, 1, 1, dtype=torch.uint8)
-                                          .data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), 1.0)
+                                          .data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), 1.0, 1)
 
 
 def test_a_rows_output_does_not_depend_on_the_rest_of_the_step():
@@ -86,6 +87,22 @@ def test_a_rows_output_does_not_depend_on_the_rest_of_the_step():
         see = torch.ones(nq, nq, dtype=torch.bool).tril()[None]
         out = run_kernel(q, keys, values, [prefix], see)
         assert torch.equal(out[:, :, ::nq], alone)
+
+
+def test_the_output_does_not_depend_on_the_threads():
+    """A step's (row, KV head) pairs are dealt among threads, each pair computed by one thread: bitwise the same
+    output on one, two or three threads (more threads than pairs included), each with its own scratch."""
+    gen = torch.Generator().manual_seed(1)
+    dim, nq = 128, 3
+    q = torch.randn(3, 2, 2 * nq, dim, generator=gen)
+    keys = torch.randn(3, 2, 700, dim, generator=gen)
+    values = torch.randn(3, 2, 700, dim, generator=gen)
+    see = torch.ones(3, nq, nq, dtype=torch.bool).tril()
+    prefix = [650, 300, 697]
+    one = run_kernel(q, keys, values, prefix, see, threads=1)
+    torch.testing.assert_close(one, reference(q, keys, values, prefix, see), atol=2e-6, rtol=2e-5)
+    for threads in (2, 3, 8):
+        assert torch.equal(run_kernel(q, keys, values, prefix, see, threads=threads), one)
 
 
 def test_target_steps_are_the_same_with_the_kernel_and_without(tiny_model):

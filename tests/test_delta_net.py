@@ -65,6 +65,49 @@ def test_every_kind_of_step_moves_the_state_by_the_kept_tokens(target):
             assert_same_state(target, cache.row(row), 0, sequences[row])
 
 
+@pytest.mark.parametrize("shape", [(3, 4, 32, 48), (2, 16, 128, 128), (1, 2, 7, 16), (2, 2, 8, 12)])
+def test_the_delta_step_is_the_rule_in_place_or_not(shape):
+    """`delta_step` (the kernel where the CPU has AVX-512; value sizes it does not take by torch) is the reference
+    rule, with each head's output by the query; in place it gives the same bits, and so it does on a row of a batch
+    (strided states)."""
+    from hybridspec.model.kv_cache import delta_step, delta_update
+
+    rows, heads, key_dim, value_dim = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    state = torch.randn(rows, heads, key_dim, value_dim, generator=gen)
+    key = torch.nn.functional.normalize(torch.randn(rows, heads, key_dim, generator=gen), dim=-1)
+    value = torch.randn(rows, heads, value_dim, generator=gen)
+    decay, beta = -torch.rand(rows, heads, generator=gen), torch.rand(rows, heads, generator=gen)
+    query, output = torch.randn(rows, heads, key_dim, generator=gen), torch.empty(rows, heads, value_dim)
+    new = delta_step(state, key, value, decay, beta, query=query, output=output)
+    want = delta_update(state, key, value, decay, beta)
+    torch.testing.assert_close(new, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(output, (want * query[..., None]).sum(-2), atol=1e-4, rtol=1e-5)
+    in_place = state.clone()
+    assert delta_step(in_place, key, value, decay, beta, in_place) is in_place and torch.equal(in_place, new)
+    batch = torch.stack([state, state], dim=1)  # [rows, 2, ...]: row 1 of each, strided
+    delta_step(batch[:, 1], key, value, decay, beta, batch[:, 1])
+    assert torch.equal(batch[:, 1], new) and torch.equal(batch[:, 0], state)
+
+
+def test_a_fully_accepted_chain_keeps_the_bits_a_replay_gives(target):
+    """A plain step or a fully accepted chain keeps the state its pass computed; a partly accepted one replays the
+    kept nodes at commit: the same tokens reach bitwise the same state either way."""
+    prompt = [5, 9, 17, 33, 8, 41, 12, 77, 6]
+    kept, replayed = target.new_cache(1, 64), target.new_cache(1, 64)
+    for cache in (kept, replayed):
+        target.prefill(cache, [prompt])
+    target.step(kept, [3], [[20, 21]])
+    kept.commit(0, [0, 1, 2])  # the pass's last state
+    target.step(replayed, [3], [[20, 21, 22]])
+    replayed.commit(0, [0, 1, 2])  # node 3 rejected: replayed from the row's state
+    assert torch.equal(kept.state, replayed.state) and torch.equal(kept.conv, replayed.conv)
+    for cache in (kept, replayed):
+        target.step(cache, [7])
+        cache.commit(0, [0])
+    assert torch.equal(kept.state, replayed.state)
+
+
 def test_a_recurrent_cache_cannot_go_back_and_copies_only_whole_rows(target):
     cache, _ = fresh(target, [5, 6, 7, 8, 9])
     with pytest.raises(ValueError, match="cannot go back"):

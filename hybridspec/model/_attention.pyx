@@ -7,12 +7,14 @@ from libc.stdint cimport int64_t, uint8_t, uintptr_t
 cdef extern from "attention_kernel.h" nogil:
     int hs_attention_supported()
     int hs_decode_attention(const float *q, const float *keys, const float *values, float *out, float *scores,
-                             int batch, int kv_heads, int rows, int dim, int nq, const int64_t *prefix,
-                             const uint8_t *see, long batch_stride, long head_stride, long key_stride, float scale)
+                             long scores_stride, int batch, int kv_heads, int rows, int dim, int nq,
+                             const int64_t *prefix, const uint8_t *see, long batch_stride, long head_stride,
+                             long key_stride, float scale, int threads)
     int hs_decode_attention_rows(const float *q, const float *new_keys, const float *new_values,
                                  const int64_t *key_rows, const int64_t *value_rows, const int64_t *head_strides,
-                                 float *out, float *scores, int batch, int kv_heads, int rows, int dim, int nq,
-                                 const int64_t *prefix, const uint8_t *see, long key_stride, float scale)
+                                 float *out, float *scores, long scores_stride, int batch, int kv_heads, int rows,
+                                 int dim, int nq, const int64_t *prefix, const uint8_t *see, long key_stride,
+                                 float scale, int threads)
     int hs_prefill_attention(const float *q, const float *keys, const float *values, float *out, float *scratch,
                              int kv_heads, int group, int nq, int dim, int start, int tile_begin, int tile_end,
                              int tile_step, long batch_stride, long head_stride, long key_stride, float scale)
@@ -24,31 +26,34 @@ def supported() -> bool:
     return bool(hs_attention_supported())
 
 
-def decode_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t out, uintptr_t scores, int batch,
-                     int kv_heads, int rows, int dim, int nq, uintptr_t prefix, uintptr_t see, long batch_stride,
-                     long head_stride, long key_stride, float scale) -> bool:
-    """False: head_dim is not one the kernel has (16, 32, 64, 128); nothing was computed."""
+def decode_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t out, uintptr_t scores,
+                     long scores_stride, int batch, int kv_heads, int rows, int dim, int nq, uintptr_t prefix,
+                     uintptr_t see, long batch_stride, long head_stride, long key_stride, float scale,
+                     int threads) -> bool:
+    """On up to `threads` threads, each with `scores_stride` floats of `scores`. False: head_dim is not one the kernel
+    has (16, 32, 64, 128); nothing was computed."""
     cdef int done
     with nogil:
         done = hs_decode_attention(<const float *>q, <const float *>keys, <const float *>values, <float *>out,
-                                   <float *>scores, batch, kv_heads, rows, dim, nq, <const int64_t *>prefix,
-                                   <const uint8_t *>see, batch_stride, head_stride, key_stride, scale)
+                                   <float *>scores, scores_stride, batch, kv_heads, rows, dim, nq,
+                                   <const int64_t *>prefix, <const uint8_t *>see, batch_stride, head_stride,
+                                   key_stride, scale, threads)
     return bool(done)
 
 
 def decode_attention_rows(uintptr_t q, uintptr_t new_keys, uintptr_t new_values, uintptr_t key_rows,
-                          uintptr_t value_rows, uintptr_t head_strides, uintptr_t out, uintptr_t scores, int batch,
-                          int kv_heads, int rows, int dim, int nq, uintptr_t prefix, uintptr_t see, long key_stride,
-                          float scale) -> bool:
+                          uintptr_t value_rows, uintptr_t head_strides, uintptr_t out, uintptr_t scores,
+                          long scores_stride, int batch, int kv_heads, int rows, int dim, int nq, uintptr_t prefix,
+                          uintptr_t see, long key_stride, float scale, int threads) -> bool:
     """`decode_attention` for rows of separate caches, each row's new keys and values written first
     (`hs_decode_attention_rows`); False: head_dim is not one the kernel has (nothing written)."""
     cdef int done
     with nogil:
         done = hs_decode_attention_rows(<const float *>q, <const float *>new_keys, <const float *>new_values,
                                         <const int64_t *>key_rows, <const int64_t *>value_rows,
-                                        <const int64_t *>head_strides, <float *>out, <float *>scores, batch, kv_heads,
-                                        rows, dim, nq, <const int64_t *>prefix, <const uint8_t *>see, key_stride,
-                                        scale)
+                                        <const int64_t *>head_strides, <float *>out, <float *>scores, scores_stride,
+                                        batch, kv_heads, rows, dim, nq, <const int64_t *>prefix,
+                                        <const uint8_t *>see, key_stride, scale, threads)
     return bool(done)
 
 

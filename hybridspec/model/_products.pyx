@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The small-row product kernel of linear layers on a CPU (`product_kernel.h`), on raw pointers of tensors the caller
-checked (`hybridspec.model.linear`): a thin layer, the GIL released while it runs."""
+"""The small-row product kernel of linear layers on a CPU (`product_kernel.h`) and the gated delta rule's step
+(`delta_kernel.h`), on raw pointers of tensors the caller checked (`hybridspec.model.linear`,
+`hybridspec.model.kv_cache`): a thin layer, the GIL released while they run."""
 from libc.stdint cimport int64_t, uintptr_t
 
 
@@ -47,3 +48,25 @@ def rms_norm(uintptr_t x, long group_stride, uintptr_t w, int period, float eps,
     consecutive ones, group_stride apart."""
     with nogil:
         hs_rms_norm(<const float *>x, group_stride, <const float *>w, period, eps, <float *>y, rows, dim)
+
+
+cdef extern from "delta_kernel.h" nogil:
+    int hs_delta_step(const float *src, long src_stride, float *dst, long dst_stride, const float *key,
+                      const float *value, const float *decay, const float *beta, const float *query, float *out,
+                      int rows, int heads, int key_dim, int value_dim, int threads)
+    int HS_DELTA_MAX_VALUE_DIM
+
+DELTA_MAX_VALUE_DIM = HS_DELTA_MAX_VALUE_DIM
+
+
+def delta_step(uintptr_t src, long src_stride, uintptr_t dst, long dst_stride, uintptr_t key, uintptr_t value,
+               uintptr_t decay, uintptr_t beta, uintptr_t query, uintptr_t out, int rows, int heads, int key_dim,
+               int value_dim, int threads) -> bool:
+    """One token of the gated delta rule for rows x heads states, src -> dst (may be src), and their outputs by
+    `query` into `out` where query is nonzero (`hs_delta_step`). False: a value_dim the kernel does not take."""
+    cdef int done
+    with nogil:
+        done = hs_delta_step(<const float *>src, src_stride, <float *>dst, dst_stride, <const float *>key,
+                             <const float *>value, <const float *>decay, <const float *>beta, <const float *>query,
+                             <float *>out, rows, heads, key_dim, value_dim, threads)
+    return bool(done)

@@ -135,7 +135,8 @@ class AttentionPlan:
     causal_chunk: bool  # rows of equal length whose q inputs are consecutive: attend in two mask-free parts
     causal_rows: int = 0  # one row: its first inputs attend as a causal chunk, the others by `mask` (theirs only)
     # The step kernel's inputs (`hybridspec.model._attention`) where it runs instead of `mask`: per row the keys every
-    # input sees ([b] int64), which of the step's own keys each input sees ([b, q, q] uint8), a scratch for the scores
+    # input sees ([b] int64), which of the step's own keys each input sees ([b, q, q] uint8), each thread's scratch for
+    # the scores
     kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     ring: bool = False  # a sliding-window layer's: its keys and values in the cache's ring (`plan_ring`)
 
@@ -154,7 +155,7 @@ class JoinedSteps:
     head_strides: torch.Tensor  # [rows] int64, in floats
     prefix: torch.Tensor  # [rows] int64: the keys every input of the row sees
     see: torch.Tensor  # [rows, q, q] uint8: which of the step's own keys each input sees
-    scores: torch.Tensor  # the kernel's scratch
+    scores: torch.Tensor  # the kernel's scratch: [threads, floats]
 
 
 class Attention:
@@ -191,7 +192,7 @@ class Attention:
         if not causal_chunk and self.kernel and q - causal_rows <= STEP_KERNEL_MAX_QUERIES:
             steps = q - causal_rows
             see = tree_mask[:, causal_rows:, causal_rows:].to(torch.uint8).contiguous()
-            scores = torch.empty(group * steps * (kv_len + 16), dtype=torch.float32)
+            scores = torch.empty(torch.get_num_threads(), group * steps * (kv_len + 16), dtype=torch.float32)
             return AttentionPlan(cache, kv_len, None, slots, cache.lengths[0] if same_length else None, False,
                                  causal_rows, (lengths + causal_rows, see, scores))
         mask = self._visible(lengths, slots, tree_mask, kv_len)[:, causal_rows:]  # rows of a causal chunk need none
@@ -263,7 +264,8 @@ class Attention:
                 torch.tensor([c.keys.stride(0) * item for c, _ in rows], dtype=torch.int64),
                 torch.tensor([c.keys.stride(2) for c, _ in rows], dtype=torch.int64),
                 torch.cat([plans[i].kernel[0] for i in parts]), torch.cat([plans[i].kernel[1] for i in parts]),
-                torch.empty(group * q * (max(plans[i].kv_len for i in parts) + 16), dtype=torch.float32)))
+                torch.empty(torch.get_num_threads(), group * q * (max(plans[i].kv_len for i in parts) + 16),
+                            dtype=torch.float32)))
         return joined
 
     def attend_joined(self, steps: JoinedSteps, layer_id: int, query_key: torch.Tensor,
@@ -281,8 +283,9 @@ class Attention:
         value_rows = steps.value_rows + layer_id * steps.layer_bytes
         _kernels.decode_attention_rows(
             folded.data_ptr(), keys.data_ptr(), values.data_ptr(), key_rows.data_ptr(), value_rows.data_ptr(),
-            steps.head_strides.data_ptr(), out.data_ptr(), steps.scores.data_ptr(), rows, hk, folded.shape[2], dim, q,
-            steps.prefix.data_ptr(), steps.see.data_ptr(), dim, dim ** -0.5)
+            steps.head_strides.data_ptr(), out.data_ptr(), steps.scores.data_ptr(), steps.scores.shape[1], rows, hk,
+            folded.shape[2], dim, q, steps.prefix.data_ptr(), steps.see.data_ptr(), dim, dim ** -0.5,
+            steps.scores.shape[0])
         return out.view(rows, hq, q, dim).transpose(1, 2).reshape(rows * q, hq * dim)
 
     def attend(self, plan: AttentionPlan, layer_id: int, query: torch.Tensor, key: torch.Tensor,
@@ -329,9 +332,9 @@ class Attention:
             prefix, see, scores = plan.kernel
             folded, out = folded.contiguous(), torch.empty_like(folded)
             _kernels.decode_attention(
-                folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scores.data_ptr(), bsz,
-                self.num_kv_heads, folded.shape[2], head_dim, q, prefix.data_ptr(), see.data_ptr(), keys.stride(0),
-                keys.stride(1), keys.stride(2), head_dim ** -0.5)
+                folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scores.data_ptr(),
+                scores.shape[1], bsz, self.num_kv_heads, folded.shape[2], head_dim, q, prefix.data_ptr(),
+                see.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, scores.shape[0])
             return out.view(bsz, self.num_heads, q, head_dim)
         keys, values = keys[:, :, :plan.kv_len], values[:, :, :plan.kv_len]
         if sinks is None:

@@ -18,6 +18,7 @@
    head_dim: 16, 32, 64 or 128. */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -165,19 +166,29 @@ HS_TARGET static void hs_attend_head_of(const float *q, const float *k, const fl
     }
 }
 
+/* The (row, KV head) pairs of a step are dealt among OpenMP threads (torch's runtime, as the product kernel's), each
+   pair computed by one thread alone, so the result does not depend on the thread count. A step whose keys are few is
+   not worth waking the others: its KV reads are what the threads share. */
+#define HS_ATTENTION_THREADS(threads, pairs, keys) \
+    ((pairs) < 2 || (long)(pairs) * (keys) < 4096 ? 1 : (threads) < (pairs) ? (threads) : (pairs))
+
 /* Every batch row and KV head of one layer; 0 when head_dim is not 16, 32, 64 or 128 (nothing computed). scores:
-   at least rows x (max prefix + nq + 15) floats. */
+   per thread `scores_stride` floats, at least rows x (max prefix + nq + 15). */
 HS_TARGET static int hs_decode_attention(const float *q, const float *keys, const float *values, float *out,
-                                         float *scores, int batch, int kv_heads, int rows, int dim, int nq,
-                                         const int64_t *prefix, const uint8_t *see, long batch_stride,
-                                         long head_stride, long key_stride, float scale) {
+                                         float *scores, long scores_stride, int batch, int kv_heads, int rows,
+                                         int dim, int nq, const int64_t *prefix, const uint8_t *see,
+                                         long batch_stride, long head_stride, long key_stride, float scale,
+                                         int threads) {
     if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
-    for (int b = 0; b < batch; b++)
-        for (int h = 0; h < kv_heads; h++) {
-            const long qo = ((long)b * kv_heads + h) * rows * dim, ko = b * batch_stride + h * head_stride;
-            hs_attend_head_of(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq,
-                              see + (long)b * nq * nq, scale, out + qo, scores, dim);
-        }
+    const int pairs = batch * kv_heads;
+    #pragma omp parallel for schedule(static) num_threads(HS_ATTENTION_THREADS(threads, pairs, prefix[0] + nq))
+    for (int i = 0; i < pairs; i++) {
+        const int b = i / kv_heads, h = i % kv_heads;
+        const long qo = ((long)b * kv_heads + h) * rows * dim, ko = b * batch_stride + h * head_stride;
+        hs_attend_head_of(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq,
+                          see + (long)b * nq * nq, scale, out + qo, scores + omp_get_thread_num() * scores_stride,
+                          dim);
+    }
     return 1;
 }
 
@@ -187,9 +198,10 @@ HS_TARGET static int hs_decode_attention(const float *q, const float *keys, cons
    go to its slots prefix[b] .. prefix[b] + nq - 1. */
 HS_TARGET static int hs_decode_attention_rows(const float *q, const float *new_keys, const float *new_values,
                                               const int64_t *key_rows, const int64_t *value_rows,
-                                              const int64_t *head_strides, float *out, float *scores, int batch,
-                                              int kv_heads, int rows, int dim, int nq, const int64_t *prefix,
-                                              const uint8_t *see, long key_stride, float scale) {
+                                              const int64_t *head_strides, float *out, float *scores,
+                                              long scores_stride, int batch, int kv_heads, int rows, int dim, int nq,
+                                              const int64_t *prefix, const uint8_t *see, long key_stride,
+                                              float scale, int threads) {
     if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
     for (int b = 0; b < batch; b++) {
         float *keys = (float *)(uintptr_t)key_rows[b], *values = (float *)(uintptr_t)value_rows[b];
@@ -200,11 +212,16 @@ HS_TARGET static int hs_decode_attention_rows(const float *q, const float *new_k
                 memcpy(keys + to, new_keys + from, sizeof(float) * dim);
                 memcpy(values + to, new_values + from, sizeof(float) * dim);
             }
-        for (int h = 0; h < kv_heads; h++) {
-            const long qo = ((long)b * kv_heads + h) * rows * dim, ko = h * head_strides[b];
-            hs_attend_head_of(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq,
-                              see + (long)b * nq * nq, scale, out + qo, scores, dim);
-        }
+    }
+    const int pairs = batch * kv_heads;
+    #pragma omp parallel for schedule(static) num_threads(HS_ATTENTION_THREADS(threads, pairs, prefix[0] + nq))
+    for (int i = 0; i < pairs; i++) {
+        const int b = i / kv_heads, h = i % kv_heads;
+        const float *keys = (const float *)(uintptr_t)key_rows[b], *values = (const float *)(uintptr_t)value_rows[b];
+        const long qo = ((long)b * kv_heads + h) * rows * dim, ko = h * head_strides[b];
+        hs_attend_head_of(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq,
+                          see + (long)b * nq * nq, scale, out + qo, scores + omp_get_thread_num() * scores_stride,
+                          dim);
     }
     return 1;
 }

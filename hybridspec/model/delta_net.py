@@ -2,7 +2,7 @@
 full-attention layer), run so that speculation stays exact.
 
 A layer keeps, per row, a fixed-size state instead of keys and values: the last conv_width inputs of a depthwise
-causal convolution, and a recurrent matrix per value head updated by the gated delta rule (`delta_update`). A prompt
+causal convolution, and a recurrent matrix per value head updated by the gated delta rule (`delta_step`). A prompt
 chunk runs by transformers' chunked form of the rule from the row's state and writes the state after it (prompt
 tokens are always kept). A step's nodes ([last token] + a draft chain or tree) each start from their parent's state:
 the convolution reads each node's ancestors (then the row's conv state), the recurrence runs node by node in a
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridspec.model.inputs import ForwardPart
-from hybridspec.model.kv_cache import KVCache, PendingNodes, RecurrentShape, delta_update
+from hybridspec.model.kv_cache import KVCache, PendingNodes, RecurrentShape, delta_step
 from hybridspec.model.linear import Linear
 
 
@@ -128,19 +128,21 @@ class GatedDeltaNet:
         pending = cache.pending
         pending.inputs[layer], pending.keys[layer], pending.values[layer] = x, k, v
         pending.decays[layer], pending.betas[layer] = decay, beta
-        states = None if chain else cache.state.new_empty(b, n + 1, *cache.state.shape[2:])
-        state, out = cache.state[layer], []
-        if states is not None:
-            states[:, 0] = state
-        every_row = torch.arange(b)
-        for j in range(n):
-            if states is not None:
-                state = states[every_row, parents[:, j].cpu() + 1]
-            state = delta_update(state, k[:, j], v[:, j], decay[:, j], beta[:, j])
-            if states is not None:
-                states[:, j + 1] = state
-            out.append((state * q[:, j, ..., None]).sum(-2))
-        return torch.stack(out, dim=1).to(x.dtype)
+        out = q.new_empty(n, b, *v.shape[2:])
+        if chain:  # node j's state after node j - 1's, in place: the last is the state a fully accepted chain keeps
+            state = cache.state[layer]
+            for j in range(n):
+                state = delta_step(state, k[:, j], v[:, j], decay[:, j], beta[:, j], None if j == 0 else state,
+                                   q[:, j], out[j])
+            pending.chain_ends[layer] = state
+        else:  # a tree: every node's state, each from its parent's (index 0: the row's)
+            states = cache.state.new_empty(b, n + 1, *cache.state.shape[2:])
+            states[:, 0] = cache.state[layer]
+            every_row = torch.arange(b)
+            for j in range(n):
+                delta_step(states[every_row, parents[:, j].cpu() + 1], k[:, j], v[:, j], decay[:, j], beta[:, j],
+                           states[:, j + 1], q[:, j], out[j])
+        return out.transpose(0, 1).to(x.dtype)
 
 
 def _projections(module) -> list[torch.Tensor]:
@@ -180,4 +182,4 @@ def new_pending(shape: RecurrentShape, rows: int, nodes: int, device: torch.devi
         return torch.empty(shape.layers, rows, nodes, *tail, dtype=dtype, device=device)
 
     return PendingNodes(room(shape.channels, dtype=shape.dtype), room(shape.heads, shape.key_dim),
-                        room(shape.heads, shape.value_dim), room(shape.heads), room(shape.heads))
+                        room(shape.heads, shape.value_dim), room(shape.heads), room(shape.heads), [None] * shape.layers)

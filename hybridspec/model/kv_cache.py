@@ -8,6 +8,12 @@ from typing import Sequence
 
 import torch
 
+try:  # the delta rule's step kernel (built with the package; AVX-512 CPUs)
+    from hybridspec.model import _products
+except ImportError:  # pragma: no cover - a build without it: torch's composite form
+    _products = None
+DELTA_KERNEL = _products is not None and _products.supported()
+
 
 @dataclass(frozen=True)
 class RecurrentShape:
@@ -47,22 +53,51 @@ class PendingNodes:
     """What a pass computed at each row's step inputs (nodes) of the linear-attention layers, all layers stacked:
     enough to replay any root-to-node path onto the rows' states (`KVCache.commit`) without keeping a state per node.
     inputs [layers, b, n, channels] (the convolution's), keys [layers, b, n, heads, key_dim] (normalised), values
-    [.., value_dim], decays and betas [layers, b, n, heads]."""
+    [.., value_dim], decays and betas [layers, b, n, heads]. chain_ends: where every row is a chain, each layer's
+    states [b, heads, key_dim, value_dim] after its last node (a plain step's, a fully accepted draft's: no replay)."""
 
     inputs: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
     decays: torch.Tensor
     betas: torch.Tensor
+    chain_ends: list[torch.Tensor | None]
 
 
 def delta_update(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
                  beta: torch.Tensor) -> torch.Tensor:
     """One token of the gated delta rule: state [..., heads, key_dim, value_dim] decayed by exp(decay), then corrected
-    towards value along key by beta: S <- a S + beta k (v - a S^T k)^T, a = exp(decay). Float32 throughout."""
+    towards value along key by beta: S <- a S + beta k (v - a S^T k)^T, a = exp(decay). Float32 throughout. The
+    reference form of `delta_step`."""
     state = state * decay.exp()[..., None, None]
     delta = (value - (state * key[..., None]).sum(-2)) * beta[..., None]
     return state + key[..., None] * delta[..., None, :]
+
+
+def delta_step(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+               into: torch.Tensor | None = None, query: torch.Tensor | None = None,
+               output: torch.Tensor | None = None) -> torch.Tensor:
+    """`delta_update` of states [rows, heads, key_dim, value_dim] (key [rows, heads, key_dim], ...) into `into` (a
+    tensor of their shape, which may be `state` itself; by default a new one), returned; with `query` [rows, heads,
+    key_dim], also each head's output S'^T q into `output` [rows, heads, value_dim]. On an AVX-512 CPU by the kernel
+    (`delta_kernel.h`: each state read and written once); elsewhere by `delta_update`."""
+    into = torch.empty_like(state) if into is None else into
+    rows, heads, key_dim, value_dim = state.shape
+    inner = (key_dim * value_dim, value_dim, 1)
+    if (DELTA_KERNEL and state.dtype == torch.float32 and state.device.type == "cpu" and value_dim % 16 == 0
+            and value_dim <= _products.DELTA_MAX_VALUE_DIM and state.stride()[1:] == inner
+            and into.stride()[1:] == state.stride()[1:] and (query is None or output.is_contiguous())):
+        key, value, decay, beta = (t.contiguous() for t in (key, value, decay, beta))
+        query = None if query is None else query.contiguous()
+        _products.delta_step(state.data_ptr(), state.stride(0), into.data_ptr(), into.stride(0), key.data_ptr(),
+                             value.data_ptr(), decay.data_ptr(), beta.data_ptr(),
+                             0 if query is None else query.data_ptr(), 0 if query is None else output.data_ptr(),
+                             rows, heads, key_dim, value_dim, torch.get_num_threads())
+        return into
+    into.copy_(delta_update(state, key, value, decay, beta))
+    if query is not None:
+        output.copy_((into * query[..., None]).sum(-2))
+    return into
 
 
 class KVCache:
@@ -187,11 +222,14 @@ class KVCache:
         p = self.pending
         if p is None or max(keep) >= p.keys.shape[2]:
             raise ValueError(f"no pass computed nodes {keep} of row {row}")
-        state = self.state[:, row]
-        for node in keep:
-            state = delta_update(state, p.keys[:, row, node], p.values[:, row, node], p.decays[:, row, node],
-                                 p.betas[:, row, node])
-        self.state[:, row] = state
+        if keep == list(range(p.keys.shape[2])) and all(end is not None for end in p.chain_ends):
+            for layer, end in enumerate(p.chain_ends):
+                self.state[layer, row] = end[row]
+        else:
+            state = self.state[:, row]  # in place: [layers, heads, key_dim, value_dim]
+            for node in keep:
+                delta_step(state, p.keys[:, row, node], p.values[:, row, node], p.decays[:, row, node],
+                           p.betas[:, row, node], state)
         width = self.recurrent.conv_width
         self.conv[:, row] = torch.cat([self.conv[:, row], p.inputs[:, row, keep].transpose(1, 2)], dim=-1)[..., -width:]
 
