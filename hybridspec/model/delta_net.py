@@ -63,9 +63,12 @@ class GatedDeltaNet:
         mixed, z, b, a = self.in_proj(x).split([channels, hv * dv, hv, hv], dim=-1)
         beta = b.sigmoid().float()
         decay = self.neg_a * F.softplus(a.float() + self.dt_bias)
-        core = x.new_zeros(x.shape[0], hv, dv)
-        for part, (lo, hi) in zip(parts, spans):
-            core[lo:hi] = self._mix(part, mixed[lo:hi], decay[lo:hi], beta[lo:hi]).flatten(0, 1)
+        if len(parts) == 1:  # one cache's inputs: all of them
+            core = self._mix(parts[0], mixed, decay, beta).reshape(x.shape[0], hv, dv)
+        else:
+            core = x.new_zeros(x.shape[0], hv, dv)
+            for part, (lo, hi) in zip(parts, spans):
+                core[lo:hi] = self._mix(part, mixed[lo:hi], decay[lo:hi], beta[lo:hi]).flatten(0, 1)
         gated = torch.rms_norm(core.float(), (dv,), self.norm.float(), self.eps) * F.silu(z.view(-1, hv, dv).float())
         return self.out.plus(gated.to(x.dtype).flatten(1), residual)
 
@@ -74,8 +77,10 @@ class GatedDeltaNet:
         step nodes (padding: zeros or meaningless)."""
         cache, (b, q) = part.cache, part.tokens.shape
         mixed, decay, beta = mixed.view(b, q, -1), decay.view(b, q, -1), beta.view(b, q, -1)
-        out = mixed.new_zeros(b, q, self.value_heads, self.value_dim)
         prompts = list(part.prompt_lengths or [0] * b)
+        if part.node_parents is not None and not any(prompts):  # steps alone
+            return self._nodes(cache, part.node_parents, mixed, decay, beta)
+        out = mixed.new_zeros(b, q, self.value_heads, self.value_dim)
         for length in sorted(set(prompts) - {0}):  # rows of one prompt length run together
             rows = [r for r, n in enumerate(prompts) if n == length]
             out[rows, :length] = self._prompt(cache, rows, mixed[rows, :length], decay[rows, :length],
@@ -115,19 +120,25 @@ class GatedDeltaNet:
         b, n, _ = x.shape
         columns, chain = _windows(tuple(map(tuple, parents.tolist())), width)
         source = torch.cat([cache.conv[layer], x.transpose(1, 2)], dim=-1)  # [b, channels, width + n]
-        index = columns.to(x.device).view(b, 1, n * (width + 1)).expand(-1, source.shape[1], -1)
-        windows = source.gather(2, index).view(b, -1, n, width + 1)
+        if chain:  # node j's window: columns j .. j + width
+            windows = source.unfold(-1, width + 1, 1)
+        else:
+            index = columns.to(x.device).view(b, 1, n * (width + 1)).expand(-1, source.shape[1], -1)
+            windows = source.gather(2, index).view(b, -1, n, width + 1)
         y = (windows * self.conv_weight.view(1, -1, 1, width + 1)).sum(-1)
         if self.conv_bias is not None:
             y = y + self.conv_bias[:, None]
         q, k, v = self._split(F.silu(y).transpose(1, 2))
         group = self.value_heads // self.key_heads
-        q = (_l2_normalised(q.float()) / self.key_dim ** 0.5).repeat_interleave(group, dim=-2)
-        k = _l2_normalised(k.float()).repeat_interleave(group, dim=-2)
+        q, k = _l2_normalised(q.float()) / self.key_dim ** 0.5, _l2_normalised(k.float())
+        if group > 1:
+            q, k = q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
         v = v.float()
         pending = cache.pending
-        pending.inputs[layer], pending.keys[layer], pending.values[layer] = x, k, v
-        pending.decays[layer], pending.betas[layer] = decay, beta
+        pending.inputs[layer] = x
+        if n > 1:  # what a replay of a partly accepted draft needs (one node is always kept: its state is the pass's)
+            pending.keys[layer], pending.values[layer] = k, v
+            pending.decays[layer], pending.betas[layer] = decay, beta
         out = q.new_empty(n, b, *v.shape[2:])
         if chain:  # node j's state after node j - 1's, in place: the last is the state a fully accepted chain keeps
             state = cache.state[layer]
