@@ -3,9 +3,8 @@
    o = S'^T q where a query is given.
 
    Why: a state is [key_dim, value_dim] float32 per head (64 KiB at 128 x 128, a megabyte per layer and row), and
-   torch's composite form makes five passes over it with a fresh tensor each; a decode step of a Qwen3.5-like model
-   then spent more time on these states than on reading its weights. Here each head's state is read from memory
-   once and written once: the first pass scales it into the destination and sums (a S)^T k, the second (from the
+   torch's composite form makes five passes over it with a fresh tensor each, at every node of a step and again when
+   commit replays the kept ones. Here each head's state is read from memory once and written once: the first pass scales it into the destination and sums (a S)^T k, the second (from the
    cache) adds the correction and sums the output.
 
    Exactness: every (row, head) is computed alone in a fixed order, so a node's state and output are bitwise the same
