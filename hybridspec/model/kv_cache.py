@@ -8,11 +8,9 @@ from typing import Sequence
 
 import torch
 
-try:  # the delta rule's step kernel (built with the package; AVX-512 CPUs)
-    from hybridspec.model import _products
-except ImportError:  # pragma: no cover - a build without it: torch's composite form
-    _products = None
-DELTA_KERNEL = _products is not None and _products.supported()
+from hybridspec.model.linear import KERNEL_ROWS, _products
+
+DELTA_KERNEL = KERNEL_ROWS > 0  # the delta rule's step kernel, in the product kernel's extension (AVX-512 CPUs)
 
 
 @dataclass(frozen=True)
