@@ -13,8 +13,10 @@ attention; Qwen3.5: its PyTorch gated delta rule, what runs without the CUDA-onl
 process of its own after the others, on the same weights (the architectures one does not run say why): vLLM on CPU
 (.venv-vllm; `LLM.generate` on the weights saved to a directory, float32, prefix caching off) and llama.cpp
 (llama-cpp-python in .venv-peers; the weights written to a float32 GGUF, Qwen3 and Qwen3-MoE; greedy by argmax over
-its logits). Both are timed as the engine is: a prompt to its first token, then per decoded token. MoE rows: the expert
-weights a decode token multiplied (counted on the engine's products) against all of a layer's experts.
+its logits). Both are timed as the engine is: a prompt to its first token, then per decoded token; the engine is timed
+again after each peer, and a peer's ratio is to the mean of the engine's timings on either side of it (this host's
+memory bandwidth drifts between minutes, and peers run minutes apart). MoE rows: the expert weights a decode token
+multiplied (counted on the engine's products) against all of a layer's experts.
 
     .venv/bin/python benchmarks/bench_architectures.py --json out/bench_architectures.json
 """
@@ -193,6 +195,27 @@ def write_gguf(model, path: Path) -> None:
     writer.close()
 
 
+def new_engine(model):
+    from hybridspec.model.target import TargetModel
+    from hybridspec.runtime.engine import Engine
+    from hybridspec.tools.testing import tiny_tokenizer
+
+    return Engine(TargetModel(model), tiny_tokenizer(128), prefix_cache_bytes=0,
+                  verify_cost=None)  # plain decoding: no verification costs to measure
+
+
+def ours(engine, prompt: list[int], n: int):
+    return lambda: engine.generate(prompt, max_new_tokens=n, speculate="none", ignore_eos=True)
+
+
+def engine_timings(model, prompt: list[int], new: int, repeats: int) -> tuple[float, float]:
+    """The engine's prefill and decode ms per token on a fresh engine of the model, timed as in the main run."""
+    engine = new_engine(model)
+    with torch.inference_mode():
+        ms = median_ms_each({1: ours(engine, prompt, 1), new + 1: ours(engine, prompt, new + 1)}, repeats, warmup=1)
+    return ms[1] / len(prompt), (ms[new + 1] - ms[1]) / new
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -214,31 +237,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt must be positive, --new at least 2, --repeats positive")
     torch.set_num_threads(args.threads)
 
-    from hybridspec.model.target import TargetModel
-    from hybridspec.runtime.engine import Engine
-    from hybridspec.tools.testing import tiny_tokenizer
-
     rows = []
     for name in models:
         t0 = time.perf_counter()
         model = build(name)
-        engine = Engine(TargetModel(model), tiny_tokenizer(128), prefix_cache_bytes=0,
-                        verify_cost=None)  # plain decoding: no verification costs to measure
+        engine = new_engine(model)
         print(f"{name}: built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         prompt = torch.randint(3, 128, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
         ids = torch.tensor([prompt])
-
-        def ours(n: int):
-            return lambda: engine.generate(prompt, max_new_tokens=n, speculate="none", ignore_eos=True)
 
         def theirs(n: int):
             return lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
         with torch.inference_mode():
             reference = theirs(8)()[0, args.prompt:].tolist()  # every method decodes these tokens
-            assert ours(8)().token_ids == reference, f"{name}: outputs differ"
-            ms = median_ms_each({("hybridspec", 1): ours(1), ("transformers", 1): theirs(1),
-                                 ("hybridspec", args.new + 1): ours(args.new + 1),
+            assert ours(engine, prompt, 8)().token_ids == reference, f"{name}: outputs differ"
+            ms = median_ms_each({("hybridspec", 1): ours(engine, prompt, 1), ("transformers", 1): theirs(1),
+                                 ("hybridspec", args.new + 1): ours(engine, prompt, args.new + 1),
                                  ("transformers", args.new + 1): theirs(args.new + 1)}, args.repeats, warmup=1)
         row = {"model": name, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
         for method in ("hybridspec", "transformers"):
@@ -252,13 +267,21 @@ def main(argv: list[str] | None = None) -> int:
             engine = None  # a peer loads the weights again beside the model
             job = {"prompt": prompt, "new": args.new, "repeats": args.repeats, "threads": args.threads}
             row["peers"] = {}
+            before = (row["hybridspec_prefill_ms_per_token"], row["hybridspec_decode_ms_per_token"])
             for peer in peers:
                 got = row["peers"][peer] = PEERS[peer](model, job)
                 print(f"{name}: {peer} {got.get('error') or 'ran'}", file=sys.stderr)
-                if "error" not in got:
-                    got["same_tokens"] = got.pop("tokens") == reference
-                    got["prefill_ratio"] = got["prefill_ms_per_token"] / row["hybridspec_prefill_ms_per_token"]
-                    got["decode_ratio"] = got["decode_ms_per_token"] / row["hybridspec_decode_ms_per_token"]
+                if "error" in got:
+                    continue
+                # the engine again right after the peer: its ratio is to the mean of the engine's runs on either
+                # side of it (this host's memory bandwidth drifts between minutes)
+                after = engine_timings(model, prompt, args.new, args.repeats)
+                got["same_tokens"] = got.pop("tokens") == reference
+                got["hybridspec_prefill_ms_per_token"] = (before[0] + after[0]) / 2
+                got["hybridspec_decode_ms_per_token"] = (before[1] + after[1]) / 2
+                got["prefill_ratio"] = got["prefill_ms_per_token"] / got["hybridspec_prefill_ms_per_token"]
+                got["decode_ratio"] = got["decode_ms_per_token"] / got["hybridspec_decode_ms_per_token"]
+                before = after
         rows.append(row)
         engine = model = None  # the next model is built without this one beside it
 

@@ -57,7 +57,7 @@ def measure(contexts: list[int], queries: list[int], layers: int, kv_heads: int,
                 for k, v in zip(keys, values):
                     _attention.decode_attention(
                         query.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), scores.data_ptr(),
-                        scores.shape[1], 1, kv_heads, group * q, dim, q, prefix.data_ptr(), see.data_ptr(),
+                        scores.shape[1], 1, kv_heads, group * q, dim, q, prefix.data_ptr(), see.data_ptr(), 0,
                         k.stride(0), k.stride(1), k.stride(2), dim ** -0.5, scores.shape[0])
 
             def flash():

@@ -16,8 +16,8 @@ if not attention.supported():
     pytest.skip("this CPU has no AVX-512F: the target uses PyTorch's attention", allow_module_level=True)
 
 
-def run_kernel(q, keys, values, prefix, see, threads=1):
-    """q [B, H, R, D]; keys/values [B, H, capacity, D]; prefix [B]; see [B, nq, nq] bool."""
+def run_kernel(q, keys, values, prefix, see, threads=1, sinks=None):
+    """q [B, H, R, D]; keys/values [B, H, capacity, D]; prefix [B]; see [B, nq, nq] bool; sinks [H * R / nq]."""
     b, h, r, d = q.shape
     nq = see.shape[1]
     q, out = q.contiguous(), torch.empty_like(q)
@@ -26,12 +26,20 @@ def run_kernel(q, keys, values, prefix, see, threads=1):
     scores = torch.empty(threads, r * (int(prefix.max()) + nq + 16))
     assert attention.decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
                                       scores.data_ptr(), scores.shape[1], b, h, r, d, nq, prefix.data_ptr(),
-                                      see.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), d ** -0.5,
-                                      threads)
+                                      see.data_ptr(), 0 if sinks is None else sinks.data_ptr(), keys.stride(0),
+                                      keys.stride(1), keys.stride(2), d ** -0.5, threads)
     return out
 
 
-def reference(q, keys, values, prefix, see):
+def attention_with_sinks(q, k, v, mask, sinks):
+    """q [H, R, D], k and v [H, n, D], mask [R, n] bool; sinks [H, R]: a logit in each row's softmax with no value
+    (gpt-oss), as transformers computes it: the sink a column of the scores, dropped after the softmax."""
+    scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(torch.cat([scores, sinks[..., None]], dim=-1), dim=-1)[..., :-1]
+    return probs @ v
+
+
+def reference(q, keys, values, prefix, see, sinks=None):
     b, h, r, d = q.shape
     nq = see.shape[1]
     outs = []
@@ -40,8 +48,12 @@ def reference(q, keys, values, prefix, see):
         mask = torch.ones(r, n, dtype=torch.bool)
         for i in range(r):
             mask[i, prefix[row]:] = see[row, i % nq]
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q[row], keys[row, :, :n], values[row, :, :n], attn_mask=mask))
+        if sinks is None:
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q[row], keys[row, :, :n], values[row, :, :n], attn_mask=mask))
+        else:  # row i of KV head kv is query head kv * group + i // nq
+            outs.append(attention_with_sinks(q[row], keys[row, :, :n], values[row, :, :n], mask,
+                                             sinks.view(h, -1).repeat_interleave(nq, dim=1)))
     return torch.stack(outs)
 
 
@@ -61,13 +73,31 @@ def test_the_kernel_is_attention_under_a_tree_mask(dim, nq):
                                atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_kernel_takes_attention_sinks(dim):
+    """gpt-oss's sinks (a logit per query head with no value in each softmax's denominator): rows of different
+    lengths, a tree, three query heads per KV head, each with its own sink, some larger than every score."""
+    gen = torch.Generator().manual_seed(dim)
+    batch, heads, group, nq = 2, 2, 3, 4
+    q = torch.randn(batch, heads, group * nq, dim, generator=gen)
+    keys = torch.randn(batch, heads, 80, dim, generator=gen)
+    values = torch.randn(batch, heads, 80, dim, generator=gen)
+    prefix = [9, 60]
+    see = (torch.rand(batch, nq, nq, generator=gen) < 0.5).tril() | torch.eye(nq, dtype=torch.bool)
+    sinks = torch.tensor([-2.0, 0.5, 3.0, 8.0, -0.5, 1.5])
+    expected = reference(q, keys, values, prefix, see, sinks)
+    assert not torch.allclose(expected, reference(q, keys, values, prefix, see), atol=1e-3)  # the sinks matter
+    torch.testing.assert_close(run_kernel(q, keys, values, prefix, see, sinks=sinks), expected, atol=2e-6,
+                               rtol=2e-5)
+
+
 def test_the_kernel_rejects_a_head_size_it_does_not_have():
     q = torch.randn(1, 1, 1, 48)
     keys = torch.randn(1, 1, 8, 48)
     assert not attention.decode_attention(q.data_ptr(), keys.data_ptr(), keys.data_ptr(), q.data_ptr(),
                                           torch.empty(64).data_ptr(), 64, 1, 1, 1, 48, 1,
                                           torch.tensor([4]).data_ptr(), torch.ones(1, 1, 1, dtype=torch.uint8)
-                                          .data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), 1.0, 1)
+                                          .data_ptr(), 0, keys.stride(0), keys.stride(1), keys.stride(2), 1.0, 1)
 
 
 def test_a_rows_output_does_not_depend_on_the_rest_of_the_step():
@@ -181,25 +211,29 @@ def test_bench_attention_writes_its_table(tmp_path, capsys):
     assert "kernel ms" in capsys.readouterr().out
 
 
-def run_prompt_kernel(q, keys, values, start, workers=1):
-    """q [B, H * group, nq, D] at positions start.. (its keys already in the cache); keys/values [B, H, capacity, D]."""
+def run_prompt_kernel(q, keys, values, start, workers=1, sinks=None):
+    """q [B, H * group, nq, D] at positions start.. (its keys already in the cache); keys/values [B, H, capacity, D];
+    sinks [H * group]."""
     from hybridspec.model import attention as module
 
     with_threads = torch.get_num_threads()
     torch.set_num_threads(workers)
     try:
-        return module._prompt_kernel(q, keys, values, start, keys.shape[1])
+        return module._prompt_kernel(q, keys, values, start, keys.shape[1], sinks)
     finally:
         torch.set_num_threads(with_threads)
 
 
-def prompt_reference(q, keys, values, start):
+def prompt_reference(q, keys, values, start, sinks=None):
     b, heads, nq, d = q.shape
     kv_heads = keys.shape[1]
     n = start + nq
     mask = torch.ones(nq, n, dtype=torch.bool).tril(start)  # query i sees keys [0, start + i]
     k = keys[:, :, :n].repeat_interleave(heads // kv_heads, dim=1)
     v = values[:, :, :n].repeat_interleave(heads // kv_heads, dim=1)
+    if sinks is not None:
+        return torch.stack([attention_with_sinks(q[i], k[i], v[i], mask, sinks[:, None].expand(heads, nq))
+                            for i in range(b)])
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -217,6 +251,23 @@ def test_the_prompt_kernel_is_causal_attention_after_the_cache(dim, group):
         q = torch.randn(2, kv_heads * group, nq, dim, generator=gen)
         torch.testing.assert_close(run_prompt_kernel(q, keys, values, start), prompt_reference(q, keys, values, start),
                                    atol=3e-6, rtol=3e-5, msg=f"start {start}, {nq} queries")
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_prompt_kernel_takes_attention_sinks(dim):
+    """Sinks in the prompt kernel's running softmax (its sums start from the sink): chunks after a cache and from
+    the start, heads 3 to a KV head (two micro-tiles of heads) with sinks below and above the scores."""
+    gen = torch.Generator().manual_seed(dim + 1)
+    kv_heads, group = 2, 4
+    sinks = torch.tensor([-3.0, 0.0, 2.0, 6.0, 1.0, -1.0, 4.0, 0.5])
+    for start, nq in ((0, 1), (0, 40), (130, 17), (300, 200)):
+        keys = torch.randn(1, kv_heads, start + nq, dim, generator=gen)
+        values = torch.randn(1, kv_heads, start + nq, dim, generator=gen)
+        q = torch.randn(1, kv_heads * group, nq, dim, generator=gen)
+        expected = prompt_reference(q, keys, values, start, sinks)
+        assert not torch.allclose(expected, prompt_reference(q, keys, values, start), atol=1e-3)
+        torch.testing.assert_close(run_prompt_kernel(q, keys, values, start, sinks=sinks), expected, atol=3e-6,
+                                   rtol=3e-5, msg=f"start {start}, {nq} queries")
 
 
 def test_the_prompt_kernel_gives_the_same_bits_on_any_number_of_threads():

@@ -8,16 +8,17 @@ cdef extern from "attention_kernel.h" nogil:
     int hs_attention_supported()
     int hs_decode_attention(const float *q, const float *keys, const float *values, float *out, float *scores,
                              long scores_stride, int batch, int kv_heads, int rows, int dim, int nq,
-                             const int64_t *prefix, const uint8_t *see, long batch_stride, long head_stride,
-                             long key_stride, float scale, int threads)
+                             const int64_t *prefix, const uint8_t *see, const float *sinks, long batch_stride,
+                             long head_stride, long key_stride, float scale, int threads)
     int hs_decode_attention_rows(const float *q, const float *new_keys, const float *new_values,
                                  const int64_t *key_rows, const int64_t *value_rows, const int64_t *head_strides,
                                  float *out, float *scores, long scores_stride, int batch, int kv_heads, int rows,
-                                 int dim, int nq, const int64_t *prefix, const uint8_t *see, long key_stride,
-                                 float scale, int threads)
+                                 int dim, int nq, const int64_t *prefix, const uint8_t *see, const float *sinks,
+                                 long key_stride, float scale, int threads)
     int hs_prefill_attention(const float *q, const float *keys, const float *values, float *out, float *scratch,
                              int kv_heads, int group, int nq, int dim, int start, int tile_begin, int tile_end,
-                             int tile_step, long batch_stride, long head_stride, long key_stride, float scale)
+                             int tile_step, const float *sinks, long batch_stride, long head_stride, long key_stride,
+                             float scale)
     int PF_QUERIES, PF_KEYS
 
 
@@ -28,23 +29,23 @@ def supported() -> bool:
 
 def decode_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t out, uintptr_t scores,
                      long scores_stride, int batch, int kv_heads, int rows, int dim, int nq, uintptr_t prefix,
-                     uintptr_t see, long batch_stride, long head_stride, long key_stride, float scale,
-                     int threads) -> bool:
-    """On up to `threads` threads, each with `scores_stride` floats of `scores`. False: head_dim is not one the kernel
-    has (16, 32, 64, 128); nothing was computed."""
+                     uintptr_t see, uintptr_t sinks, long batch_stride, long head_stride, long key_stride,
+                     float scale, int threads) -> bool:
+    """On up to `threads` threads, each with `scores_stride` floats of `scores`; sinks: a float per query head, or 0
+    for none. False: head_dim is not one the kernel has (16, 32, 64, 128); nothing was computed."""
     cdef int done
     with nogil:
         done = hs_decode_attention(<const float *>q, <const float *>keys, <const float *>values, <float *>out,
                                    <float *>scores, scores_stride, batch, kv_heads, rows, dim, nq,
-                                   <const int64_t *>prefix, <const uint8_t *>see, batch_stride, head_stride,
-                                   key_stride, scale, threads)
+                                   <const int64_t *>prefix, <const uint8_t *>see, <const float *>sinks,
+                                   batch_stride, head_stride, key_stride, scale, threads)
     return bool(done)
 
 
 def decode_attention_rows(uintptr_t q, uintptr_t new_keys, uintptr_t new_values, uintptr_t key_rows,
                           uintptr_t value_rows, uintptr_t head_strides, uintptr_t out, uintptr_t scores,
                           long scores_stride, int batch, int kv_heads, int rows, int dim, int nq, uintptr_t prefix,
-                          uintptr_t see, long key_stride, float scale, int threads) -> bool:
+                          uintptr_t see, uintptr_t sinks, long key_stride, float scale, int threads) -> bool:
     """`decode_attention` for rows of separate caches, each row's new keys and values written first
     (`hs_decode_attention_rows`); False: head_dim is not one the kernel has (nothing written)."""
     cdef int done
@@ -53,7 +54,7 @@ def decode_attention_rows(uintptr_t q, uintptr_t new_keys, uintptr_t new_values,
                                         <const int64_t *>key_rows, <const int64_t *>value_rows,
                                         <const int64_t *>head_strides, <float *>out, <float *>scores, scores_stride,
                                         batch, kv_heads, rows, dim, nq, <const int64_t *>prefix,
-                                        <const uint8_t *>see, key_stride, scale, threads)
+                                        <const uint8_t *>see, <const float *>sinks, key_stride, scale, threads)
     return bool(done)
 
 
@@ -62,12 +63,12 @@ TILE_QUERIES, TILE_KEYS = PF_QUERIES, PF_KEYS  # a prompt tile's queries; the ke
 
 def prefill_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t out, uintptr_t scratch, int kv_heads,
                       int group, int nq, int dim, int start, int tile_begin, int tile_end, int tile_step,
-                      long batch_stride, long head_stride, long key_stride, float scale) -> bool:
+                      uintptr_t sinks, long batch_stride, long head_stride, long key_stride, float scale) -> bool:
     """Every tile_step-th tile from tile_begin below tile_end of a prompt chunk's causal attention
     (`hs_prefill_attention`); False: head_dim is not one the kernel has."""
     cdef int done
     with nogil:
         done = hs_prefill_attention(<const float *>q, <const float *>keys, <const float *>values, <float *>out,
                                     <float *>scratch, kv_heads, group, nq, dim, start, tile_begin, tile_end,
-                                    tile_step, batch_stride, head_stride, key_stride, scale)
+                                    tile_step, <const float *>sinks, batch_stride, head_stride, key_stride, scale)
     return bool(done)

@@ -93,9 +93,10 @@ _prompt_threads: tuple[int, ThreadPoolExecutor] | None = None  # (its workers, t
 
 
 def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   num_kv_heads: int) -> torch.Tensor:
+                   num_kv_heads: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a prompt chunk by the kernel (`hs_prefill_attention`): query [b, heads, q, D] at positions
-    start.., each seeing the cache up to itself (its own keys already written there; keys [b, kv_heads, capacity, D]).
+    start.., each seeing the cache up to itself (its own keys already written there; keys [b, kv_heads, capacity, D];
+    sinks [heads] float32 contiguous, or None).
     On several torch threads, its tiles (16 queries of a KV head) are dealt among them: the kernel releases the GIL."""
     global _prompt_threads
     bsz, heads, q, dim = query.shape
@@ -109,8 +110,8 @@ def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     def run(worker: int) -> bool:
         return _kernels.prefill_attention(
             folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scratch[worker].data_ptr(),
-            num_kv_heads, group, q, dim, start, worker, tiles, workers, keys.stride(0), keys.stride(1),
-            keys.stride(2), dim ** -0.5)
+            num_kv_heads, group, q, dim, start, worker, tiles, workers, _address(sinks), keys.stride(0),
+            keys.stride(1), keys.stride(2), dim ** -0.5)
 
     others = []
     if workers > 1:  # this thread runs the first share, the pool the others
@@ -121,6 +122,10 @@ def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     for share in others:
         share.result()
     return out.view(bsz, heads, q, dim)
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 @dataclass
@@ -167,13 +172,12 @@ class Attention:
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_seq_len: int, sinks: bool = False):
+                 max_seq_len: int):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device, self.max_seq_len = dtype, device, max_seq_len
         self.cpu_flash = FLASH_CPU is not None and device.type == "cpu"
-        # sinks need each query's log-sum-exp, which PyTorch's flash attention gives and the kernels do not
         self.kernel = (_kernels is not None and device.type == "cpu" and dtype == torch.float32
-                       and head_dim in (16, 32, 64, 128) and _kernels.supported() and not sinks)
+                       and head_dim in (16, 32, 64, 128) and _kernels.supported())
 
     def plan(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, causal: bool,
              causal_rows: int = 0) -> AttentionPlan:
@@ -268,10 +272,11 @@ class Attention:
                             dtype=torch.float32)))
         return joined
 
-    def attend_joined(self, steps: JoinedSteps, layer_id: int, query_key: torch.Tensor,
-                      value: torch.Tensor) -> torch.Tensor:
+    def attend_joined(self, steps: JoinedSteps, layer_id: int, query_key: torch.Tensor, value: torch.Tensor,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Joined steps' attention in one layer: their inputs' rotated queries and keys [n, heads + kv_heads, D] and
-        values [n, kv_heads * D] in, the attention [n, heads * D] out; their new keys and values go to their caches."""
+        values [n, kv_heads * D] in, the attention [n, heads * D] out; their new keys and values go to their caches.
+        sinks: the layer's, as `attend`."""
         q, hq, hk, dim = steps.q, self.num_heads, self.num_kv_heads, self.head_dim
         rows = query_key.shape[0] // q
         query_key = query_key.view(rows, q, hq + hk, dim)
@@ -284,14 +289,14 @@ class Attention:
         _kernels.decode_attention_rows(
             folded.data_ptr(), keys.data_ptr(), values.data_ptr(), key_rows.data_ptr(), value_rows.data_ptr(),
             steps.head_strides.data_ptr(), out.data_ptr(), steps.scores.data_ptr(), steps.scores.shape[1], rows, hk,
-            folded.shape[2], dim, q, steps.prefix.data_ptr(), steps.see.data_ptr(), dim, dim ** -0.5,
+            folded.shape[2], dim, q, steps.prefix.data_ptr(), steps.see.data_ptr(), _address(sinks), dim, dim ** -0.5,
             steps.scores.shape[0])
         return out.view(rows, hq, q, dim).transpose(1, 2).reshape(rows * q, hq * dim)
 
     def attend(self, plan: AttentionPlan, layer_id: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write one cache's new keys and values ([b, kv_heads, q, D]) at their slots, and attend over the cache
-        (with the layer's attention sinks [heads], `with_sinks`, where it has them)."""
+        (with the layer's attention sinks [heads] float32 contiguous, `with_sinks`, where it has them)."""
         keys, values = (plan.cache.ring_keys, plan.cache.ring_values) if plan.ring else \
             (plan.cache.keys, plan.cache.values)
         keys, values = keys[layer_id], values[layer_id]
@@ -318,7 +323,7 @@ class Attention:
         """A prompt chunk's attention (query [b, heads, q, D] at positions start..): the cache's first `start` keys
         and causally its own (key, value), already written to the cache after them."""
         if self.kernel:
-            return _prompt_kernel(query, keys, values, start, self.num_kv_heads)
+            return _prompt_kernel(query, keys, values, start, self.num_kv_heads, sinks)
         return _prefix_then_causal(query, keys[:, :, :start], values[:, :, :start], key, value, sinks)
 
     def _attend_masked(self, plan: AttentionPlan, keys: torch.Tensor, values: torch.Tensor,
@@ -334,7 +339,8 @@ class Attention:
             _kernels.decode_attention(
                 folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scores.data_ptr(),
                 scores.shape[1], bsz, self.num_kv_heads, folded.shape[2], head_dim, q, prefix.data_ptr(),
-                see.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5, scores.shape[0])
+                see.data_ptr(), _address(sinks), keys.stride(0), keys.stride(1), keys.stride(2), head_dim ** -0.5,
+                scores.shape[0])
             return out.view(bsz, self.num_heads, q, head_dim)
         keys, values = keys[:, :, :plan.kv_len], values[:, :, :plan.kv_len]
         if sinks is None:

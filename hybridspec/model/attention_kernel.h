@@ -15,7 +15,8 @@
    Layout: q and out [batch, kv_heads, rows, head_dim] contiguous; keys and values [batch, kv_heads, capacity,
    head_dim] (a layer of the KV cache); row r of a KV head is query r % num_queries of the step (the query heads that
    share a KV head, folded). Row r sees keys [0, prefix[b]) and key prefix[b] + j where see[b][r % nq][j].
-   head_dim: 16, 32, 64 or 128. */
+   head_dim: 16, 32, 64 or 128. sinks (gpt-oss; NULL: none): a logit per query head [kv_heads * heads per KV head]
+   in each softmax's denominator that has no value. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -102,8 +103,8 @@ HS_TARGET HS_INLINE void hs_values(const float *scores, long padded, const float
 
 /* One KV head of one row of the batch: rows x n scores (scratch: rows x n rounded up to 16), softmax, values. */
 HS_TARGET HS_INLINE void hs_attend_head(const float *q, const float *k, const float *v, long key_stride, int rows,
-                                        int prefix, int nq, const uint8_t *see, float scale, float *out,
-                                        float *scores, const int chunks) {
+                                        int prefix, int nq, const uint8_t *see, const float *sinks, float scale,
+                                        float *out, float *scores, const int chunks) {
     const int dim = 16 * chunks, n = prefix + nq, padded = (n + 15) / 16 * 16;
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY), scale_v = _mm512_set1_ps(scale);
     for (int j0 = 0; j0 < n; j0 += 16) {
@@ -124,7 +125,10 @@ HS_TARGET HS_INLINE void hs_attend_head(const float *q, const float *k, const fl
         float *s = scores + (long)r * padded;
         __m512 m = neg_inf;
         for (int j = 0; j < padded; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-        const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        const float sink = sinks ? sinks[r / nq] : -INFINITY;  /* this row's query head's */
+        float top = _mm512_reduce_max_ps(m);
+        if (sink > top) top = sink;
+        const __m512 row_max = _mm512_set1_ps(top);
         __m512 total = _mm512_setzero_ps();
         for (int j = 0; j < padded; j += 16) {
             const __m512 x = _mm512_loadu_ps(s + j);
@@ -137,7 +141,7 @@ HS_TARGET HS_INLINE void hs_attend_head(const float *q, const float *k, const fl
         _mm512_storeu_ps(lanes, total);
         for (int w = 8; w > 0; w /= 2)
             for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
-        const __m512 inverse = _mm512_set1_ps(1.0f / lanes[0]);
+        const __m512 inverse = _mm512_set1_ps(1.0f / (sinks ? lanes[0] + expf(sink - top) : lanes[0]));
         for (int j = 0; j < padded; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inverse));
     }
     /* values: groups of rows whose outputs fit in registers (24 vectors), each group reading the values once */
@@ -156,13 +160,13 @@ HS_TARGET HS_INLINE void hs_attend_head(const float *q, const float *k, const fl
 
 /* hs_attend_head with head_dim (16, 32, 64 or 128) as a constant: its loops over the dimension unroll */
 HS_TARGET static void hs_attend_head_of(const float *q, const float *k, const float *v, long key_stride, int rows,
-                                        int prefix, int nq, const uint8_t *see, float scale, float *out,
-                                        float *scores, int dim) {
+                                        int prefix, int nq, const uint8_t *see, const float *sinks, float scale,
+                                        float *out, float *scores, int dim) {
     switch (dim) {
-        case 16: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, scale, out, scores, 1); break;
-        case 32: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, scale, out, scores, 2); break;
-        case 64: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, scale, out, scores, 4); break;
-        default: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, scale, out, scores, 8); break;
+        case 16: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, sinks, scale, out, scores, 1); break;
+        case 32: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, sinks, scale, out, scores, 2); break;
+        case 64: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, sinks, scale, out, scores, 4); break;
+        default: hs_attend_head(q, k, v, key_stride, rows, prefix, nq, see, sinks, scale, out, scores, 8); break;
     }
 }
 
@@ -177,8 +181,8 @@ HS_TARGET static void hs_attend_head_of(const float *q, const float *k, const fl
 HS_TARGET static int hs_decode_attention(const float *q, const float *keys, const float *values, float *out,
                                          float *scores, long scores_stride, int batch, int kv_heads, int rows,
                                          int dim, int nq, const int64_t *prefix, const uint8_t *see,
-                                         long batch_stride, long head_stride, long key_stride, float scale,
-                                         int threads) {
+                                         const float *sinks, long batch_stride, long head_stride, long key_stride,
+                                         float scale, int threads) {
     if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
     const int pairs = batch * kv_heads;
     #pragma omp parallel for schedule(static) num_threads(HS_ATTENTION_THREADS(threads, pairs, prefix[0] + nq))
@@ -186,8 +190,8 @@ HS_TARGET static int hs_decode_attention(const float *q, const float *keys, cons
         const int b = i / kv_heads, h = i % kv_heads;
         const long qo = ((long)b * kv_heads + h) * rows * dim, ko = b * batch_stride + h * head_stride;
         hs_attend_head_of(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq,
-                          see + (long)b * nq * nq, scale, out + qo, scores + omp_get_thread_num() * scores_stride,
-                          dim);
+                          see + (long)b * nq * nq, sinks ? sinks + (long)h * (rows / nq) : NULL, scale, out + qo,
+                          scores + omp_get_thread_num() * scores_stride, dim);
     }
     return 1;
 }
@@ -200,8 +204,8 @@ HS_TARGET static int hs_decode_attention_rows(const float *q, const float *new_k
                                               const int64_t *key_rows, const int64_t *value_rows,
                                               const int64_t *head_strides, float *out, float *scores,
                                               long scores_stride, int batch, int kv_heads, int rows, int dim, int nq,
-                                              const int64_t *prefix, const uint8_t *see, long key_stride,
-                                              float scale, int threads) {
+                                              const int64_t *prefix, const uint8_t *see, const float *sinks,
+                                              long key_stride, float scale, int threads) {
     if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
     for (int b = 0; b < batch; b++) {
         float *keys = (float *)(uintptr_t)key_rows[b], *values = (float *)(uintptr_t)value_rows[b];
@@ -220,8 +224,8 @@ HS_TARGET static int hs_decode_attention_rows(const float *q, const float *new_k
         const float *keys = (const float *)(uintptr_t)key_rows[b], *values = (const float *)(uintptr_t)value_rows[b];
         const long qo = ((long)b * kv_heads + h) * rows * dim, ko = h * head_strides[b];
         hs_attend_head_of(q + qo, keys + ko, values + ko, key_stride, rows, (int)prefix[b], nq,
-                          see + (long)b * nq * nq, scale, out + qo, scores + omp_get_thread_num() * scores_stride,
-                          dim);
+                          see + (long)b * nq * nq, sinks ? sinks + (long)h * (rows / nq) : NULL, scale, out + qo,
+                          scores + omp_get_thread_num() * scores_stride, dim);
     }
     return 1;
 }
@@ -235,7 +239,8 @@ HS_TARGET static int hs_decode_attention_rows(const float *q, const float *new_k
    the work).
 
    Layout: q and out [batch, kv_heads, group * nq, head_dim] contiguous, row g * nq + i is query i of head g of the KV
-   head; keys and values as in hs_decode_attention, the chunk's own keys already at start .. start + nq - 1. */
+   head; keys and values as in hs_decode_attention, the chunk's own keys already at start .. start + nq - 1; sinks as
+   there. */
 #define PF_QUERIES 16
 #define PF_KEYS 128
 
@@ -292,8 +297,8 @@ HS_TARGET HS_INLINE void hs_pf_values(const float *p, int width, const float *v,
 
 /* One tile: queries i0 .. i0 + tq - 1 of every head of the KV head. scratch: width * (2 * dim + PF_KEYS + 2) floats */
 HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const float *v, long key_stride, int nq,
-                                         int group, int start, int i0, int tq, float scale, float *out,
-                                         float *scratch, const int dim) {
+                                         int group, int start, int i0, int tq, const float *sinks, float scale,
+                                         float *out, float *scratch, const int dim) {
     const int width = 16 * group, n = start + i0 + tq;  /* the tile's keys: up to its last query's */
     float *qt = scratch, *s = qt + (long)dim * width, *ot = s + (long)PF_KEYS * width;
     float *row_max = ot + (long)dim * width, *row_sum = row_max + width;
@@ -304,7 +309,8 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
             const float *qr = q + ((long)g * nq + i0 + (l < tq ? l : 0)) * dim;
             for (int d = 0; d < dim; d++) qt[(long)d * width + 16 * g + l] = l < tq ? qr[d] * scale : 0.0f;
         }
-    for (int x = 0; x < width; x++) row_max[x] = -INFINITY, row_sum[x] = 0.0f;
+    /* a sink is a key of score sinks[g] with no value: the running sums start from it */
+    for (int x = 0; x < width; x++) row_max[x] = sinks ? sinks[x / 16] : -INFINITY, row_sum[x] = sinks ? 1.0f : 0.0f;
     memset(ot, 0, sizeof(float) * dim * width);
     for (int b0 = 0; b0 < n; b0 += PF_KEYS) {
         const int kb = n - b0 < PF_KEYS ? n - b0 : PF_KEYS;
@@ -321,7 +327,7 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
             __m512 block_max = neg_inf;
             for (int j = 0; j < kb; j++)
                 block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(s + (long)j * width + 16 * g));
-            /* every query sees key 0, so from the first block on the maximum is finite */
+            /* every query sees key 0, so from the first block on the maximum is finite (a sink's from the start) */
             const __m512 old_max = _mm512_loadu_ps(row_max + 16 * g), new_max = _mm512_max_ps(old_max, block_max);
             const __m512 shrink = hs_exp_nonpositive(_mm512_sub_ps(old_max, new_max));  /* ~0 before the first */
             __m512 total = _mm512_setzero_ps();
@@ -355,8 +361,8 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
    (nothing computed). */
 HS_TARGET static int hs_prefill_attention(const float *q, const float *keys, const float *values, float *out,
                                           float *scratch, int kv_heads, int group, int nq, int dim, int start,
-                                          int tile_begin, int tile_end, int tile_step, long batch_stride,
-                                          long head_stride, long key_stride, float scale) {
+                                          int tile_begin, int tile_end, int tile_step, const float *sinks,
+                                          long batch_stride, long head_stride, long key_stride, float scale) {
     if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
     const int tiles = (nq + PF_QUERIES - 1) / PF_QUERIES;
     for (int t = tile_begin; t < tile_end; t += tile_step) {
@@ -364,7 +370,8 @@ HS_TARGET static int hs_prefill_attention(const float *q, const float *keys, con
         const int tq = nq - i0 < PF_QUERIES ? nq - i0 : PF_QUERIES;
         const long qo = ((long)b * kv_heads + h) * group * nq * dim, ko = b * batch_stride + h * head_stride;
 #define HS_PF_TILE(DIM) \
-    hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, scale, out + qo, scratch, DIM)
+    hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, \
+                    sinks ? sinks + (long)h * group : NULL, scale, out + qo, scratch, DIM)
         switch (dim) {  /* a constant head_dim: the loops over it unroll */
             case 16: HS_PF_TILE(16); break;
             case 32: HS_PF_TILE(32); break;

@@ -63,7 +63,7 @@ class _DenseMLP:
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.act(gate) * up
+        return self.act(gate).mul_(up)  # into the activation's fresh output
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self._gated(x))
@@ -118,12 +118,14 @@ class _MixtureOfExperts:
         return [self.router] + [lin for pair in self.experts for lin in pair] + shared
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts' activation, in place in gate_up (a product's fresh output): a view of it, strided. The
+        operations and their order are transformers', so the values are its to the bit."""
         gate, up = gate_up.chunk(2, dim=-1)
         if self.clamp is None:
-            return F.silu(gate) * up
+            return F.silu(gate, inplace=True).mul_(up)
         alpha, limit = self.clamp
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        return (up + 1) * gate * torch.sigmoid(gate * alpha)
+        gate, up = gate.clamp_(max=limit), up.clamp_(-limit, limit)
+        return up.add_(1).mul_(gate).mul_(torch.sigmoid(gate * alpha))
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)
@@ -134,21 +136,24 @@ class _MixtureOfExperts:
         else:
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
-        weights = weights.to(x.dtype).reshape(-1)
         order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, k) pairs grouped by expert
+        weights = weights.to(x.dtype).reshape(-1)[order, None]
         counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts))
         rows = order // self.top_k
+        # each token's experts summed in expert order, as transformers does
+        out = torch.zeros_like(x)
         if self.kernel and len(order) <= EXPERT_KERNEL_PAIRS and x.dtype == torch.float32:
-            products = self._chosen_experts(x[rows], counts)
-        else:  # many tokens (a prompt chunk): each expert's rows by its own Linear, oneDNN's product
-            products, begin = x.new_empty(len(order), x.shape[-1]), 0
+            out.index_add_(0, rows, self._chosen_experts(x.index_select(0, rows), counts) * weights)
+        else:  # many tokens (a prompt chunk): each expert's rows by its own Linear, oneDNN's product, added at once
+            begin = 0  # (no copy of all chosen rows at once: at a chunk's size, writing its fresh pages costs more)
             for expert, count in enumerate(counts.tolist()):
                 if count:
                     gate_up, down = self.experts[expert]
-                    products[begin:begin + count] = down(self._activation(gate_up(x[rows[begin:begin + count]])))
-                    begin += count
-        # each token's experts summed in expert order, as transformers does
-        out = torch.zeros_like(x).index_add_(0, rows, products * weights[order, None])
+                    end = begin + count
+                    chosen_rows = rows[begin:end]
+                    products = down(self._activation(gate_up(x.index_select(0, chosen_rows))))
+                    out.index_add_(0, chosen_rows, products.mul_(weights[begin:end]))
+                    begin = end
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return residual + out
@@ -241,7 +246,8 @@ class DecoderLayer:
         # Gemma's local and global layers rotate by different bases: the key of this layer's rotary table (None: the
         # model's one table)
         self.rope_kind = config.layer_types[layer_id] if is_gemma(config) else None
-        self.sinks = getattr(attn, "sinks", None)  # gpt-oss: a softmax logit per head with no value
+        sinks = getattr(attn, "sinks", None)  # gpt-oss: a softmax logit per head with no value
+        self.sinks = None if sinks is None else sinks.detach().float().contiguous()  # as the kernels read them
 
     def linears(self) -> list[Linear]:
         mixer = self.delta.linears() if self.delta is not None else [self.qkv, self.o]

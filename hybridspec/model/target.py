@@ -115,7 +115,7 @@ class TargetModel:
                 self.embed[:1][None], self.max_seq_len, self.head_dim, rotary)
                 for kind in {layer.rope_kind for layer in self.layers if layer.delta is None}}
         self.attention = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device,
-                                   self.max_seq_len, sinks=any(layer.sinks is not None for layer in self.layers))
+                                   self.max_seq_len)
         # The longest prompt chunk a step with a draft tree runs in one pass: where the chunk attends causally apart
         # (`ForwardPart.causal_rows`) the mask spans the tree alone; elsewhere it spans the chunk too.
         self.tree_prompt_chunk = CAUSAL_CHUNK if self.attention.cpu_flash else MASKED_CHUNK
@@ -298,7 +298,8 @@ class TargetModel:
         everything = query_key.new_empty(query_key.shape[0], hq * hd)
         for j in joined:
             everything[j.inputs] = self.attention.attend_joined(j, layer.kv_index, query_key[j.inputs],
-                                                                qkv[j.inputs, (hq + hk) * hd:(hq + 2 * hk) * hd])
+                                                                qkv[j.inputs, (hq + hk) * hd:(hq + 2 * hk) * hd],
+                                                                layer.sinks)
         for i, out in zip(apart, attn):
             everything[spans[i][0]:spans[i][1]] = out
         return everything
