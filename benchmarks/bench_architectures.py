@@ -12,11 +12,11 @@ plain greedy decoding (decode, ms per token: the difference of the two calls ove
 attention; Qwen3.5: its PyTorch gated delta rule, what runs without the CUDA-only kernels). `--peers`, each in a
 process of its own after the others, on the same weights (the architectures one does not run say why): vLLM on CPU
 (.venv-vllm; `LLM.generate` on the weights saved to a directory, float32, prefix caching off) and llama.cpp
-(llama-cpp-python in .venv-peers; the weights written to a float32 GGUF, Qwen3 and Qwen3-MoE; greedy by argmax over
-its logits). Both are timed as the engine is: a prompt to its first token, then per decoded token; the engine is timed
-again after each peer, and a peer's ratio is to the mean of the engine's timings on either side of it (this host's
-memory bandwidth drifts between minutes, and peers run minutes apart). MoE rows: the expert weights a decode token
-multiplied (counted on the engine's products) against all of a layer's experts.
+(llama-cpp-python in .venv-peers; the weights written to a float32 GGUF, for Qwen3, Qwen3-MoE, gpt-oss and Qwen3.5 dense
+and MoE; greedy by argmax over its logits). Both are timed as the engine is: a prompt to its first token, then per
+decoded token; the engine is timed again after each peer, and a peer's ratio is to the mean of the engine's timings on
+either side of it (this host's memory bandwidth drifts between minutes, and peers run minutes apart). MoE rows: the
+expert weights a decode token multiplied (counted on the engine's products) against all of a layer's experts.
 
     .venv/bin/python benchmarks/bench_architectures.py --json out/bench_architectures.json
 """
@@ -49,7 +49,11 @@ SHAPES = {
     "gpt-oss-4l": ("GptOssConfig", "GptOssForCausalLM", dict(
         vocab_size=201088, hidden_size=1024, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=16,
         num_key_value_heads=4, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
-        tie_word_embeddings=False, attn_implementation="eager")),
+        tie_word_embeddings=False, attn_implementation="eager",
+        # YaRN's correction range rounded to whole dimensions, as llama.cpp always does (the release says not), so
+        # that every method decodes the same tokens; the timing is the same either way
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0})),
     "qwen3.5-hybrid-24l": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
@@ -150,12 +154,17 @@ PEERS = {"vllm": vllm_timings, "llama.cpp": llama_cpp_timings}
 
 
 def write_gguf(model, path: Path) -> None:
-    """The model's float32 weights as llama.cpp reads them (Qwen3 and Qwen3-MoE), with a placeholder vocabulary (the
-    benchmark passes token ids)."""
+    """The model's float32 weights as llama.cpp reads them, with a placeholder vocabulary (the benchmark passes token
+    ids): Qwen3, Qwen3-MoE, gpt-oss (its experts in float32, not MXFP4), and Qwen3.5 and Qwen3.5-MoE text models. Any
+    other `model_type` raises KeyError. llama.cpp's limits: it always rounds YaRN's correction range to whole
+    dimensions (transformers' `truncate: True`; gpt-oss as published says False, so its rotary frequencies differ a
+    little there), and its Qwen3.5 wants DeltaNet key and value heads of one size (else it does not load)."""
     import gguf
 
     config = model.config
-    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}[config.model_type]
+    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "gpt_oss": gguf.MODEL_ARCH.GPT_OSS,
+            "qwen3_5_text": gguf.MODEL_ARCH.QWEN35, "qwen3_5_moe_text": gguf.MODEL_ARCH.QWEN35MOE}[config.model_type]
+    hybrid = arch in (gguf.MODEL_ARCH.QWEN35, gguf.MODEL_ARCH.QWEN35MOE)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -165,12 +174,41 @@ def write_gguf(model, path: Path) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "yarn":  # without attention_factor both derive it from the factor alike
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope.get("beta_fast", 32.0))
+        writer.add_rope_scaling_yarn_beta_slow(rope.get("beta_slow", 1.0))
+        if rope.get("attention_factor") is not None:
+            writer.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if arch == gguf.MODEL_ARCH.QWEN3MOE:
-        writer.add_expert_count(config.num_experts)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", config.intermediate_size))
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if arch == gguf.MODEL_ARCH.GPT_OSS:  # llama.cpp windows every other layer from layer 0 itself, as gpt-oss does
+        writer.add_sliding_window(config.sliding_window)
+    if hybrid:
+        writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+        writer.add_ssm_state_size(config.linear_key_head_dim)
+        writer.add_ssm_group_count(config.linear_num_key_heads)
+        writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+        writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+        linear = [kind == "linear_attention" for kind in config.layer_types]
+        writer.add_array(f"{writer.arch}.attention.recurrent_layers", linear)  # this gguf-py has no add_ for it
+        writer.add_full_attention_interval(linear.index(False) + 1)
+        rotary = int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(rotary)
+        # llama.cpp requires multimodal RoPE sections, summing to at most the head size; a text position is the same
+        # in all three, so any split of the rotated pairs is the text model's RoPE
+        pairs = rotary // 2
+        writer.add_rope_dimension_sections([pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(["t", "0", "t0"] + [f"t{i}" for i in range(3, config.vocab_size)])
@@ -179,20 +217,74 @@ def write_gguf(model, path: Path) -> None:
     writer.add_eos_token_id(0)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
-        if name.endswith("experts.gate_up_proj"):  # [experts, 2 x intermediate, hidden]: gate rows, then up rows
+        tensor = tensor.detach().float()
+        if hybrid:
+            name, tensor = qwen3_5_tensor(config, name, tensor)
+        if arch == gguf.MODEL_ARCH.GPT_OSS and ".experts." in name:
+            tensors = gpt_oss_expert_tensors(names, name, tensor)
+        elif name.endswith("experts.gate_up_proj"):  # [experts, 2 x intermediate, hidden]: gate rows, then up rows
             gate, up = tensor.chunk(2, dim=1)
             block = names.get_name(name.replace("gate_up_proj", "gate_proj"))
             tensors = [(block + ".weight", gate), (block.replace("gate", "up") + ".weight", up)]
         elif name.endswith("experts.down_proj"):
             tensors = [(names.get_name(name) + ".weight", tensor)]
+        elif name.endswith(".sinks"):  # llama.cpp looks for attn_sinks.weight
+            tensors = [(names.get_name(name) + ".weight", tensor)]
         else:
             tensors = [(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor)]
         for gguf_name, t in tensors:
-            writer.add_tensor(gguf_name, t.detach().float().contiguous().numpy())
+            if gguf_name is None:
+                raise ValueError(f"no GGUF name for {name}")
+            writer.add_tensor(gguf_name, t.contiguous().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def gpt_oss_expert_tensors(names, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One of gpt-oss's expert tensors as llama.cpp's: transformers stores them [experts, in, out] with gate and up
+    interleaved (gate, up, gate, ...) along gate_up_proj's out; llama.cpp wants [experts, out, in], each apart."""
+    block = names.get_name(name.replace("gate_up_proj", "gate_proj").removesuffix("_bias"))
+    if name.endswith("gate_up_proj"):
+        tensor = tensor.transpose(1, 2)
+    if name.endswith("gate_up_proj") or name.endswith("gate_up_proj_bias"):
+        suffix = ".bias" if name.endswith("_bias") else ".weight"
+        return [(block + suffix, tensor[:, 0::2]), (block.replace("gate", "up") + suffix, tensor[:, 1::2])]
+    if name.endswith("down_proj"):
+        return [(block + ".weight", tensor.transpose(1, 2))]
+    if name.endswith("down_proj_bias"):
+        return [(block + ".bias", tensor)]
+    raise ValueError(f"unexpected gpt-oss expert tensor {name}")
+
+
+def qwen3_5_tensor(config, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One Qwen3.5 weight as llama.cpp's QWEN35/QWEN35MOE reads it: -exp(A_log), dt_bias as dt_proj.bias, the conv
+    kernel without its channel axis, (1 + weight) norms stored as such (not the gated norm, which multiplies by weight),
+    and the DeltaNet value heads tiled over the key heads rather than grouped by them."""
+    k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    if ".linear_attn." in name and v_heads != k_heads:
+        def tiled(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:  # (k, v per k, size) -> (v per k, k, size)
+            return t.unflatten(dim, (k_heads, v_heads // k_heads, size)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+        v_dim, qk = config.linear_value_head_dim, 2 * k_heads * config.linear_key_head_dim
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # q and k channels, then v's
+            tensor = torch.cat([tensor[:qk], tiled(tensor[qk:], 0, v_dim)])
+        elif name.endswith("in_proj_z.weight"):
+            tensor = tiled(tensor, 0, v_dim)
+        elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            tensor = tiled(tensor, 0, 1)
+        elif name.endswith("out_proj.weight"):
+            tensor = tiled(tensor, 1, v_dim)
+    if name.endswith(".A_log"):
+        tensor = -tensor.exp()
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix("dt_bias") + "dt_proj.bias"
+    elif name.endswith("conv1d.weight"):
+        tensor = tensor.squeeze(1)
+    elif name.endswith("norm.weight") and ".linear_attn." not in name:
+        tensor = tensor + 1
+    return name, tensor
 
 
 def new_engine(model):

@@ -214,6 +214,33 @@ def test_a_sliding_window_layer_keeps_only_its_window(name):
     torch.testing.assert_close(drafted, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["gpt_oss", "mistral_window"])
+def test_a_windowed_prompt_chunk_by_the_prompt_kernel_is_transformers(name, monkeypatch):
+    """Windows of at least the prompt kernel's tile (here 20 positions; gpt-oss's 128): a prompt chunk of a
+    windowed layer attends by the kernel over the window's keys in position order, whole prompts and chunks of 7
+    whose windows wrap around a small ring (gathered), and decodes transformers' tokens."""
+    from hybridspec.model import attention
+
+    if not KERNEL_ROWS:
+        pytest.skip("no AVX-512 on this CPU: the prompt kernel does not run")
+    windows = []
+    kernel = attention._prompt_kernel
+    monkeypatch.setattr(attention, "_prompt_kernel", lambda *a, **k: windows.append(a[6] if len(a) > 6 else 0)
+                        or kernel(*a, **k))
+    model = tiny_causal_lm(name, window=20)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (9, 45, 70)]
+    for chunk in (512, 7):
+        engine = Engine(small_ring(TargetModel(model)), tiny_tokenizer(128), prefill_chunk=chunk)
+        for prompt in prompts:
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                     eos_token_id=engine.tokenizer.eos_token_id, pad_token_id=0)[0, len(prompt):]
+            assert engine.generate(prompt, max_new_tokens=20, speculate="none").token_ids == ref.tolist(), \
+                (name, chunk, len(prompt))
+    assert 20 in windows
+
+
 def test_an_unsupported_architecture_names_the_supported_ones():
     import transformers
 
@@ -239,6 +266,49 @@ def test_a_bfloat16_checkpoint_directory_loads_into_float32(tmp_path, name):
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     in_memory = Engine(TargetModel(reference), tiny_tokenizer(128), verify_cost=None)
     prompt = long_prompts(1, seed=2)[-1]
+    assert loaded.generate(prompt, max_new_tokens=24, speculate="suffix").token_ids == \
+        in_memory.generate(prompt, max_new_tokens=24, speculate="none").token_ids
+
+
+def to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gpt-oss experts' weights [experts, in, out] in MXFP4 as its checkpoints hold them: per output row, blocks of 32
+    inputs as 4-bit E2M1 codes two to a byte (low nibble first) [experts, out, in / 32, 16] and a power-of-two scale
+    each (E8M0, bias 127) [experts, out, in / 32]; and the weights they decode to."""
+    fp4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    rows = weight.transpose(1, 2)
+    blocks = rows.reshape(*rows.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=2.0 ** -100) / 6.0))
+    scaled = blocks / torch.pow(2.0, exponent)[..., None]
+    magnitude = (scaled.abs()[..., None] - fp4).abs().argmin(-1)
+    codes = magnitude + 8 * (scaled < 0)
+    packed = (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8)
+    decoded = fp4[magnitude] * torch.where(scaled < 0, -1.0, 1.0) * torch.pow(2.0, exponent)[..., None]
+    return packed, (exponent + 127).to(torch.uint8), decoded.reshape(rows.shape).transpose(1, 2).contiguous()
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_loads_as_its_decoded_weights(tmp_path):
+    """gpt-oss as released: experts in MXFP4 (`*_blocks`, `*_scales`, quant_method mxfp4), the rest in full
+    precision. transformers decodes them on a CPU; the engine loads that into float32 (every MXFP4 value is exact
+    there) and decodes, under speculation, the tokens of the same model holding the decoded weights."""
+    from safetensors.torch import save_file
+
+    model = tiny_causal_lm("gpt_oss", window=WINDOW)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        state[name + "_blocks"], state[name + "_scales"], decoded = to_mxfp4(state.pop(name))
+        assert not torch.equal(decoded, model.get_parameter(name))  # 4 bits: the weights move
+        model.get_parameter(name).data.copy_(decoded)
+    model.config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    model.config.save_pretrained(tmp_path)
+    del model.config.quantization_config
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    tiny_tokenizer(128).save_pretrained(tmp_path)
+    loaded = Engine.from_pretrained(str(tmp_path), verify_cost=None)
+    in_memory = Engine(TargetModel(model), tiny_tokenizer(128), verify_cost=None)
+    for got, want in zip(loaded.target.layers, in_memory.target.layers):
+        assert all(torch.equal(a, b) for a, b in zip(got.mlp.stacked, want.mlp.stacked))
+    prompt = long_prompts(1, seed=3)[-1]
     assert loaded.generate(prompt, max_new_tokens=24, speculate="suffix").token_ids == \
         in_memory.generate(prompt, max_new_tokens=24, speculate="none").token_ids
 

@@ -211,7 +211,7 @@ def test_bench_attention_writes_its_table(tmp_path, capsys):
     assert "kernel ms" in capsys.readouterr().out
 
 
-def run_prompt_kernel(q, keys, values, start, workers=1, sinks=None):
+def run_prompt_kernel(q, keys, values, start, workers=1, sinks=None, window=0):
     """q [B, H * group, nq, D] at positions start.. (its keys already in the cache); keys/values [B, H, capacity, D];
     sinks [H * group]."""
     from hybridspec.model import attention as module
@@ -219,16 +219,18 @@ def run_prompt_kernel(q, keys, values, start, workers=1, sinks=None):
     with_threads = torch.get_num_threads()
     torch.set_num_threads(workers)
     try:
-        return module._prompt_kernel(q, keys, values, start, keys.shape[1], sinks)
+        return module._prompt_kernel(q, keys, values, start, keys.shape[1], sinks, window)
     finally:
         torch.set_num_threads(with_threads)
 
 
-def prompt_reference(q, keys, values, start, sinks=None):
+def prompt_reference(q, keys, values, start, sinks=None, window=0):
     b, heads, nq, d = q.shape
     kv_heads = keys.shape[1]
     n = start + nq
     mask = torch.ones(nq, n, dtype=torch.bool).tril(start)  # query i sees keys [0, start + i]
+    if window:  # and none before start + i - window + 1
+        mask &= ~torch.ones(nq, n, dtype=torch.bool).tril(start - window)
     k = keys[:, :, :n].repeat_interleave(heads // kv_heads, dim=1)
     v = values[:, :, :n].repeat_interleave(heads // kv_heads, dim=1)
     if sinks is not None:
@@ -268,6 +270,26 @@ def test_the_prompt_kernel_takes_attention_sinks(dim):
         assert not torch.allclose(expected, prompt_reference(q, keys, values, start), atol=1e-3)
         torch.testing.assert_close(run_prompt_kernel(q, keys, values, start, sinks=sinks), expected, atol=3e-6,
                                    rtol=3e-5, msg=f"start {start}, {nq} queries")
+
+
+@pytest.mark.parametrize("window", [16, 20, 128, 200])
+def test_the_prompt_kernel_attends_within_a_sliding_window(window):
+    """A sliding-window layer's prompt chunk: each query sees its last `window` positions only (gpt-oss: 128, with
+    sinks), chunks from the start and after a cache shorter and longer than the window, tiles that begin inside it."""
+    gen = torch.Generator().manual_seed(window)
+    kv_heads, group, dim = 2, 3, 64
+    sinks = torch.linspace(-2.0, 4.0, kv_heads * group)
+    for start, nq, with_sinks in ((0, 1, False), (0, 40, True), (5, 300, False), (window - 1, 17, True),
+                                  (300, 200, True)):
+        keys = torch.randn(1, kv_heads, start + nq, dim, generator=gen)
+        values = torch.randn(1, kv_heads, start + nq, dim, generator=gen)
+        q = torch.randn(1, kv_heads * group, nq, dim, generator=gen)
+        s = sinks if with_sinks else None
+        expected = prompt_reference(q, keys, values, start, s, window)
+        if start + nq > window + 1:
+            assert not torch.allclose(expected, prompt_reference(q, keys, values, start, s), atol=1e-3)
+        torch.testing.assert_close(run_prompt_kernel(q, keys, values, start, sinks=s, window=window), expected,
+                                   atol=3e-6, rtol=3e-5, msg=f"start {start}, {nq} queries")
 
 
 def test_the_prompt_kernel_gives_the_same_bits_on_any_number_of_threads():

@@ -1,12 +1,15 @@
 """benchmarks/bench_architectures.py on tiny shapes: both methods decode the same tokens (the script checks), the
-table's ratios come from its own timings, and the expert bytes a decode token multiplies are top_k of the experts."""
+table's ratios come from its own timings, the expert bytes a decode token multiplies are top_k of the experts, and
+llama.cpp decodes transformers' tokens from the GGUF written for each architecture."""
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 import bench_architectures
+from common import PEERS_PYTHON
 
 TINY = {
     "tiny-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
@@ -64,6 +67,44 @@ def test_the_peers_time_the_same_weights(tmp_path, monkeypatch, capsys):
         for part in ("prefill", "decode"):  # to the mean of the engine's timings on either side of the peer
             assert got[f"{part}_ratio"] == pytest.approx(
                 got[f"{part}_ms_per_token"] / got[f"hybridspec_{part}_ms_per_token"])
-        hybrid = rows["tiny-qwen3.5"]["peers"][peer]  # neither runs Qwen3.5 here: said, not fatal
+        hybrid = rows["tiny-qwen3.5"]["peers"][peer]  # a peer that does not run Qwen3.5 says so, not fatal
         assert hybrid.get("same_tokens") is not None if "error" not in hybrid else \
             f"tiny-qwen3.5: {peer} did not run" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PEERS_PYTHON.exists(), reason=f"{PEERS_PYTHON} is missing (scripts/setup_peers.sh makes it)")
+def test_llama_cpp_decodes_the_gguf_written_for_gpt_oss_and_qwen3_5():
+    """write_gguf on a tiny gpt-oss (sinks, every other layer windowed, biased router and experts, YaRN) and a tiny
+    Qwen3.5 (Gated DeltaNet with 2 key heads to 4 value heads, gated attention, partial RoPE) and Qwen3.5-MoE, logits
+    peaked and norms, biases, sinks and DeltaNet decays random: llama.cpp greedy-decodes transformers' tokens."""
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, initializer_range=0.3, tie_word_embeddings=False)
+    # llama.cpp rounds YaRN's correction range (truncate), and its Qwen3.5 wants key and value heads of one size
+    yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": True, "original_max_position_embeddings": 128}
+    hybrid = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  layer_types=["linear_attention", "full_attention"] * 2)
+    torch.manual_seed(0)  # the same tiny models every run
+    models = {
+        "gpt-oss": transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **common, num_local_experts=8, num_experts_per_tok=2, sliding_window=8, rope_parameters=yarn,
+            attn_implementation="eager")),
+        "qwen3.5": transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**common, **hybrid)),
+        "qwen3.5-moe": transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(
+            **common, **hybrid, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32)),
+    }
+    prompt = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    for name, model in models.items():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param.ndim == 1 or param_name.endswith("bias"):
+                    param.add_(0.3 * torch.randn_like(param))
+            expected = model.eval().generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+                                             do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        got = bench_architectures.llama_cpp_timings(model, {"prompt": prompt, "new": 1, "repeats": 1, "threads": 1})
+        assert got.get("tokens") == expected, (name, got)

@@ -17,8 +17,8 @@ cdef extern from "attention_kernel.h" nogil:
                                  long key_stride, float scale, int threads)
     int hs_prefill_attention(const float *q, const float *keys, const float *values, float *out, float *scratch,
                              int kv_heads, int group, int nq, int dim, int start, int tile_begin, int tile_end,
-                             int tile_step, const float *sinks, long batch_stride, long head_stride, long key_stride,
-                             float scale)
+                             int tile_step, const float *sinks, int window, long batch_stride, long head_stride,
+                             long key_stride, float scale)
     int PF_QUERIES, PF_KEYS
 
 
@@ -63,12 +63,14 @@ TILE_QUERIES, TILE_KEYS = PF_QUERIES, PF_KEYS  # a prompt tile's queries; the ke
 
 def prefill_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t out, uintptr_t scratch, int kv_heads,
                       int group, int nq, int dim, int start, int tile_begin, int tile_end, int tile_step,
-                      uintptr_t sinks, long batch_stride, long head_stride, long key_stride, float scale) -> bool:
+                      uintptr_t sinks, int window, long batch_stride, long head_stride, long key_stride,
+                      float scale) -> bool:
     """Every tile_step-th tile from tile_begin below tile_end of a prompt chunk's causal attention
-    (`hs_prefill_attention`); False: head_dim is not one the kernel has."""
+    (`hs_prefill_attention`; window 0 or at least TILE_QUERIES); False: head_dim is not one the kernel has."""
     cdef int done
     with nogil:
         done = hs_prefill_attention(<const float *>q, <const float *>keys, <const float *>values, <float *>out,
                                     <float *>scratch, kv_heads, group, nq, dim, start, tile_begin, tile_end,
-                                    tile_step, <const float *>sinks, batch_stride, head_stride, key_stride, scale)
+                                    tile_step, <const float *>sinks, window, batch_stride, head_stride, key_stride,
+                                    scale)
     return bool(done)

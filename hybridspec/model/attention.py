@@ -93,10 +93,11 @@ _prompt_threads: tuple[int, ThreadPoolExecutor] | None = None  # (its workers, t
 
 
 def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   num_kv_heads: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   num_kv_heads: int, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Attention of a prompt chunk by the kernel (`hs_prefill_attention`): query [b, heads, q, D] at positions
     start.., each seeing the cache up to itself (its own keys already written there; keys [b, kv_heads, capacity, D];
-    sinks [heads] float32 contiguous, or None).
+    sinks [heads] float32 contiguous, or None), or only its last `window` positions (0: all; else at least
+    TILE_QUERIES).
     On several torch threads, its tiles (16 queries of a KV head) are dealt among them: the kernel releases the GIL."""
     global _prompt_threads
     bsz, heads, q, dim = query.shape
@@ -110,7 +111,7 @@ def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     def run(worker: int) -> bool:
         return _kernels.prefill_attention(
             folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scratch[worker].data_ptr(),
-            num_kv_heads, group, q, dim, start, worker, tiles, workers, _address(sinks), keys.stride(0),
+            num_kv_heads, group, q, dim, start, worker, tiles, workers, _address(sinks), window, keys.stride(0),
             keys.stride(1), keys.stride(2), dim ** -0.5)
 
     others = []
@@ -144,6 +145,7 @@ class AttentionPlan:
     # the scores
     kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     ring: bool = False  # a sliding-window layer's: its keys and values in the cache's ring (`plan_ring`)
+    window: int = 0  # a ring's prompt chunk that attends by the prompt kernel: the layer's window
 
 
 @dataclass
@@ -204,15 +206,23 @@ class Attention:
         return AttentionPlan(cache, kv_len, folded_mask, slots, cache.lengths[0] if same_length else None,
                              causal_chunk, causal_rows)
 
-    def plan_ring(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, window: int) -> AttentionPlan:
+    def plan_ring(self, cache: KVCache, depths: torch.Tensor, tree_mask: torch.Tensor, window: int,
+                  causal: bool = False) -> AttentionPlan:
         """The plan of one cache's rows in a sliding-window layer, whose keys and values are in the cache's ring
         (`RingShape`): each input goes to the slot of its place among the pass's inputs past its row's length, and
         sees, by position (a tree node's is its row's length plus its depth), the committed keys of the last `window`
         positions (itself included) and those of its own tree block within them. Attends under a mask over the ring's
-        slots: attention does not depend on the order of its keys (they were rotated before they were stored)."""
+        slots: attention does not depend on the order of its keys (they were rotated before they were stored); a
+        prompt chunk of rows of one length (causal) by the prompt kernel, over the window's keys in position order."""
         bsz, q = depths.shape
         cache.reserve_inputs(q)
         size = cache.ring_size
+        if causal and self.kernel and window >= _kernels.TILE_QUERIES and len(set(cache.lengths)) == 1:
+            slots = (cache.lengths[0] + torch.arange(q, device=self.device)) % size
+            for row, length in enumerate(cache.lengths):
+                cache.note_ring_writes(row, length + q)
+            return AttentionPlan(cache, size, None, slots.expand(bsz, q), cache.lengths[0], True, ring=True,
+                                 window=window)
         lengths = torch.tensor(cache.lengths, dtype=torch.long, device=self.device)[:, None]
         positions = lengths + depths  # [b, q]
         slots = (lengths + torch.arange(q, device=self.device)) % size  # [b, q]: where each input's key goes
@@ -300,6 +310,8 @@ class Attention:
         keys, values = (plan.cache.ring_keys, plan.cache.ring_values) if plan.ring else \
             (plan.cache.keys, plan.cache.values)
         keys, values = keys[layer_id], values[layer_id]
+        if plan.window:
+            return self._attend_ring_prompt(plan, keys, values, query, key, value, sinks)
         q = key.shape[2]
         if plan.start is not None:
             keys[:, :, plan.start:plan.start + q] = key
@@ -325,6 +337,24 @@ class Attention:
         if self.kernel:
             return _prompt_kernel(query, keys, values, start, self.num_kv_heads, sinks)
         return _prefix_then_causal(query, keys[:, :, :start], values[:, :, :start], key, value, sinks)
+
+    def _attend_ring_prompt(self, plan: AttentionPlan, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
+                            key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """A prompt chunk in a sliding-window layer by the prompt kernel: its keys and values to their ring slots,
+        then attention over the window before it and the chunk, in position order (a view of the ring where they do
+        not wrap around its end, else gathered)."""
+        slots = plan.slots[0]
+        keys.index_copy_(2, slots, key)
+        values.index_copy_(2, slots, value)
+        size, q = keys.shape[2], key.shape[2]
+        before = min(plan.start, plan.window - 1)
+        first = (plan.start - before) % size
+        if first + before + q <= size:
+            keys, values = keys[:, :, first:first + before + q], values[:, :, first:first + before + q]
+        else:
+            order = (first + torch.arange(before + q, device=self.device)) % size
+            keys, values = keys.index_select(2, order), values.index_select(2, order)
+        return _prompt_kernel(query, keys, values, before, self.num_kv_heads, sinks, plan.window)
 
     def _attend_masked(self, plan: AttentionPlan, keys: torch.Tensor, values: torch.Tensor,
                        query: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -240,7 +240,8 @@ HS_TARGET static int hs_decode_attention_rows(const float *q, const float *new_k
 
    Layout: q and out [batch, kv_heads, group * nq, head_dim] contiguous, row g * nq + i is query i of head g of the KV
    head; keys and values as in hs_decode_attention, the chunk's own keys already at start .. start + nq - 1; sinks as
-   there. */
+   there. window (a sliding-window layer; 0: none, else at least PF_QUERIES): query i sees only the keys of its last
+   `window` positions, start + i - window + 1 .. start + i; a tile starts at its first query's first key. */
 #define PF_QUERIES 16
 #define PF_KEYS 128
 
@@ -297,9 +298,12 @@ HS_TARGET HS_INLINE void hs_pf_values(const float *p, int width, const float *v,
 
 /* One tile: queries i0 .. i0 + tq - 1 of every head of the KV head. scratch: width * (2 * dim + PF_KEYS + 2) floats */
 HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const float *v, long key_stride, int nq,
-                                         int group, int start, int i0, int tq, const float *sinks, float scale,
-                                         float *out, float *scratch, const int dim) {
+                                         int group, int start, int i0, int tq, const float *sinks, int window,
+                                         float scale, float *out, float *scratch, const int dim) {
     const int width = 16 * group, n = start + i0 + tq;  /* the tile's keys: up to its last query's */
+    /* from its first query's first key: with a window of at least 16 keys every query of the tile sees one of the
+       first block's, so from the first block on each running maximum is finite */
+    const int first = window && start + i0 - window + 1 > 0 ? start + i0 - window + 1 : 0;
     float *qt = scratch, *s = qt + (long)dim * width, *ot = s + (long)PF_KEYS * width;
     float *row_max = ot + (long)dim * width, *row_sum = row_max + width;
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
@@ -312,7 +316,7 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
     /* a sink is a key of score sinks[g] with no value: the running sums start from it */
     for (int x = 0; x < width; x++) row_max[x] = sinks ? sinks[x / 16] : -INFINITY, row_sum[x] = sinks ? 1.0f : 0.0f;
     memset(ot, 0, sizeof(float) * dim * width);
-    for (int b0 = 0; b0 < n; b0 += PF_KEYS) {
+    for (int b0 = first; b0 < n; b0 += PF_KEYS) {
         const int kb = n - b0 < PF_KEYS ? n - b0 : PF_KEYS;
         const float *kblock = k + (long)b0 * key_stride, *vblock = v + (long)b0 * key_stride;
 #define HS_PF_SCORES(RV) hs_pf_scores(qt, width, kblock, key_stride, kb, s, v0, RV, dim);
@@ -323,11 +327,17 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
             for (int g = 0; g < group; g++)
                 _mm512_mask_storeu_ps(s + (long)j * width + 16 * g, hidden, neg_inf);
         }
+        /* the window's far edge: query i0 + l no longer sees key b0 + j when l >= b0 + j - start - i0 + window */
+        for (int j = 0; window && j < kb && b0 + j - start - i0 + window < 16; j++) {
+            const __mmask16 hidden = _mm512_cmpge_epi32_mask(lanes, _mm512_set1_epi32(b0 + j - start - i0 + window));
+            for (int g = 0; g < group; g++)
+                _mm512_mask_storeu_ps(s + (long)j * width + 16 * g, hidden, neg_inf);
+        }
         for (int g = 0; g < group; g++) {  /* the running maximum and sum, per query: one vector per head */
             __m512 block_max = neg_inf;
             for (int j = 0; j < kb; j++)
                 block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(s + (long)j * width + 16 * g));
-            /* every query sees key 0, so from the first block on the maximum is finite (a sink's from the start) */
+            /* finite from the first block on (see first; a sink's from the start) */
             const __m512 old_max = _mm512_loadu_ps(row_max + 16 * g), new_max = _mm512_max_ps(old_max, block_max);
             const __m512 shrink = hs_exp_nonpositive(_mm512_sub_ps(old_max, new_max));  /* ~0 before the first */
             __m512 total = _mm512_setzero_ps();
@@ -362,7 +372,8 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
 HS_TARGET static int hs_prefill_attention(const float *q, const float *keys, const float *values, float *out,
                                           float *scratch, int kv_heads, int group, int nq, int dim, int start,
                                           int tile_begin, int tile_end, int tile_step, const float *sinks,
-                                          long batch_stride, long head_stride, long key_stride, float scale) {
+                                          int window, long batch_stride, long head_stride, long key_stride,
+                                          float scale) {
     if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
     const int tiles = (nq + PF_QUERIES - 1) / PF_QUERIES;
     for (int t = tile_begin; t < tile_end; t += tile_step) {
@@ -371,7 +382,7 @@ HS_TARGET static int hs_prefill_attention(const float *q, const float *keys, con
         const long qo = ((long)b * kv_heads + h) * group * nq * dim, ko = b * batch_stride + h * head_stride;
 #define HS_PF_TILE(DIM) \
     hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, \
-                    sinks ? sinks + (long)h * group : NULL, scale, out + qo, scratch, DIM)
+                    sinks ? sinks + (long)h * group : NULL, window, scale, out + qo, scratch, DIM)
         switch (dim) {  /* a constant head_dim: the loops over it unroll */
             case 16: HS_PF_TILE(16); break;
             case 32: HS_PF_TILE(32); break;

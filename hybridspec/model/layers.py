@@ -119,13 +119,13 @@ class _MixtureOfExperts:
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The experts' activation, in place in gate_up (a product's fresh output): a view of it, strided. The
-        operations and their order are transformers', so the values are its to the bit."""
+        operations are transformers' (each product's two factors only swapped), so the values are its to the bit."""
         gate, up = gate_up.chunk(2, dim=-1)
         if self.clamp is None:
             return F.silu(gate, inplace=True).mul_(up)
         alpha, limit = self.clamp
         gate, up = gate.clamp_(max=limit), up.clamp_(-limit, limit)
-        return up.add_(1).mul_(gate).mul_(torch.sigmoid(gate * alpha))
+        return up.add_(1).mul_(torch.sigmoid(gate * alpha).mul_(gate))
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)

@@ -199,8 +199,8 @@ class TargetModel:
 
         hq, hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
         # sliding-window layers attend over their ring, by a plan per window
-        ring_plans = {w: [self.attention.plan_ring(part.cache, part.depths, part.tree_mask, w) for part in parts]
-                      for w in self.windows}
+        ring_plans = {w: [self.attention.plan_ring(part.cache, part.depths, part.tree_mask, w, part.causal)
+                          for part in parts] for w in self.windows}
         x = self.embed[torch.cat([p.tokens.reshape(-1) for p in parts])]  # [T, H], every part's inputs packed
         if self.embed_scale is not None:
             x = x * self.embed_scale
