@@ -118,14 +118,12 @@ class _MixtureOfExperts:
         return [self.router] + [lin for pair in self.experts for lin in pair] + shared
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The experts' activation, in place in gate_up (a product's fresh output): a view of it, strided. The
-        operations are transformers' (each product's two factors only swapped), so the values are its to the bit."""
         gate, up = gate_up.chunk(2, dim=-1)
         if self.clamp is None:
-            return F.silu(gate, inplace=True).mul_(up)
+            return F.silu(gate) * up
         alpha, limit = self.clamp
-        gate, up = gate.clamp_(max=limit), up.clamp_(-limit, limit)
-        return up.add_(1).mul_(torch.sigmoid(gate * alpha).mul_(gate))
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))  # transformers' order, so its values to the bit
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)
@@ -136,24 +134,21 @@ class _MixtureOfExperts:
         else:
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
+        weights = weights.to(x.dtype).reshape(-1)
         order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, k) pairs grouped by expert
-        weights = weights.to(x.dtype).reshape(-1)[order, None]
         counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts))
         rows = order // self.top_k
-        # each token's experts summed in expert order, as transformers does
-        out = torch.zeros_like(x)
         if self.kernel and len(order) <= EXPERT_KERNEL_PAIRS and x.dtype == torch.float32:
-            out.index_add_(0, rows, self._chosen_experts(x.index_select(0, rows), counts) * weights)
-        else:  # many tokens (a prompt chunk): each expert's rows by its own Linear, oneDNN's product, added at once
-            begin = 0  # (no copy of all chosen rows at once: at a chunk's size, writing its fresh pages costs more)
+            products = self._chosen_experts(x[rows], counts)
+        else:  # many tokens (a prompt chunk): each expert's rows by its own Linear, oneDNN's product
+            products, begin = x.new_empty(len(order), x.shape[-1]), 0
             for expert, count in enumerate(counts.tolist()):
                 if count:
                     gate_up, down = self.experts[expert]
-                    end = begin + count
-                    chosen_rows = rows[begin:end]
-                    products = down(self._activation(gate_up(x.index_select(0, chosen_rows))))
-                    out.index_add_(0, chosen_rows, products.mul_(weights[begin:end]))
-                    begin = end
+                    products[begin:begin + count] = down(self._activation(gate_up(x[rows[begin:begin + count]])))
+                    begin += count
+        # each token's experts summed in expert order, as transformers does
+        out = torch.zeros_like(x).index_add_(0, rows, products * weights[order, None])
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return residual + out
