@@ -217,23 +217,19 @@ class Attention:
         bsz, q = depths.shape
         cache.reserve_inputs(q)
         size = cache.ring_size
-        if causal and self.kernel and window >= _kernels.TILE_QUERIES and len(set(cache.lengths)) == 1:
-            slots = (cache.lengths[0] + torch.arange(q, device=self.device)) % size
-            for row, length in enumerate(cache.lengths):
-                cache.note_ring_writes(row, length + q)
-            return AttentionPlan(cache, size, None, slots.expand(bsz, q), cache.lengths[0], True, ring=True,
-                                 window=window)
         lengths = torch.tensor(cache.lengths, dtype=torch.long, device=self.device)[:, None]
-        positions = lengths + depths  # [b, q]
         slots = (lengths + torch.arange(q, device=self.device)) % size  # [b, q]: where each input's key goes
+        for row, length in enumerate(cache.lengths):
+            cache.note_ring_writes(row, length + q)
+        if causal and self.kernel and window >= _kernels.TILE_QUERIES and len(set(cache.lengths)) == 1:
+            return AttentionPlan(cache, size, None, slots, cache.lengths[0], True, ring=True, window=window)
+        positions = lengths + depths  # [b, q]
         # the committed position each slot holds (the last p < length with p % size == slot; negative: none yet)
         held = lengths - 1 - (lengths - 1 - torch.arange(size, device=self.device)) % size  # [b, size]
         mask = (held[:, None, :] >= 0) & (held[:, None, :] > positions[:, :, None] - window)  # [b, q, size]
         own = tree_mask & (positions[:, None, :] > positions[:, :, None] - window)  # [b, q, q]: own keys it sees
         rows = torch.arange(bsz, device=self.device)[:, None, None]
         mask[rows, torch.arange(q, device=self.device)[None, :, None], slots[:, None, :]] = own
-        for row, length in enumerate(cache.lengths):
-            cache.note_ring_writes(row, length + q)
         return AttentionPlan(cache, size, self._fold(mask), slots, None, False, ring=True)
 
     def _visible(self, lengths: torch.Tensor, slots: torch.Tensor, tree_mask: torch.Tensor,

@@ -4,8 +4,9 @@
 
    Why: a state is [key_dim, value_dim] float32 per head (64 KiB at 128 x 128, a megabyte per layer and row), and
    torch's composite form makes five passes over it with a fresh tensor each, at every node of a step and again when
-   commit replays the kept ones. Here each head's state is read from memory once and written once: the first pass scales it into the destination and sums (a S)^T k, the second (from the
-   cache) adds the correction and sums the output.
+   commit replays the kept ones. Here each head's state is read from memory once and written once: the first pass
+   scales it into the destination and sums (a S)^T k, the second (from the cache) adds the correction and sums the
+   output.
 
    Exactness: every (row, head) is computed alone in a fixed order, so a node's state and output are bitwise the same
    in a plain step, in a verification pass of any size and when commit replays the accepted path.
