@@ -120,25 +120,33 @@ def test_moe_sampling_keeps_the_target_distribution(name, tree):
     assert chi_square_p_value([counts.get(c, 0) for c in expected], list(expected.values())) > 1e-3
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "expert-by-expert"])
-def test_moe_runs_only_the_chosen_experts(kernel, monkeypatch):
-    """A decode step's MoE layers multiply the weights of the experts its tokens chose, no others: whether by the
-    small-row kernel (one call for all chosen experts) or expert by expert; the other experts' weights set to NaN
-    change nothing."""
+@pytest.mark.parametrize("path", ["small-row kernel", "panel kernel", "expert by expert"])
+def test_moe_runs_only_the_chosen_experts(path, monkeypatch):
+    """A decode step's MoE layers multiply the weights of the experts its tokens chose, no others: by the small-row
+    kernel (one call for all chosen experts, a step's path), by the panel kernel (a prompt chunk's) or expert by
+    expert; the other experts' weights set to NaN change nothing."""
     from hybridspec.model import layers
 
-    if kernel and not KERNEL_ROWS:
-        pytest.skip("the small-row product kernel needs an AVX-512 CPU")
-    monkeypatch.setattr(layers, "EXPERT_KERNEL_PAIRS", 64 if kernel else 0)
+    if path != "expert by expert" and not KERNEL_ROWS:
+        pytest.skip("the product kernels need an AVX-512 CPU")
+    monkeypatch.setattr(layers, "EXPERT_KERNEL_PAIRS", 0 if path == "panel kernel" else 64)
     target = TargetModel(tiny_causal_lm("qwen3_moe"))
     moe, used = target.layers[0].mlp, []
+    moe.kernel = path != "expert by expert"
 
     def counted(expert: int, product):
         return lambda x: (used.append(expert), product(x))[1]
 
-    real = layers.chosen_expert_products
-    monkeypatch.setattr(layers, "chosen_expert_products", lambda x, weight, bias, experts, *rest: (
-        used.extend(experts.tolist()) if weight is moe.stacked[0] else None, real(x, weight, bias, experts, *rest))[1])
+    def chosen(x, weight, bias, experts, *rest, real=layers.chosen_expert_products):
+        used.extend(experts.tolist()) if weight is moe.stacked[0] else None
+        return real(x, weight, bias, experts, *rest)
+
+    def grouped(x, x_rows, panels, bias, n, experts, *rest, real=layers.grouped_expert_products, **options):
+        used.extend(experts.tolist()) if panels is moe.panels[0] else None
+        return real(x, x_rows, panels, bias, n, experts, *rest, **options)
+
+    monkeypatch.setattr(layers, "chosen_expert_products", chosen)
+    monkeypatch.setattr(layers, "grouped_expert_products", grouped)
     moe.experts = [(counted(e, gate_up), down) for e, (gate_up, down) in enumerate(moe.experts)]
     cache = target.new_cache(1, 64)
     target.prefill(cache, [[5, 6, 7]])
@@ -147,30 +155,73 @@ def test_moe_runs_only_the_chosen_experts(kernel, monkeypatch):
     logits = target.step(cache, [9]).logits
     assert len(used) == moe.top_k and len(set(used)) == moe.top_k
     with torch.no_grad():
-        for weight in moe.stacked[0], moe.stacked[2]:
+        for weight in moe.stacked[0], moe.stacked[2], *(moe.panels or ()):
             weight[[e for e in range(len(moe.experts)) if e not in used]] = float("nan")
     assert torch.equal(target.step(cache, [9]).logits, logits)
 
 
-@pytest.mark.skipif(not KERNEL_ROWS, reason="the small-row product kernel needs an AVX-512 CPU")
+@pytest.mark.skipif(not KERNEL_ROWS, reason="the product kernels need an AVX-512 CPU")
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_moe_kernel_products_are_the_expert_by_expert_ones(name, monkeypatch):
-    """The chosen experts' products in one kernel call equal each expert's own products, also where an expert has
-    more rows than one kernel pass takes (more than eight of a few tokens' pairs chose it)."""
+    """The chosen experts' products in one call, by the small-row kernel (a step's path) and by the panel kernel (a
+    prompt chunk's, the activation in it), equal each expert's own products in torch, also where an expert has more
+    rows than one kernel pass takes (more than eight of a few tokens' pairs chose it)."""
     from hybridspec.model import layers
 
     moe = TargetModel(tiny_causal_lm(name)).layers[0].mlp
     torch.manual_seed(0)
     x, residual = torch.randn(30, moe.stacked[0].shape[2]), torch.randn(30, moe.stacked[0].shape[2])
-    chosen = []
-    real = layers.chosen_expert_products
-    monkeypatch.setattr(layers, "chosen_expert_products", lambda *a: chosen.append(a[-1].max().item()) or real(*a))
+    chosen, grouped = [], []
+    real_chosen, real_grouped = layers.chosen_expert_products, layers.grouped_expert_products
+    monkeypatch.setattr(layers, "chosen_expert_products", lambda *a: chosen.append(a[-1].max().item()) or
+                        real_chosen(*a))
+    monkeypatch.setattr(layers, "grouped_expert_products", lambda *a, **k: grouped.append(1) or real_grouped(*a, **k))
     with torch.inference_mode():
-        fused = moe.plus(x, residual)
+        small_rows = moe.plus(x, residual)
         monkeypatch.setattr(layers, "EXPERT_KERNEL_PAIRS", 0)
+        panels = moe.plus(x, residual)
+        moe.kernel = False
         apart = moe.plus(x, residual)
     assert chosen and max(chosen) > KERNEL_ROWS  # the kernel ran, one expert with more rows than a pass takes
-    torch.testing.assert_close(fused, apart, atol=1e-5, rtol=1e-5)
+    assert len(grouped) == 2  # gate_up with its activation, then down
+    torch.testing.assert_close(small_rows, apart, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(panels, apart, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not KERNEL_ROWS, reason="the product kernels need an AVX-512 CPU")
+@pytest.mark.parametrize("activation", ["none", "silu", "clamped swiglu"])
+def test_the_panel_kernel_is_each_experts_product(activation):
+    """`grouped_expert_products` on shapes that end mid-panel and mid-slice (n, the hidden units and k not multiples
+    of the kernel's blocks), experts of 1 to 19 rows gathered by index from x, biases and row scales: each expert's
+    rows are their product in torch (with the activation: the hidden units of gate_up, in transformers' forms)."""
+    from hybridspec.model import layers
+
+    torch.manual_seed(0)
+    n, k, units, alpha, limit = 70, 300, 37, 1.702, 2.0
+    gated = activation != "none"
+    weight = torch.randn(5, 2 * units if gated else n, k) / 8
+    bias = torch.randn(5, weight.shape[1])
+    x, counts = torch.randn(40, k), torch.tensor([9, 19, 1, 8, 16])
+    experts, starts = torch.tensor([3, 0, 4, 1, 2]), torch.cumsum(counts, 0) - counts
+    rows, scales = torch.randint(0, 40, (int(counts.sum()),)), torch.rand(int(counts.sum()))
+    panels = layers.pack_panels(weight, gated=gated)
+    if gated:
+        kind = layers.KERNEL_SILU if activation == "silu" else layers.KERNEL_CLAMPED_SWIGLU
+        got = layers.grouped_expert_products(x, rows, panels, layers.gated_order(bias), units, experts, starts, counts,
+                                             activation=(kind, alpha, limit))
+    else:
+        got = layers.grouped_expert_products(x, rows, panels, bias, n, experts, starts, counts, scales)
+    for e, start, count in zip(experts.tolist(), starts.tolist(), counts.tolist()):
+        part = slice(start, start + count)
+        product = x[rows[part]] @ weight[e].T + bias[e]
+        if activation == "none":
+            want = product * scales[part, None]
+        elif activation == "silu":
+            want = torch.nn.functional.silu(product[:, :units]) * product[:, units:]
+        else:
+            gate, up = product[:, :units].clamp(max=limit), product[:, units:].clamp(-limit, limit)
+            want = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        torch.testing.assert_close(got[part], want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "mistral_window"])

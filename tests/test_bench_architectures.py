@@ -1,6 +1,7 @@
 """benchmarks/bench_architectures.py on tiny shapes: both methods decode the same tokens (the script checks), the
 table's ratios come from its own timings, the expert bytes a decode token multiplies are top_k of the experts, and
-llama.cpp decodes transformers' tokens from the GGUF written for each architecture."""
+llama.cpp decodes transformers' tokens from the GGUF written for each architecture; benchmarks/bench_moe_block.py
+on tiny MoE layers."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import torch
 
 import bench_architectures
 from common import PEERS_PYTHON
+from hybridspec.model.linear import KERNEL_ROWS
 
 TINY = {
     "tiny-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
@@ -108,3 +110,34 @@ def test_llama_cpp_decodes_the_gguf_written_for_gpt_oss_and_qwen3_5():
                                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         got = bench_architectures.llama_cpp_timings(model, {"prompt": prompt, "new": 1, "repeats": 1, "threads": 1})
         assert got.get("tokens") == expected, (name, got)
+
+
+@pytest.mark.skipif(not KERNEL_ROWS, reason="the product kernels need an AVX-512 CPU")
+def test_bench_moe_block_times_the_three_ways_on_tiny_shapes(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_moe_block.py on tiny MoE layers: every way's output is checked against the expert-by-expert
+    one (a wrong kernel fails the run), the ratio is of its own timings, and the panel kernel ran."""
+    import transformers
+
+    import bench_moe_block
+    from hybridspec.model import layers
+
+    monkeypatch.setattr(bench_moe_block, "SHAPES", {
+        "tiny-moe": ("Qwen3MoeForCausalLM", lambda: transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40)),
+        "tiny-oss": ("GptOssForCausalLM", lambda: transformers.GptOssConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4))})
+    grouped, real = [], layers.grouped_expert_products
+    monkeypatch.setattr(layers, "grouped_expert_products", lambda *a, **k: grouped.append(1) or real(*a, **k))
+    out = tmp_path / "moe.json"
+    assert bench_moe_block.main(["--models", "tiny-moe,tiny-oss", "--tokens", "48", "--repeats", "1",
+                                 "--threads", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert grouped and [r["model"] for r in rows] == ["tiny-moe", "tiny-oss"]
+    for row in rows:
+        assert row["panel_speedup_vs_onednn"] == pytest.approx(
+            row["ms"]["oneDNN expert by expert"] / row["ms"]["panel kernel"])
+    assert "| tiny-oss |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_moe_block.main(["--models", "nope"])

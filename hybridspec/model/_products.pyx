@@ -11,12 +11,20 @@ cdef extern from "product_kernel.h" nogil:
     void hs_expert_products(const float *x, long x_stride, const float *w, const float *bias, int n, int k,
                             const int64_t *experts, const int64_t *starts, const int64_t *counts, int segments,
                             float *y, long y_stride, int threads)
+    void hs_grouped_products(const float *x, long x_stride, const int64_t *x_rows, const float *panels,
+                             const float *bias, int n, int k, const int64_t *experts, const int64_t *starts,
+                             const int64_t *counts, int segments, const float *scales, float *y, long y_stride,
+                             int act, float alpha, float limit, float *h, long h_stride, int threads)
     void hs_rms_norm(const float *x, long group_stride, const float *w, int period, float eps, float *y, int rows,
                      int dim)
     int HS_PRODUCT_MAX_ROWS
+    int HS_PANEL
+    int HS_GATED_UNITS
     int hs_product_supported()
 
 MAX_ROWS = HS_PRODUCT_MAX_ROWS
+PANEL = HS_PANEL  # output columns of a packed panel (`grouped_products`)
+GATED_UNITS = HS_GATED_UNITS  # hidden units of a gated panel: its gate columns, then their up columns
 
 
 def supported() -> bool:
@@ -40,6 +48,20 @@ def expert_products(uintptr_t x, long x_stride, uintptr_t w, uintptr_t bias, int
         hs_expert_products(<const float *>x, x_stride, <const float *>w, <const float *>bias, n, k,
                            <const int64_t *>experts, <const int64_t *>starts, <const int64_t *>counts, segments,
                            <float *>y, y_stride, threads)
+
+
+def grouped_products(uintptr_t x, long x_stride, uintptr_t x_rows, uintptr_t panels, uintptr_t bias, int n, int k,
+                     uintptr_t experts, uintptr_t starts, uintptr_t counts, int segments, uintptr_t scales,
+                     uintptr_t y, long y_stride, int act, float alpha, float limit, uintptr_t h, long h_stride,
+                     int threads) -> None:
+    """Segment s: y rows p in [starts[s], + counts[s]) = (x row x_rows[p] (p where x_rows is 0) @ w[experts[s]].T
+    (+ its bias)) * scales[p] (where scales is nonzero), w given as its 32-column panels; with act (1: SiLU, 2:
+    gpt-oss's clamped SwiGLU) gated panels of gate_up, n hidden units into h (`hs_grouped_products`)."""
+    with nogil:
+        hs_grouped_products(<const float *>x, x_stride, <const int64_t *>x_rows, <const float *>panels,
+                            <const float *>bias, n, k, <const int64_t *>experts, <const int64_t *>starts,
+                            <const int64_t *>counts, segments, <const float *>scales, <float *>y, y_stride, act,
+                            alpha, limit, <float *>h, h_stride, threads)
 
 
 def rms_norm(uintptr_t x, long group_stride, uintptr_t w, int period, float eps, uintptr_t y, int rows,

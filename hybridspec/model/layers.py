@@ -13,7 +13,7 @@ from hybridspec.model.delta_net import GatedDeltaNet
 from hybridspec.model.linear import KERNEL_ROWS, Linear, _products
 
 # the most (token, expert) pairs a mixture of experts multiplies by the small-row kernel in one call per product
-# (a few tokens' steps); more (a prompt chunk) go expert by expert, each expert's rows by oneDNN's product
+# (a few tokens' steps); more (a prompt chunk) by the kernel on the experts' packed panels
 EXPERT_KERNEL_PAIRS = 64
 
 
@@ -80,7 +80,7 @@ class _MixtureOfExperts:
     (alpha, limit) whose gate and up rows are interleaved in the checkpoint."""
 
     __slots__ = ("router", "experts", "top_k", "renormalise", "softmax_first", "clamp", "shared", "shared_gate",
-                 "stacked", "kernel")
+                 "stacked", "kernel", "panels", "gate_up_bias_panels")
 
     def __init__(self, block, config, pack: bool):
         experts = block.experts
@@ -103,8 +103,12 @@ class _MixtureOfExperts:
         down_bias = None if down_bias is None else down_bias.contiguous()
         self.stacked = (gate_up, gate_up_bias, down, down_bias)
         self.kernel = bool(KERNEL_ROWS) and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu"
-        self.experts = [(Linear(gate_up[e], None if gate_up_bias is None else gate_up_bias[e], pack=pack),
-                         Linear(down[e], None if down_bias is None else down_bias[e], pack=pack))
+        # with the kernels, prompt chunks read the experts' panels (in place of oneDNN's packed copy of each expert)
+        self.panels = (pack_panels(gate_up, gated=True), pack_panels(down)) if self.kernel else None
+        self.gate_up_bias_panels = gated_order(gate_up_bias) if self.kernel and gate_up_bias is not None else None
+        self.experts = [(Linear(gate_up[e], None if gate_up_bias is None else gate_up_bias[e], pack=pack and not
+                                self.kernel),
+                         Linear(down[e], None if down_bias is None else down_bias[e], pack=pack and not self.kernel))
                         for e in range(gate_up.shape[0])]
         self.top_k = int(config.num_experts_per_tok)
         # Qwen3.5's shared expert, on every token, its output scaled by sigmoid(shared_gate(x))
@@ -134,21 +138,24 @@ class _MixtureOfExperts:
         else:
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
-        weights = weights.to(x.dtype).reshape(-1)
         order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, k) pairs grouped by expert
         counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts))
-        rows = order // self.top_k
-        if self.kernel and len(order) <= EXPERT_KERNEL_PAIRS and x.dtype == torch.float32:
-            products = self._chosen_experts(x[rows], counts)
-        else:  # many tokens (a prompt chunk): each expert's rows by its own Linear, oneDNN's product
+        rows, pair_weights = order // self.top_k, weights.to(x.dtype).reshape(-1)[order]
+        if self.kernel and x.dtype == torch.float32:
+            if len(order) <= EXPERT_KERNEL_PAIRS:  # a few tokens' step
+                products = self._chosen_experts(x[rows], counts) * pair_weights[:, None]
+            else:  # a prompt chunk, weighted in the kernel
+                products = self._chunk_experts(x, rows, counts, pair_weights)
+        else:  # each expert's rows by its own Linear
             products, begin = x.new_empty(len(order), x.shape[-1]), 0
             for expert, count in enumerate(counts.tolist()):
                 if count:
                     gate_up, down = self.experts[expert]
                     products[begin:begin + count] = down(self._activation(gate_up(x[rows[begin:begin + count]])))
                     begin += count
+            products *= pair_weights[:, None]
         # each token's experts summed in expert order, as transformers does
-        out = torch.zeros_like(x).index_add_(0, rows, products * weights[order, None])
+        out = torch.zeros_like(x).index_add_(0, rows, products)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return residual + out
@@ -162,6 +169,75 @@ class _MixtureOfExperts:
         gate_up, gate_up_bias, down, down_bias = self.stacked
         hidden = chosen_expert_products(gathered, gate_up, gate_up_bias, experts, starts, counts)
         return chosen_expert_products(self._activation(hidden), down, down_bias, experts, starts, counts)
+
+    def _chunk_experts(self, x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor,
+                       scales: torch.Tensor) -> torch.Tensor:
+        """down(act(gate_up(x[rows]))) * scales, the pairs grouped by expert (`counts` a row each), by the panel
+        kernel: one call for every chosen expert's gate_up and its activation, one for their down."""
+        experts = counts.nonzero().reshape(-1)
+        counts = counts[experts]
+        starts = torch.cumsum(counts, 0) - counts
+        gate_up, _, down, down_bias = self.stacked
+        activation = (KERNEL_SILU, 0.0, 0.0) if self.clamp is None else (KERNEL_CLAMPED_SWIGLU, *self.clamp)
+        hidden = grouped_expert_products(x, rows, self.panels[0], self.gate_up_bias_panels, gate_up.shape[1] // 2,
+                                         experts, starts, counts, activation=activation)
+        return grouped_expert_products(hidden, None, self.panels[1], down_bias, down.shape[1], experts, starts,
+                                       counts, scales)
+
+
+# the panel kernel's activations of gated experts (`hs_grouped_products`)
+KERNEL_SILU, KERNEL_CLAMPED_SWIGLU = 1, 2
+
+
+def gated_order(gate_up_bias: torch.Tensor) -> torch.Tensor:
+    """Experts' gate_up biases [experts, 2 * units] in the gated panels' order (`_gated_rows`), [experts, tiles, 32]."""
+    return torch.stack([_gated_rows(b) for b in gate_up_bias]).view(gate_up_bias.shape[0], -1, _products.PANEL)
+
+
+def pack_panels(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """Experts' weights [experts, n, k] as the panels `grouped_expert_products` reads: [experts, tiles, k, PANEL],
+    panel t holding output columns [t * PANEL, (t + 1) * PANEL) (zero past n); gated: a gate_up weight with its rows
+    in `gated_order`. Packed an expert at a time."""
+    experts, n, k = weight.shape
+    tiles = -(-n // _products.PANEL)
+    panels = None
+    for e in range(experts):
+        rows = _gated_rows(weight[e]) if gated else F.pad(weight[e], (0, 0, 0, tiles * _products.PANEL - n))
+        if panels is None:
+            panels = weight.new_empty(experts, rows.shape[0] // _products.PANEL, k, _products.PANEL)
+        panels[e].copy_(rows.view(-1, _products.PANEL, k).transpose(1, 2))
+    return panels
+
+
+def _gated_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [2 * units, ...] (gate rows, then up rows) -> [32 * tiles, ...]: per 16 units their gate rows, then
+    their up rows, zero rows past `units` (what a gated panel holds)."""
+    units = gate_up.shape[0] // 2
+    per = _products.GATED_UNITS
+    tiles = -(-units // per)
+    pad = (0, 0) * (gate_up.dim() - 1) + (0, tiles * per - units)
+    gate, up = F.pad(gate_up[:units], pad), F.pad(gate_up[units:], pad)
+    return torch.stack([gate.unflatten(0, (tiles, per)), up.unflatten(0, (tiles, per))], dim=1).flatten(0, 2)
+
+
+def grouped_expert_products(x: torch.Tensor, x_rows: torch.Tensor | None, panels: torch.Tensor,
+                            bias: torch.Tensor | None, n: int, experts: torch.Tensor, starts: torch.Tensor,
+                            counts: torch.Tensor, scales: torch.Tensor | None = None,
+                            activation: tuple[int, float, float] = (0, 0.0, 0.0)) -> torch.Tensor:
+    """Pairs [starts[s], starts[s] + counts[s]) by expert experts[s]: row p = (x[x_rows[p]] (x[p] where x_rows is
+    None) @ w[experts[s]].T + its bias) * scales[p], w given as its panels (`pack_panels`), by the panel kernel.
+    activation (KERNEL_SILU, or KERNEL_CLAMPED_SWIGLU with alpha and limit): w a gated gate_up (bias in
+    `gated_order`), the rows its n hidden units."""
+    x = x.contiguous()
+    pairs, act, alpha, limit = int(counts.sum()), *activation
+    out = x.new_empty(pairs, n)
+    sums = x.new_empty(pairs, panels.shape[1] * _products.PANEL) if act else out  # between slices of k
+    _products.grouped_products(x.data_ptr(), x.stride(0), 0 if x_rows is None else x_rows.data_ptr(),
+                               panels.data_ptr(), 0 if bias is None else bias.data_ptr(), n, panels.shape[2],
+                               experts.data_ptr(), starts.data_ptr(), counts.data_ptr(), len(experts),
+                               0 if scales is None else scales.data_ptr(), sums.data_ptr(), sums.stride(0), act,
+                               alpha, limit, out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return out
 
 
 def chosen_expert_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor,

@@ -1,6 +1,7 @@
 /* The product of a few rows by a weight on a CPU: y = x @ w.T (+ bias) (+ residual) for 1 to HS_PRODUCT_MAX_ROWS
    rows of x, float32, what every linear layer of a decode or verification step computes; the same for a mixture of
-   experts' chosen experts in one call; and the RMSNorm of a step's rows (at the end of this file).
+   experts' chosen experts in one call; a prompt chunk's expert products on packed weights (`hs_grouped_products`);
+   and the RMSNorm of a step's rows (at the end of this file).
 
    Why not oneDNN's or MKL's: with so few rows a step only streams the weight from memory, and on an AMD EPYC (Zen 4)
    their kernels read it well below the memory's speed for one or two rows (`benchmarks/bench_verify_cost.py
@@ -141,6 +142,169 @@ HS_PRODUCT_TARGET static void hs_expert_products(const float *x, long x_stride, 
         long s = i / parts, e = experts[s];
         hs_product_part(x + starts[s] * x_stride, x_stride, w + e * n * k, n, k, y + starts[s] * y_stride, y_stride,
                         bias ? bias + e * n : 0, 0, (int)counts[s], (int)(i % parts));
+    }
+}
+
+/* A mixture of experts' products for a prompt chunk (hundreds of (token, expert) pairs, tens a chosen expert): there
+   each expert's weight is read by many rows, so the work is arithmetic, not streaming, and wants the FMA units full.
+   The weight of each expert is packed once into panels of 32 output columns, [k][32] each (`pack_panels` layout:
+   panels[e][t][j][c] = w[e][32 t + c][j], zero past n), so that a tile of up to 8 input rows by one panel keeps its
+   8 x 32 sums in 16 registers while the panel streams past: per k, two panel vectors and a broadcast of each row's
+   input feed 16 FMAs. A panel is taken HS_PANEL_DEPTH of k at a time, that slice (32 KiB) staying in the L1 cache
+   for every tile of the expert's rows while the next slice is fetched into L2, the sums waiting in y between slices;
+   each output is one chain of FMAs in k's order, so the same bits for any number of rows.
+
+   Gated experts: the gate_up weight packed with panel t's first 16 columns gate units [16 t, 16 t + 16) and its last
+   16 the same up units, so the tile that finishes them applies the activation to both halves and stores 16 hidden
+   units: the hidden rows are written once, no pass of their own. */
+#define HS_PANEL 32
+#define HS_PANEL_ROWS 8
+#define HS_PANEL_DEPTH 256
+#define HS_GATED_UNITS 16
+enum { HS_ACT_NONE = 0, HS_ACT_SILU = 1, HS_ACT_CLAMPED_SWIGLU = 2 };
+
+/* e^x within 2 ulp over float32's range (Cephes' polynomial on x - n ln 2, then scaled by 2^n) */
+HS_PRODUCT_TARGET HS_PRODUCT_INLINE __m512 hs_exp(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* a gated expert's hidden units from its gate and up sums: silu(gate) * up, or gpt-oss's clamped form
+   (up + 1) * (gate * sigmoid(gate * alpha)) with gate <= limit and |up| <= limit */
+HS_PRODUCT_TARGET HS_PRODUCT_INLINE __m512 hs_gated(__m512 gate, __m512 up, int act, float alpha, float limit) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (act == HS_ACT_SILU)
+        return _mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(one, hs_exp(_mm512_sub_ps(_mm512_setzero_ps(), gate)))),
+                             up);
+    gate = _mm512_min_ps(gate, _mm512_set1_ps(limit));
+    up = _mm512_max_ps(_mm512_min_ps(up, _mm512_set1_ps(limit)), _mm512_set1_ps(-limit));
+    __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, hs_exp(_mm512_mul_ps(gate, _mm512_set1_ps(-alpha)))));
+    return _mm512_mul_ps(_mm512_add_ps(up, one), _mm512_mul_ps(gate, sigmoid));
+}
+
+/* ys[m][c] (+)= xs[m][j0:j1] . column c of the panel's rows [j0, j1), for the tile's M rows and its first `cols`
+   columns: the sums start from zero at j0 = 0 and from ys after. At j1 = k they become (sum + bias[c]) * scales[m]
+   (bias, scales NULL where there are none), or with an activation its first `units` (of 16) hidden units into hs[m].
+   `ahead`: a slice to fetch into L2 meanwhile, or NULL. */
+HS_PRODUCT_TARGET HS_PRODUCT_INLINE void hs_panel_tile(const float *const *xs, const float *panel, int j0, int j1,
+                                                       int k, const float *bias, const float *scales,
+                                                       float *const *ys, int cols, const float *ahead, int act,
+                                                       float alpha, float limit, float *const *hs, int units,
+                                                       const int M) {
+    __mmask16 mask_lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1u);
+    __mmask16 mask_hi = cols >= 32 ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1u) : 0;
+    __m512 lo[HS_PANEL_ROWS], hi[HS_PANEL_ROWS];
+    for (int m = 0; m < M; m++) {
+        lo[m] = j0 ? _mm512_maskz_loadu_ps(mask_lo, ys[m]) : _mm512_setzero_ps();
+        hi[m] = j0 ? _mm512_maskz_loadu_ps(mask_hi, ys[m] + 16) : _mm512_setzero_ps();
+    }
+    for (int j = j0; j < j1; j++) {
+        __m512 b0 = _mm512_loadu_ps(panel + (long)j * HS_PANEL), b1 = _mm512_loadu_ps(panel + (long)j * HS_PANEL + 16);
+        if (ahead) {
+            _mm_prefetch((const char *)(ahead + (long)(j - j0) * HS_PANEL), _MM_HINT_T1);
+            _mm_prefetch((const char *)(ahead + (long)(j - j0) * HS_PANEL + 16), _MM_HINT_T1);
+        }
+        for (int m = 0; m < M; m++) {
+            __m512 a = _mm512_set1_ps(xs[m][j]);
+            lo[m] = _mm512_fmadd_ps(a, b0, lo[m]);
+            hi[m] = _mm512_fmadd_ps(a, b1, hi[m]);
+        }
+    }
+    if (j1 < k) {
+        for (int m = 0; m < M; m++) {
+            _mm512_mask_storeu_ps(ys[m], mask_lo, lo[m]);
+            _mm512_mask_storeu_ps(ys[m] + 16, mask_hi, hi[m]);
+        }
+        return;
+    }
+    __m512 bias_lo = bias ? _mm512_maskz_loadu_ps(mask_lo, bias) : _mm512_setzero_ps();
+    __m512 bias_hi = bias ? _mm512_maskz_loadu_ps(mask_hi, bias + 16) : _mm512_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        __m512 v0 = _mm512_add_ps(lo[m], bias_lo), v1 = _mm512_add_ps(hi[m], bias_hi);
+        if (act) {
+            _mm512_mask_storeu_ps(hs[m], (__mmask16)((1u << units) - 1u), hs_gated(v0, v1, act, alpha, limit));
+            continue;
+        }
+        if (scales) {
+            v0 = _mm512_mul_ps(v0, _mm512_set1_ps(scales[m]));
+            v1 = _mm512_mul_ps(v1, _mm512_set1_ps(scales[m]));
+        }
+        _mm512_mask_storeu_ps(ys[m], mask_lo, v0);
+        _mm512_mask_storeu_ps(ys[m] + 16, mask_hi, v1);
+    }
+}
+
+/* Panel t of expert e (bias b, or NULL) for the pairs [begin, end): y and h as `hs_grouped_products` says. */
+HS_PRODUCT_TARGET HS_PRODUCT_INLINE void hs_grouped_panel(const float *x, long x_stride, const int64_t *x_rows,
+                                                          const float *panel, const float *b, int n, int k, long t,
+                                                          long begin, long end, const float *scales, float *y,
+                                                          long y_stride, int act, float alpha, float limit, float *h,
+                                                          long h_stride) {
+    int width = act ? HS_GATED_UNITS : HS_PANEL, left = n - (int)t * width;
+    int cols = act ? HS_PANEL : left < HS_PANEL ? left : HS_PANEL;
+    /* hidden units past n: computed on the padding's zero columns, not stored */
+    int units = act ? (left < HS_GATED_UNITS ? left : HS_GATED_UNITS) : 0;
+    for (int j0 = 0; j0 < k; j0 += HS_PANEL_DEPTH) {
+        int j1 = j0 + HS_PANEL_DEPTH < k ? j0 + HS_PANEL_DEPTH : k;
+        for (long p0 = begin; p0 < end; p0 += HS_PANEL_ROWS) {
+            int M = (int)(end - p0 < HS_PANEL_ROWS ? end - p0 : HS_PANEL_ROWS);
+            const float *xs[HS_PANEL_ROWS];
+            float *ys[HS_PANEL_ROWS], *hs[HS_PANEL_ROWS];
+            for (int m = 0; m < M; m++) {
+                xs[m] = x + (x_rows ? x_rows[p0 + m] : p0 + m) * x_stride;
+                ys[m] = y + (p0 + m) * y_stride + t * HS_PANEL;
+                hs[m] = act ? h + (p0 + m) * h_stride + t * HS_GATED_UNITS : 0;
+            }
+            const float *sc = scales ? scales + p0 : 0;
+            /* the first tile of a slice fetches the next slice of the panels (the next panel after the last) */
+            const float *ahead = p0 == begin ? panel + (long)j1 * HS_PANEL : 0;
+            #define HS_TILE(M_) hs_panel_tile(xs, panel, j0, j1, k, b, sc, ys, cols, ahead, act, alpha, limit, hs, \
+                                              units, M_)
+            switch (M) {
+                case 1: HS_TILE(1); break;
+                case 2: HS_TILE(2); break;
+                case 3: HS_TILE(3); break;
+                case 4: HS_TILE(4); break;
+                case 5: HS_TILE(5); break;
+                case 6: HS_TILE(6); break;
+                case 7: HS_TILE(7); break;
+                default: HS_TILE(8); break;
+            }
+            #undef HS_TILE
+        }
+    }
+}
+
+/* Segment s: pairs [starts[s], starts[s] + counts[s]) by expert experts[s]: y row p = (x row x_rows[p] (p where
+   x_rows is NULL) @ w[experts[s]].T + its bias) * scales[p] (where scales is not NULL), w given as its panels, its
+   n outputs as y's columns. With an activation (act not HS_ACT_NONE), w the gated packing of gate_up for n hidden
+   units: y holds the sums between slices (32 columns a panel) and h row p, row stride h_stride, the hidden units.
+   Dealt over threads by (segment, panel), as they come free (an equal share of the rows each, in that order, was no
+   faster). */
+HS_PRODUCT_TARGET static void hs_grouped_products(const float *x, long x_stride, const int64_t *x_rows,
+                                                  const float *panels, const float *bias, int n, int k,
+                                                  const int64_t *experts, const int64_t *starts,
+                                                  const int64_t *counts, int segments, const float *scales, float *y,
+                                                  long y_stride, int act, float alpha, float limit, float *h,
+                                                  long h_stride, int threads) {
+    long tiles = (n + (act ? HS_GATED_UNITS : HS_PANEL) - 1) / (act ? HS_GATED_UNITS : HS_PANEL);
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (long i = 0; i < segments * tiles; i++) {
+        long s = i / tiles, t = i % tiles, e = experts[s];
+        const float *b = !bias ? 0 : act ? bias + (e * tiles + t) * HS_PANEL : bias + e * n + t * HS_PANEL;
+        hs_grouped_panel(x, x_stride, x_rows, panels + (e * tiles + t) * (long)k * HS_PANEL, b, n, k, t, starts[s],
+                         starts[s] + counts[s], scales, y, y_stride, act, alpha, limit, h, h_stride);
     }
 }
 
