@@ -134,7 +134,7 @@ def test_the_gate_learns_only_from_the_draft_tokens_vllm_verified():
     def learned(scheduled_tokens, num_sampled):
         requests = SuffixRequests(FakeCache(), max_seq_len=64)
         requests.gate = CostGate()
-        requests.route("a", Proposal.chain([7, 8, 9, 10], source="suffix"), context=10)
+        requests.book("a", Proposal.chain([7, 8, 9, 10], source="suffix"))
         requests.on_scheduler_output(scheduler_output(scheduled={"a": scheduled_tokens}), {})
         requests.observe("a", num_sampled)
         return requests.gate.expected_tokens(Proposal.chain([7, 8, 9, 10], source="suffix"))
@@ -149,6 +149,29 @@ def test_the_gate_learns_only_from_the_draft_tokens_vllm_verified():
     assert learned([7, 8, -1, -1], 3) > learned_from([7, 8, 9, 10], 2)  # what counting the cut as rejected gave
     assert learned([7, 8, 9, 10], 3) == pytest.approx(learned_from([7, 8, 9, 10], 2))
     assert learned([], 1) == pytest.approx(CostGate().expected_tokens(Proposal.chain([7, 8, 9, 10], source="suffix")))
+
+
+def test_the_gate_plans_a_steps_rows_together():
+    """16 rows with the same draft: planned as one step, the gate keeps fewer of their tokens than trimming each row
+    alone (under load a draft token costs nearly a row's share of the pass); a kept draft is a prefix of the row's;
+    rows without a proposal stay without; with no gate, or trim=False, every draft is verified whole."""
+    from hybridspec.proposal import Proposal
+    from hybridspec.router import CostGate
+
+    requests = SuffixRequests(FakeCache(), max_seq_len=4096)
+    requests.update(FakeBatch({f"r{i}": ([3] * (200 + i), 100) for i in range(16)}), [[3]] * 16, None, 8)
+    draft = Proposal.chain([7, 8, 9, 10, 11, 12], probs=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4], source="suffix")
+    proposals = [draft] * 15 + [None]
+    assert requests.plan(proposals) == proposals  # no gate
+    requests.gate = CostGate()
+    assert requests.plan(proposals, trim=False) == proposals
+    alone = [requests.gate.trim(draft, c) for c in requests.contexts[:15]]
+    planned = requests.plan(proposals)
+    assert planned[15] is None
+    assert all(p.token_ids == draft.token_ids[:len(p)] for p in planned[:15])
+    assert sum(len(p) for p in planned[:15]) < sum(len(a) for a in alone)
+    assert all(len(a) > 0 for a in alone)
+    assert [len(p) for p in requests.plan([draft], trim=True)] == [len(alone[0])]  # one row: as trim
 
 
 def test_life_cycle_start_append_finish_abort_and_preemption():
@@ -517,6 +540,10 @@ def test_every_vllm_draft_is_what_our_suffix_cache_proposes_step_by_step(greedy_
     assert counts["steps"] > 20 and counts["drafts"] > 0 and counts["draft_tokens"] > counts["drafts"]
     if method == "hybrid":
         assert counts["chosen_suffix"] > 0  # the router kept some suffix drafts over P-EAGLE's
+        # the drafter's logits were computed at the positions of its drafts vLLM verified, and only there
+        logits = [e for e in recordings[0] if e["event"] == "drafter_logits"]
+        drafted = sum(len(e["draft"]) for e in recordings[0] if e["event"] == "chosen" and e["source"] == "peagle")
+        assert drafted > 0 and sum(e["rows"] for e in logits) == drafted < sum(e["of"] for e in logits)
     # every request the cache saw is the one vLLM generated: prompt + output
     cycles = life_cycle(recordings[0])
     assert cycles["start"] == sum(len(b) for b in greedy_runs.batches) and cycles["restart"] == 0
@@ -631,6 +658,89 @@ def plugin_check(case: str) -> None:
                       "eagle_replaced": gpu_model_runner.EagleProposer is not EagleProposer}))
 
 
+def drafter_sampling_check() -> None:
+    """Runs under .venv-vllm/bin/python: the hybrid's drafter sampling at the rows vLLM verifies only, against vLLM's
+    own sampling of every row, greedy and with probabilities, for P-EAGLE (one call, K rows a request) and EAGLE-3
+    (one call per position); prints what it found as JSON."""
+    import dataclasses
+    import json
+
+    import torch
+
+    from hybridspec.vllm_plugin.proposers import HybridspecHybridProposer
+    from hybridspec.vllm_plugin.requests import SuffixRequests
+
+    @dataclasses.dataclass
+    class Sampling:  # the fields of vLLM's SamplingMetadata the draft sampling reads
+        temperature: torch.Tensor | None
+        all_greedy: bool
+        all_random: bool
+
+    torch.manual_seed(0)
+    weight = torch.randn(32, 50)
+
+    class Head:
+        def compute_logits(self, hidden):
+            return hidden @ weight
+
+    def proposer(parallel, wanted, keeps_probs):
+        p = object.__new__(HybridspecHybridProposer)  # the attributes vLLM's __init__ would set, and ours
+        p.model, p.num_speculative_tokens, p.parallel_drafting = Head(), 4, parallel
+        p.use_local_argmax_reduction = p.use_heterogeneous_vocab = p.use_fp64_gumbel = False
+        p._enable_probabilistic_draft_probs = keeps_probs
+        p.logit_rows, p._draft_pass, p._wanted = [0, 0], 0, wanted
+        p.hybridspec_requests = SuffixRequests(None, 100)
+        return p
+
+    out = {}
+    hidden = torch.randn(12, 32)  # 3 requests x K = 4 (P-EAGLE), or 12 requests at one position (EAGLE-3)
+    full = (hidden @ weight).argmax(-1)
+    p = proposer(True, {0: 2, 2: 4}, False)
+    tokens, probs = p._sample_draft_tokens(hidden, Sampling(None, True, False))
+    out["peagle_rows"] = [i for i in range(12) if tokens[i] == full[i] and full[i] != 0]
+    out["peagle_others_zero"] = bool((tokens[[2, 3, 4, 5, 6, 7]] == 0).all())
+    out["peagle_counted"] = p.logit_rows
+    out["peagle_probs"] = probs is None
+    p = proposer(True, {}, False)
+    out["none_wanted"] = [int(t) for t in p._sample_draft_tokens(hidden, Sampling(None, True, False))[0]]
+    # EAGLE-3: request 1 wants 1 token, request 3 three: the first call computes both, the second request 3 alone
+    p = proposer(False, {1: 1, 3: 3}, False)
+    first = p._sample_draft_tokens(hidden, Sampling(None, True, False))[0]
+    second = p._sample_draft_tokens(hidden, Sampling(None, True, False))[0]
+    out["eagle3_calls"] = [[i for i in range(12) if t[i] != 0] for t in (first, second)]
+    out["eagle3_full"] = [int(full[1]), int(full[3])]
+    out["eagle3_drawn"] = [int(first[1]), int(first[3]), int(second[3])]
+    # sampling: the probabilities of the rows computed are vLLM's, at each request's temperature; the others zero
+    temperature = torch.tensor([0.5, 1.0, 2.0])
+    p = proposer(True, {1: 3}, True)
+    tokens, probs = p._sample_draft_tokens(hidden, Sampling(temperature.clone(), False, True))
+    expected = torch.softmax((hidden[4:7] @ weight) / 1.0, dim=-1)
+    out["probs_shape"] = list(probs.shape)
+    out["probs_match"] = bool(torch.allclose(probs[4:7], expected, atol=1e-6))
+    out["probs_others_zero"] = bool((probs[[0, 1, 2, 3, 7, 8, 9, 10, 11]] == 0).all())
+    out["sampled_in_support"] = bool(all(probs[i, tokens[i]] > 0 for i in (4, 5, 6)))
+    p = proposer(True, {}, True)
+    tokens, probs = p._sample_draft_tokens(hidden, Sampling(temperature.clone(), False, True))
+    out["no_rows_probs"] = [list(probs.shape), bool((probs == 0).all())]
+    print(json.dumps(out))
+
+
+@needs_vllm
+def test_the_hybrids_drafter_samples_only_the_rows_vllm_verifies(tmp_path):
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent(inspect.getsource(drafter_sampling_check)) + "\ndrafter_sampling_check()\n")
+    proc = subprocess.run([str(VLLM_PYTHON), str(script)], text=True, capture_output=True,
+                          env={**os.environ, **VLLM_ENV}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["peagle_rows"] == [0, 1, 8, 9, 10, 11] and out["peagle_others_zero"] and out["peagle_probs"]
+    assert out["peagle_counted"] == [6, 12]
+    assert out["none_wanted"] == [0] * 12  # nothing verified of the drafter's: no logits at all
+    assert out["eagle3_calls"] == [[1, 3], [3]] and out["eagle3_drawn"][:2] == out["eagle3_full"]
+    assert out["probs_shape"] == [12, 50] and out["probs_match"] and out["probs_others_zero"]
+    assert out["sampled_in_support"] and out["no_rows_probs"] == [[12, 50], True]
+
+
 @needs_vllm
 @pytest.mark.parametrize("case, switch, error, untouched", [
     ("off", "", None, True),
@@ -669,8 +779,8 @@ def test_the_optional_cost_gate_trims_drafts_and_learns_from_what_vllm_accepted(
     budgets = requests.update(FakeBatch({"a": (tokens, 5)}), [[4]], None, 8)
     proposal = requests.speculate("a", budgets[0])
     assert proposal.token_ids == [5, 1, 2, 3]
-    routed = requests.route("a", proposal, requests.contexts[0])
-    assert routed == proposal.token_ids[:len(routed)]
+    routed = requests.book("a", requests.plan([proposal])[0])
+    assert 0 < len(routed) and routed == proposal.token_ids[:len(routed)]
     # vLLM accepted 1 of them (2 sampled: one accepted + the target's own): the gate counts 1 accepted node
     requests.update(FakeBatch({"a": (tokens + [5, 9], 5)}), [[5, 9]], None, 8)
     seen, accepted = requests.gate._counts["suffix"][-1]

@@ -2,6 +2,7 @@
 its drafter with isinstance). Imported only by the plugin's patches, in a process that has vLLM."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable
 
 import torch
@@ -35,12 +36,10 @@ class HybridspecSuffixProposer(SuffixDecodingProposer):
             return [[] for _ in sampled_token_ids]
         budgets = requests.update(input_batch, sampled_token_ids, requests.runner_requests,
                                   num_speculative_tokens)
-        drafts = []
-        for i, budget in enumerate(budgets):
-            rid = input_batch.req_ids[i]
-            drafts.append(requests.route(rid, requests.speculate(rid, budget), requests.contexts[i])
-                          if budget > 0 else [])
-        return drafts
+        rids = input_batch.req_ids
+        planned = requests.plan([requests.speculate(rids[i], budget) if budget > 0 else None
+                                 for i, budget in enumerate(budgets)])
+        return [requests.book(rids[i], draft) if draft is not None else [] for i, draft in enumerate(planned)]
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         pass  # no model
@@ -53,14 +52,16 @@ def _first_tensor_parallel_rank() -> bool:
 
 
 class HybridspecHybridProposer(EagleProposer):
-    """vLLM's EAGLE proposer (P-EAGLE with parallel drafting, or EAGLE-3) drafting every row, so its KV cache stays
-    in step; per row the engine's hybrid rule (`choose_draft`) keeps its draft or the suffix cache's.
+    """vLLM's EAGLE proposer (P-EAGLE with parallel drafting, or EAGLE-3) running its layers on every row, so its KV
+    cache stays in step; per row the engine's hybrid rule (`choose_draft`) takes its draft or the suffix cache's.
 
-    vLLM's EAGLE draft carries no probabilities: it enters the rule as a chain of probability-1 tokens, and the
-    rule's expectation is the engine's calibrated one (`CostGate.expected_tokens`), which learns each source's
-    acceptance online from what vLLM accepted of the previous step's draft. Drafts are returned as lists of their
-    own lengths (vLLM's EAGLE input preparation without the padded batch takes per-request draft lengths), so no
-    padding is verified or counted.
+    vLLM's EAGLE draft carries no probabilities: it enters the rule as a chain of probability-1 tokens, whose
+    expectation (the engine's calibrated `CostGate.expected_tokens`, learnt online from what vLLM accepted of the
+    previous step's drafts) depends on its source and length alone. So each row's source, and with the gate the part
+    of the step's drafts worth verifying, is decided before the drafter runs, and the drafter's logits (over the
+    vocabulary: the larger part of its cost) are computed only at the positions vLLM will verify: none at all in a step
+    the suffix drafts win or the gate plans empty. Drafts are returned as lists of their own lengths (vLLM's EAGLE
+    input preparation without the padded batch takes per-request draft lengths), so no padding is verified or counted.
     """
 
     def __init__(self, vllm_config: Any, device: Any, runner: Any = None) -> None:
@@ -81,10 +82,13 @@ class HybridspecHybridProposer(EagleProposer):
         self.drafter_source = ("fasteagle" if FASTEAGLE_ARCHITECTURE in architectures
                                else "peagle" if spec.parallel_drafting else spec.method)
         self.chosen: dict[str, int] = {"suffix": 0, self.drafter_source: 0}
+        self.logit_rows = [0, 0]  # the drafter's logits: rows computed, rows vLLM's proposer would have computed
         self._batch: Any = None
         self._requests: dict | None = None
         self._booked = True
         self._sampled: list[list[int]] | None = None
+        self._wanted: dict[int, int] | None = None  # during propose: row -> drafter tokens verified (see _logit_rows)
+        self._draft_pass = 0  # the drafter's sampling calls in this propose (EAGLE-3 samples once per position)
 
     # The runner hands the step's sampled tokens to one of these two before propose(): the lists after its
     # bookkeeping (disable_padded_drafter_batch, EAGLE-3), or the padded tensor before it (parallel drafting).
@@ -106,30 +110,93 @@ class HybridspecHybridProposer(EagleProposer):
                                                      discard_request_mask)
 
     def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        eagle = super().propose(num_speculative_tokens, *args, **kwargs)
-        if self._sampled is None:  # not via prepare_next_token_ids_cpu (a dummy run)
-            return eagle
+        if self._sampled is None:  # not via prepare_next_token_ids_* (a dummy run)
+            return super().propose(num_speculative_tokens, *args, **kwargs)
         batch, sampled, self._sampled = self._batch, self._sampled, None
         requests = self.hybridspec_requests
         budgets = requests.update(batch, sampled, self._requests, num_speculative_tokens, booked=self._booked)
+        chosen: list[Proposal | None] = []
+        for i, budget in enumerate(budgets):
+            if budget <= 0:
+                chosen.append(None)
+                continue
+            # the drafter's draft as the rule sees it before it runs: its length and source
+            drafter = Proposal.chain([0] * min(budget, num_speculative_tokens), source=self.drafter_source)
+            chosen.append(choose_draft(requests.speculate(batch.req_ids[i], budget), drafter,
+                                       self.gate.expected_tokens))
+        planned = requests.plan(chosen, trim=self.trims)
+        self._wanted = {i: len(p) for i, p in enumerate(planned)
+                        if p is not None and p.source == self.drafter_source and len(p)}
+        self._draft_pass = 0
+        try:
+            eagle = super().propose(num_speculative_tokens, *args, **kwargs)
+        finally:
+            self._wanted = None
         eagle_rows = eagle.tolist()
         drafts: list[list[int]] = []
         suffix_rows = []
-        for i, budget in enumerate(budgets):
-            rid = batch.req_ids[i]
-            if budget <= 0:
+        for i, draft in enumerate(planned):
+            if draft is None:
                 drafts.append([] if sampled[i] else eagle_rows[i])  # a partial prefill: vLLM drops it anyway
                 continue
-            drafted = Proposal.chain(eagle_rows[i][:budget], source=self.drafter_source)
-            best = choose_draft(requests.speculate(rid, budget), drafted, self.gate.expected_tokens)
-            self.chosen[best.source] = self.chosen.get(best.source, 0) + 1
-            requests.event("chosen", rid, source=best.source, draft=list(best.token_ids))
-            draft = requests.route(rid, best, requests.contexts[i], trim=self.trims)
-            if best.source != self.drafter_source:
-                suffix_rows.append((i, draft))
-            drafts.append(draft)
+            rid = batch.req_ids[i]
+            source = chosen[i].source
+            self.chosen[source] = self.chosen.get(source, 0) + 1
+            if draft.source == self.drafter_source:
+                draft = Proposal.chain(eagle_rows[i][:len(draft)], source=self.drafter_source)
+            requests.event("chosen", rid, source=source, draft=list(draft.token_ids))
+            drafts.append(requests.book(rid, draft))
+            if source != self.drafter_source:
+                suffix_rows.append((i, drafts[-1]))
         self._one_hot_draft_probs(suffix_rows)
         return drafts
+
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
+        """vLLM's draft sampling, at the rows of `hidden_states` whose tokens are verified (`_logit_rows`); the other
+        rows get token 0 and, where vLLM keeps draft probabilities, zeros (no row of theirs is read)."""
+        num_rows, temperature = hidden_states.shape[0], sampling_metadata.temperature
+        rows = self._logit_rows(num_rows)
+        self._draft_pass += 1
+        if temperature is not None and num_rows % temperature.shape[0]:
+            rows = None  # not one temperature per request: leave the sampling to vLLM
+        computed = num_rows if rows is None else len(rows)
+        self.logit_rows[0] += computed
+        self.logit_rows[1] += num_rows
+        if self._wanted is not None:
+            self.hybridspec_requests.event("drafter_logits", None, rows=computed, of=num_rows)
+        if rows is None or len(rows) == num_rows:
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        keeps_probs = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
+        tokens = torch.zeros(num_rows, dtype=torch.int64, device=hidden_states.device)
+        if not rows and not keeps_probs:
+            return tokens, None
+        # probabilities need one row computed to give the full tensor its vocabulary's size
+        index = torch.tensor(rows or [0], dtype=torch.long, device=hidden_states.device)
+        if temperature is not None:  # per request: per row of hidden_states, then the rows computed
+            per_row = temperature.repeat_interleave(num_rows // temperature.shape[0], dim=0)
+            sampling_metadata = dataclasses.replace(sampling_metadata, temperature=per_row[index])
+        drawn, probs = super()._sample_draft_tokens(hidden_states[index], sampling_metadata)
+        if rows:
+            tokens[index] = drawn
+        if probs is None:
+            return tokens, None
+        full = probs.new_zeros((num_rows, probs.shape[-1]))
+        if rows:
+            full[index] = probs
+        return tokens, full
+
+    def _logit_rows(self, num_rows: int) -> list[int] | None:
+        """The rows of this sampling call whose tokens vLLM verifies (None: all, or a call outside propose). P-EAGLE
+        samples once, row r * K + j for request r's position j; EAGLE-3 once per position, row r for request r."""
+        wanted = self._wanted
+        if wanted is None:
+            return None
+        k = self.num_speculative_tokens
+        if self.parallel_drafting and num_rows % k == 0:
+            return [r * k + j for r, n in wanted.items() if r < num_rows // k for j in range(min(n, k))]
+        if not self.parallel_drafting:
+            return [r for r, n in wanted.items() if r < num_rows and n > self._draft_pass]
+        return None
 
     def _one_hot_draft_probs(self, rows: Iterable[tuple[int, list[int]]]) -> None:
         """Where vLLM keeps EAGLE's draft probabilities (sampling), a suffix row gets its own, one-hot: a

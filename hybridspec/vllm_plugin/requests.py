@@ -136,13 +136,25 @@ class SuffixRequests:
         if self.gate is not None and previous is not None and num_sampled and len(previous):
             self.gate.observe([previous], [list(range(min(num_sampled - 1, len(previous))))])
 
-    def route(self, rid: str, proposal: Any, context: int, trim: bool = True) -> list[int]:
-        """The draft vLLM verifies: the proposal, trimmed by the gate where there is one (and `trim`)."""
-        if self.gate is not None and trim:
-            proposal = self.gate.trim(proposal, context)
+    def plan(self, proposals: Sequence[Any], trim: bool = True) -> list[Any]:
+        """The part of each row's proposal (one per row of the last `update`; None or empty: no draft) worth
+        verifying: the step's rows planned together by the gate where there is one (and `trim`), as the engine's
+        router plans a step, so that under load few draft tokens or none are verified; else every proposal whole."""
+        rows = [i for i, p in enumerate(proposals) if p is not None]
+        if self.gate is None or not trim or not any(len(proposals[i]) for i in rows):
+            return list(proposals)
+        route = self.gate.plan([proposals[i] for i in rows], [self.contexts[i] for i in rows])
+        planned = list(proposals)
+        for i, keep in zip(rows, route.keep):
+            planned[i] = proposals[i].subset(keep)
+        return planned
+
+    def book(self, rid: str, proposal: Any) -> list[int]:
+        """The draft vLLM verifies for `rid` (as planned): counted, and kept for the gate to learn from next step."""
+        if self.gate is not None:
             self.event("routed", rid, draft=list(proposal.token_ids))
-        if self.gate is not None and len(proposal):
-            self._routed[rid] = proposal
+            if len(proposal):
+                self._routed[rid] = proposal
         if len(proposal):
             self.counters["drafts"] += 1
             self.counters["draft_tokens"] += len(proposal)
