@@ -544,6 +544,8 @@ def test_every_vllm_draft_is_what_our_suffix_cache_proposes_step_by_step(greedy_
         logits = [e for e in recordings[0] if e["event"] == "drafter_logits"]
         drafted = sum(len(e["draft"]) for e in recordings[0] if e["event"] == "chosen" and e["source"] == "peagle")
         assert drafted > 0 and sum(e["rows"] for e in logits) == drafted < sum(e["of"] for e in logits)
+        # and steps with no drafter token verified ran the drafter on their tokens alone (no slots, no logits)
+        assert sum(e["event"] == "drafter_in_step" for e in recordings[0]) > 0
     # every request the cache saw is the one vLLM generated: prompt + output
     cycles = life_cycle(recordings[0])
     assert cycles["start"] == sum(len(b) for b in greedy_runs.batches) and cycles["restart"] == 0

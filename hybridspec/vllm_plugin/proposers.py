@@ -59,9 +59,11 @@ class HybridspecHybridProposer(EagleProposer):
     expectation (the engine's calibrated `CostGate.expected_tokens`, learnt online from what vLLM accepted of the
     previous step's drafts) depends on its source and length alone. So each row's source, and with the gate the part
     of the step's drafts worth verifying, is decided before the drafter runs, and the drafter's logits (over the
-    vocabulary: the larger part of its cost) are computed only at the positions vLLM will verify: none at all in a step
-    the suffix drafts win or the gate plans empty. Drafts are returned as lists of their own lengths (vLLM's EAGLE
-    input preparation without the padded batch takes per-request draft lengths), so no padding is verified or counted.
+    vocabulary) are computed only at the positions vLLM will verify. In a step where no row verifies a drafter
+    token (the suffix drafts win, or the gate plans them out), the drafter runs on the step's tokens alone
+    (`_keep_in_step`). Every tensor-parallel rank decides alike: the same tokens feed the same cache and gate. Drafts
+    are returned as lists of their own lengths (vLLM's EAGLE input preparation without the padded batch takes
+    per-request draft lengths), so no padding is verified or counted.
     """
 
     def __init__(self, vllm_config: Any, device: Any, runner: Any = None) -> None:
@@ -129,7 +131,8 @@ class HybridspecHybridProposer(EagleProposer):
                         if p is not None and p.source == self.drafter_source and len(p)}
         self._draft_pass = 0
         try:
-            eagle = super().propose(num_speculative_tokens, *args, **kwargs)
+            eagle = (super().propose(num_speculative_tokens, *args, **kwargs) if self._wanted
+                     else self._keep_in_step(*args, **kwargs))
         finally:
             self._wanted = None
         eagle_rows = eagle.tolist()
@@ -150,6 +153,19 @@ class HybridspecHybridProposer(EagleProposer):
                 suffix_rows.append((i, drafts[-1]))
         self._one_hot_draft_probs(suffix_rows)
         return drafts
+
+    def _keep_in_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """A step in which no row verifies the drafter's draft: the drafter's layers run on the step's tokens only, so
+        its KV cache stays in step, as vLLM's EAGLE path does for a step of no drafts (K = 0); P-EAGLE's K - 1 parallel
+        slots a row and all sampling are left out. The tokens' keys and values are the same as with the slots: the
+        slots come after them and attention is causal. Returns no drafts ([rows, 0])."""
+        extra, k = self.needs_extra_input_slots, self.num_speculative_tokens
+        self.needs_extra_input_slots = False
+        self.hybridspec_requests.event("drafter_in_step", None)
+        try:
+            return super().propose(0, *args, **kwargs)
+        finally:
+            self.needs_extra_input_slots, self.num_speculative_tokens = extra, k
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
         """vLLM's draft sampling, at the rows of `hidden_states` whose tokens are verified (`_logit_rows`); the other
