@@ -17,7 +17,8 @@ over the prompts, one thread; benchmarks/vllm_agent_calls_worker.py): `none`, vL
 `hybridspec-hybrid` (our P-EAGLE head with parallel drafting, per row the engine's router keeps its draft or the suffix
 cache's: HYBRIDSPEC_VLLM=hybrid) and `hybridspec-fasteagle` (our FastEagle head as vLLM's eagle3 with parallel drafting,
 all K drafts from one pass of the cascade: HYBRIDSPEC_VLLM=fasteagle); optionally our first two with the engine's cost
-gate trimming their drafts (`hybridspec-suffix-gate`, `hybridspec-hybrid-gate`).
+gate trimming their drafts, by its built-in tables (`hybridspec-suffix-gate`, `hybridspec-hybrid-gate`) or by tables
+refitted to vLLM's own passes (`hybridspec-suffix-measure`, `hybridspec-hybrid-measure`).
 
 With `hybridspec-fasteagle`, our Engine runs the same FastEagle head on the same calls too (in this process, calls one
 at a time, chains of the checkpoint's K, every draft verified in full as vLLM does; `--no-engine` skips it): "engine"
@@ -51,8 +52,10 @@ PEAGLE = REPO / "speculators" / "checkpoints" / "peagle-smollm2"
 FASTEAGLE = REPO / "speculators" / "checkpoints" / "fasteagle-smollm2"
 RECIPE = REPO / "speculators" / "recipes" / "peagle-smollm2.yaml"
 METHODS = ("none", "ngram", "suffix", "hybridspec-suffix", "hybridspec-hybrid", "hybridspec-fasteagle")
-# also runnable, not by default: our two methods with the engine's cost gate (HYBRIDSPEC_VLLM_VERIFY_COST=default)
-GATED = ("hybridspec-suffix-gate", "hybridspec-hybrid-gate")
+# also runnable, not by default: our two methods with the engine's cost gate, by the built-in tables ("-gate":
+# HYBRIDSPEC_VLLM_VERIFY_COST=default) or by tables refitted to vLLM's passes ("-measure": =measure)
+GATES = {"-gate": "default", "-measure": "measure"}
+GATED = tuple(f"hybridspec-{m}{g}" for g in GATES for m in ("suffix", "hybrid"))
 BUILT_IN = ("ngram", "suffix")
 VLLM_ENV = {**common.VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
 
@@ -89,8 +92,9 @@ def method_config(name: str, k: int, peagle_dir: Path, peagle_k: int,
         return {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": head_k,
                 "parallel_drafting": True}, {"HYBRIDSPEC_VLLM": name.removeprefix("hybridspec-")}
     if name in GATED:
-        spec, env = method_config(name.removesuffix("-gate"), k, peagle_dir, peagle_k)
-        return spec, {**env, "HYBRIDSPEC_VLLM_VERIFY_COST": "default"}
+        gate = next(g for g in GATES if name.endswith(g))
+        spec, env = method_config(name.removesuffix(gate), k, peagle_dir, peagle_k)
+        return spec, {**env, "HYBRIDSPEC_VLLM_VERIFY_COST": GATES[gate]}
     raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS + GATED)}")
 
 
@@ -292,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         best = max(mixed_all[m]["tok_s"] for m in built_in)
         targets["hybridspec_hybrid_over_best_built_in_mixed"] = round(mixed_all["hybridspec-hybrid"]["tok_s"] / best, 3)
     one, most = min(concurrency), max(concurrency)
-    for hybrid in [m for m in ("hybridspec-hybrid", "hybridspec-hybrid-gate") if m in methods]:
+    for hybrid in [m for m in ("hybridspec-hybrid", "hybridspec-hybrid-gate", "hybridspec-hybrid-measure")
+                   if m in methods]:
         # issue 51: >= our suffix method at one agent, >= no speculation at the most
         name = hybrid.replace("hybridspec-", "").replace("-", "_")
         if "hybridspec-suffix" in methods:

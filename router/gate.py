@@ -63,18 +63,24 @@ class CostGate:
 
     def __init__(self, verify_cost: Any = None, min_gain: float = 1.05, calibrate: bool = True,
                  prior_weight: float = 4.0, decay: float = 0.995):
-        self.costs = dict(sorted(verify_costs_by_context(verify_cost).items()))
         self.min_gain = min_gain
         self.calibrate, self.prior_weight, self.decay = calibrate, prior_weight, decay
+        self._counts: dict[str, list[list[float]]] = {}  # source -> per decile [nodes seen, nodes accepted]
+        costs = verify_costs_by_context(verify_cost)
+        data = read_cost_json(verify_cost) if verify_cost is not None else None
+        measured = data.get("pass") if isinstance(data, Mapping) else None
+        self.set_costs(costs, PassCost.load(measured, costs))
+
+    def set_costs(self, by_context: Mapping[int, VerifyCost], pass_cost: PassCost) -> None:
+        """Plan by these tables from now on (one row's t(k) by context, and a batched pass's cost): the vLLM plugin
+        refits them to the passes it times (`router.measured`)."""
+        self.costs = dict(sorted(by_context.items()))
         self._contexts = list(self.costs)
         # Relative cost by draft size, made non-decreasing: a measured dip (a kernel that happens to suit 3 rows
         # better than 2) is noise to plan with, not a reason to draft more.
         self._relative = [np.maximum.accumulate([max(1.0, c.relative(k)) for k in range(self.MAX_DRAFT)])
                           for c in self.costs.values()]
-        self._counts: dict[str, list[list[float]]] = {}  # source -> per decile [nodes seen, nodes accepted]
-        data = read_cost_json(verify_cost) if verify_cost is not None else None
-        measured = data.get("pass") if isinstance(data, Mapping) else None
-        self.pass_cost = PassCost.load(measured, self.costs)
+        self.pass_cost = pass_cost
 
     def cost(self, k: int, context: int = 0) -> float:
         """t(k) / t(0), the pass in plain steps, at `context` tokens: interpolated between measured contexts."""

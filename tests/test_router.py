@@ -1,6 +1,8 @@
 """The verify-cost model shared by the router, the engine and trace replay, and the cost gate (the default router)."""
 import json
 
+import numpy as np
+
 import pytest
 
 from hybridspec.proposal import Proposal
@@ -166,3 +168,39 @@ def test_beside_prompt_chunks_a_draft_pays_as_in_a_decode_step_and_one_row_alone
     alone = [len(k) for k in gate.plan(rows, [512] * 4).keep]
     assert [len(k) for k in gate.plan(rows, [512] * 4, other_tokens=256).keep] == alone  # a token costs the same
     assert sum(alone) > 0
+
+
+def test_a_pass_cost_fit_learns_a_machines_costs_and_the_gate_plans_by_it():
+    """Passes of a machine 3x slower than the prior whose draft tokens cost relatively twice the prior's: the fit
+    learns each cost within 25% from 300 noisy passes (the scale from the first few), leaves out a pass that waited
+    (10x its prediction) and a pass of no rows, and a gate given its tables keeps fewer draft tokens than by the
+    prior's; a fit that saw nothing predicts the prior."""
+    from hybridspec.router.measured import SCALE_PASSES, PassCostFit
+
+    gate = CostGate()
+    fit = PassCostFit(gate.pass_cost)
+    assert fit.predict([1], [4096]) == pytest.approx(gate.pass_cost([1], [4096]), rel=0.1)
+    true = fit.prior * np.array([3.0, 6.0, 3.0, 6.0])
+    rng = np.random.default_rng(0)
+
+    def random_pass():
+        rows = int(rng.integers(1, 17))
+        return [1 + int(rng.integers(0, 9)) for _ in range(rows)], [int(rng.integers(500, 8000)) for _ in range(rows)]
+
+    learnt = 0
+    for i in range(300):
+        tokens, contexts = random_pass()
+        ms = float(fit.features(tokens, contexts) @ true) * rng.uniform(0.9, 1.1)
+        learnt += fit.observe(tokens, contexts, ms)
+    assert learnt == fit.passes == 300 - SCALE_PASSES
+    assert np.allclose(fit.costs()[[0, 1, 3]], true[[0, 1, 3]], rtol=0.25)
+    tokens, contexts = random_pass()
+    assert not fit.observe(tokens, contexts, 10 * fit.predict(tokens, contexts)) and fit.passes == 300 - SCALE_PASSES
+    assert not fit.observe([], [], 5.0)
+
+    draft = Proposal.chain(list(range(8)), probs=[0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], source="suffix")
+    by_prior = len(gate.trim(draft, 4096))
+    gate.set_costs(fit.verify_costs(), fit.pass_cost())
+    assert 0 < len(gate.trim(draft, 4096)) < by_prior
+    rows = [draft] * 8
+    assert sum(map(len, gate.plan(rows, [4096] * 8).keep)) < sum(map(len, CostGate().plan(rows, [4096] * 8).keep))

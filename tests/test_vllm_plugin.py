@@ -552,6 +552,20 @@ def test_every_vllm_draft_is_what_our_suffix_cache_proposes_step_by_step(greedy_
 
 
 @needs_vllm
+def test_the_hybrid_with_the_gate_refitted_to_vllms_passes(greedy_runs, tmp_path):
+    """HYBRIDSPEC_VLLM_VERIFY_COST=measure: the gate's tables are refitted to the passes the plugin times (positive
+    costs, more passes learnt at each refit); outputs stay vLLM's without speculation."""
+    runs = [{"name": "hybrid", "batches": greedy_runs.batches, "record": str(tmp_path / "rec"),
+             "speculative_config": {"method": "eagle3", "model": str(peagle_for_vllm(tmp_path)),
+                                    "num_speculative_tokens": K_PEAGLE, "parallel_drafting": True}}]
+    results = run_vllm(runs, tmp_path, {"HYBRIDSPEC_VLLM": "hybrid", "HYBRIDSPEC_VLLM_VERIFY_COST": "measure"})
+    assert results["hybrid"]["outputs"] == greedy_runs.results["none"]["outputs"]
+    refits = [e for e in read_events(tmp_path / "rec")[0] if e["event"] == "refit"]
+    assert refits and all(min(e["ms"]) > 0 for e in refits)
+    assert [e["passes"] for e in refits] == sorted({e["passes"] for e in refits})
+
+
+@needs_vllm
 def test_no_request_state_leaks_over_a_thousand_requests_with_preemptions_and_aborts(leak_run):
     recordings = read_events(leak_run.work / "rec-leak")
     events = recordings[0]

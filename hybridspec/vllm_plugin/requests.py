@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from typing import Any, Sequence
 
 from hybridspec.runtime.commit import StopRules, commit_tokens, draft_budget
 from hybridspec.vllm_plugin.config import ENV_OBSERVER, ENV_VERIFY_COST, PluginError
+
+REFIT = 16  # passes learnt between two refits of the gate's tables
+DECODE_ROW_TOKENS = 64  # a row scheduling more is a prompt chunk: its pass is not learnt from
 
 
 
@@ -30,6 +34,9 @@ class SuffixRequests:
         self.gate = None  # a CostGate that trims drafts (HYBRIDSPEC_VLLM_VERIFY_COST), or None
         self._routed: dict[str, Any] = {}  # rid -> the Proposal vLLM verified last step (calibrates the gate)
         self.counters = dict(started=0, finished=0, aborted=0, drafts=0, draft_tokens=0)
+        self.fit = None  # a PassCostFit refitting the gate to vLLM's passes (HYBRIDSPEC_VLLM_VERIFY_COST=measure)
+        self._pass: tuple[list[int], list[int]] | None = None  # the running decode pass: rows' tokens and contexts
+        self._pass_started = 0.0
 
     def event(self, kind: str, rid: str | None, **fields: Any) -> None:
         if self.observer is not None:
@@ -43,12 +50,32 @@ class SuffixRequests:
 
     # -- called by the runner's _update_states, before it drops finished requests
     def on_scheduler_output(self, scheduler_output: Any, requests: dict) -> None:
+        if self.fit is not None:
+            self._time_pass(scheduler_output)
         self._keep_verified(scheduler_output)
         for rid in list(scheduler_output.finished_req_ids):
             if rid in self.started:
                 self._end(rid, self._finished_normally(requests.get(rid)))
         for rid in self.started & scheduler_output.scheduled_cached_reqs.resumed_req_ids:
             self._end(rid, False)  # back from preemption: restarted on its next sampled token
+
+    def _time_pass(self, scheduler_output: Any) -> None:
+        """The time since the last pass began is that pass's cost (the runner's steps follow one another): the fit
+        learns it, and every REFIT passes learnt the gate plans by the fit's tables. Only decode passes are learnt
+        (no row with more than DECODE_ROW_TOKENS: a prompt chunk's tokens cost what the drafts' do not)."""
+        now = time.perf_counter()
+        if self._pass is not None and self.fit.observe(*self._pass, (now - self._pass_started) * 1e3) \
+                and self.fit.passes % REFIT == 0:
+            self.gate.set_costs(self.fit.verify_costs(), self.fit.pass_cost())
+            self.event("refit", None, passes=self.fit.passes, ms=[round(float(v), 4) for v in self.fit.costs()])
+        scheduled = scheduler_output.num_scheduled_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        computed.update((r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs)
+        decode = scheduled and max(scheduled.values()) <= DECODE_ROW_TOKENS
+        self._pass = ([int(n) for n in scheduled.values()], [int(computed.get(rid, 0)) for rid in scheduled]) \
+            if decode else None
+        self._pass_started = now
 
     def _keep_verified(self, scheduler_output: Any) -> None:
         """The gate learns from what vLLM verifies of a routed draft: the scheduler cuts a draft to the token budget
@@ -187,8 +214,12 @@ def new_requests(vllm_config: Any, *, hybrid: bool) -> SuffixRequests:
         from hybridspec.router import CostGate
 
         try:
-            requests.gate = CostGate(None if cost == "default" else cost)
+            requests.gate = CostGate(None if cost in ("default", "measure") else cost)
         except ValueError as e:
-            raise PluginError(f"{ENV_VERIFY_COST}={cost!r}: {e} (give \"default\" or the JSON written by "
-                              f"benchmarks/bench_verify_cost.py)") from None
+            raise PluginError(f"{ENV_VERIFY_COST}={cost!r}: {e} (give \"measure\", \"default\" or the JSON "
+                              f"written by benchmarks/bench_verify_cost.py)") from None
+        if cost == "measure":
+            from hybridspec.router.measured import PassCostFit
+
+            requests.fit = PassCostFit(requests.gate.pass_cost)
     return requests
