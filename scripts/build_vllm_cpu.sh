@@ -22,6 +22,11 @@ BUILD_VENV=$WORK/venv
 PY=${PYTHON:-python3}
 export PIP_CONSTRAINT="$ROOT/scripts/constraints.txt"
 mkdir -p "$WORK"
+# vLLM's CPU extension includes numa.h (Debian: libnuma-dev); say so before a 30-minute build fails on it
+if ! echo '#include <numa.h>' | gcc -E -x c - >/dev/null 2>&1; then
+  echo "numa.h not found: install libnuma's headers first (Debian/Ubuntu: apt-get install libnuma-dev)" >&2
+  exit 1
+fi
 
 if [ ! -d "$SRC" ]; then
   URL=$("$PY" - "$VERSION" <<'EOF'
