@@ -30,8 +30,9 @@ max_tokens, the
 model's length) or `abort_request` otherwise (an abort, a stop string the front end caught, a preemption: a request
 that leaves the batch is forgotten, and restarted with its prompt and output so far when it returns).
 
-HYBRIDSPEC_VLLM_VERIFY_COST ("default" or a verify-cost JSON) also trims every draft with the engine's CostGate, as
-the engine's router does; unset, vLLM verifies every draft in full. HYBRIDSPEC_VLLM_OBSERVER ("module:Class") hands
+HYBRIDSPEC_VLLM_VERIFY_COST also plans each step's drafts with the engine's CostGate, as the engine's router does:
+"measure" (its tables refitted to the passes vLLM runs), "default" (the built-in tables) or a verify-cost JSON; unset,
+vLLM verifies every draft in full. HYBRIDSPEC_VLLM_OBSERVER ("module:Class") hands
 every life-cycle event to an observer (the tests record them with it).
 
 Nothing heavy is imported here at module level: vLLM and torch only inside `register()` and `proposers`.

@@ -9,8 +9,9 @@ SUPPORTED_VLLM_SERIES: tuple[str, ...] = ("0.32", "0.33")
 SUPPORTED_VLLM_RANGE = ">=0.32,<0.34"  # the same, as pyproject's requirement writes it
 ENV_SWITCH = "HYBRIDSPEC_VLLM"
 ENV_OBSERVER = "HYBRIDSPEC_VLLM_OBSERVER"  # "module:Class": Class(config) gets event(kind, rid, **fields) calls
-# The engine's cost gate on vLLM's drafts: "default" (the built-in CPU tables of SmolLM2, router/cost.py) or the JSON
-# of `benchmarks/bench_verify_cost.py`; unset: every draft is verified in full, as vLLM's own methods do.
+# The engine's cost gate on vLLM's drafts: "measure" (tables refitted to vLLM's own passes, router/measured.py),
+# "default" (the built-in CPU tables of SmolLM2, router/cost.py) or the JSON of `benchmarks/bench_verify_cost.py`;
+# unset: every draft is verified in full, as vLLM's own methods do.
 ENV_VERIFY_COST = "HYBRIDSPEC_VLLM_VERIFY_COST"
 MODES = ("suffix", "hybrid", "fasteagle")
 HYBRID_METHODS = ("eagle", "eagle3")
