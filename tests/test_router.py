@@ -172,7 +172,8 @@ def test_beside_prompt_chunks_a_draft_pays_as_in_a_decode_step_and_one_row_alone
 
 def test_a_pass_cost_fit_learns_a_machines_costs_and_the_gate_plans_by_it():
     """Passes of a machine 3x slower than the prior whose draft tokens cost relatively twice the prior's: the fit
-    learns each cost within 25% from 300 noisy passes (the scale from the first few), leaves out a pass that waited
+    learns its fixed, per-token and attention costs within 25% from 300 noisy passes (the scale from the first few;
+    the per-row cost is nearly collinear with the tokens in these passes), leaves out a pass that waited
     (10x its prediction) and a pass of no rows, and a gate given its tables keeps fewer draft tokens than by the
     prior's; a fit that saw nothing predicts the prior."""
     from hybridspec.router.measured import SCALE_PASSES, PassCostFit
