@@ -78,8 +78,8 @@ class CostGate:
         self._contexts = list(self.costs)
         # Relative cost by draft size, made non-decreasing: a measured dip (a kernel that happens to suit 3 rows
         # better than 2) is noise to plan with, not a reason to draft more.
-        self._relative = [np.maximum.accumulate([max(1.0, c.relative(k)) for k in range(self.MAX_DRAFT)])
-                          for c in self.costs.values()]
+        ks = np.arange(self.MAX_DRAFT)
+        self._relative = [np.maximum.accumulate(np.maximum(1.0, c(ks) / float(c.ms[0]))) for c in self.costs.values()]
         self.pass_cost = pass_cost
 
     def cost(self, k: int, context: int = 0) -> float:
