@@ -73,7 +73,7 @@ class PassCostFit:
 
     def pass_cost(self) -> PassCost:
         fixed, per_token, per_row, attention = self.costs()
-        return PassCost({1: fixed + per_token + per_row, 1 << 16: fixed + per_row + per_token * (1 << 16)}, per_row,
+        return PassCost({1: fixed + per_token, 1 << 16: fixed + per_token * (1 << 16)}, per_row,
                         {0: 0.0, 1 << 20: attention * (1 << 20) / 1000})
 
     def verify_costs(self, contexts: Sequence[int] = (0, 2048, 8192, 32768)) -> dict[int, VerifyCost]:

@@ -175,7 +175,7 @@ def test_a_pass_cost_fit_learns_a_machines_costs_and_the_gate_plans_by_it():
     learns its fixed, per-token and attention costs within 25% from 300 noisy passes (the scale from the first few;
     the per-row cost is nearly collinear with the tokens in these passes), leaves out a pass that waited
     (10x its prediction) and a pass of no rows, and a gate given its tables keeps fewer draft tokens than by the
-    prior's; a fit that saw nothing predicts the prior."""
+    prior's, its pass cost the fit's prediction; a fit that saw nothing predicts the prior."""
     from hybridspec.router.measured import SCALE_PASSES, PassCostFit
 
     gate = CostGate()
@@ -198,6 +198,7 @@ def test_a_pass_cost_fit_learns_a_machines_costs_and_the_gate_plans_by_it():
     tokens, contexts = random_pass()
     assert not fit.observe(tokens, contexts, 10 * fit.predict(tokens, contexts)) and fit.passes == 300 - SCALE_PASSES
     assert not fit.observe([], [], 5.0)
+    assert fit.pass_cost()(tokens, contexts) == pytest.approx(fit.predict(tokens, contexts))  # the gate's pass: the fit
 
     draft = Proposal.chain(list(range(8)), probs=[0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], source="suffix")
     by_prior = len(gate.trim(draft, 4096))

@@ -704,9 +704,16 @@ def drafter_sampling_check() -> None:
         p.model, p.num_speculative_tokens, p.parallel_drafting = Head(), 4, parallel
         p.use_local_argmax_reduction = p.use_heterogeneous_vocab = p.use_fp64_gumbel = False
         p._enable_probabilistic_draft_probs = keeps_probs
-        p.logit_rows, p._draft_pass, p._wanted = [0, 0], 0, wanted
-        p.hybridspec_requests = SuffixRequests(None, 100)
+        p._draft_pass, p._wanted = 0, wanted
+        p.hybridspec_requests = SuffixRequests(None, 100, observer=Events())
         return p
+
+    class Events:  # the plugin's observer: the events it was handed
+        def __init__(self):
+            self.seen = []
+
+        def event(self, kind, rid, **fields):
+            self.seen.append((kind, fields))
 
     out = {}
     hidden = torch.randn(12, 32)  # 3 requests x K = 4 (P-EAGLE), or 12 requests at one position (EAGLE-3)
@@ -715,7 +722,7 @@ def drafter_sampling_check() -> None:
     tokens, probs = p._sample_draft_tokens(hidden, Sampling(None, True, False))
     out["peagle_rows"] = [i for i in range(12) if tokens[i] == full[i] and full[i] != 0]
     out["peagle_others_zero"] = bool((tokens[[2, 3, 4, 5, 6, 7]] == 0).all())
-    out["peagle_counted"] = p.logit_rows
+    out["peagle_counted"] = [fields for kind, fields in p.hybridspec_requests.observer.seen]
     out["peagle_probs"] = probs is None
     p = proposer(True, {}, False)
     out["none_wanted"] = [int(t) for t in p._sample_draft_tokens(hidden, Sampling(None, True, False))[0]]
@@ -750,7 +757,7 @@ def test_the_hybrids_drafter_samples_only_the_rows_vllm_verifies(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["peagle_rows"] == [0, 1, 8, 9, 10, 11] and out["peagle_others_zero"] and out["peagle_probs"]
-    assert out["peagle_counted"] == [6, 12]
+    assert out["peagle_counted"] == [{"rows": 6, "of": 12}]
     assert out["none_wanted"] == [0] * 12  # nothing verified of the drafter's: no logits at all
     assert out["eagle3_calls"] == [[1, 3], [3]] and out["eagle3_drawn"][:2] == out["eagle3_full"]
     assert out["probs_shape"] == [12, 50] and out["probs_match"] and out["probs_others_zero"]

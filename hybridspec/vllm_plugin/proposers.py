@@ -84,7 +84,6 @@ class HybridspecHybridProposer(EagleProposer):
         self.drafter_source = ("fasteagle" if FASTEAGLE_ARCHITECTURE in architectures
                                else "peagle" if spec.parallel_drafting else spec.method)
         self.chosen: dict[str, int] = {"suffix": 0, self.drafter_source: 0}
-        self.logit_rows = [0, 0]  # the drafter's logits: rows computed, rows vLLM's proposer would have computed
         self._batch: Any = None
         self._requests: dict | None = None
         self._booked = True
@@ -175,11 +174,9 @@ class HybridspecHybridProposer(EagleProposer):
         self._draft_pass += 1
         if temperature is not None and num_rows % temperature.shape[0]:
             rows = None  # not one temperature per request: leave the sampling to vLLM
-        computed = num_rows if rows is None else len(rows)
-        self.logit_rows[0] += computed
-        self.logit_rows[1] += num_rows
-        if self._wanted is not None:
-            self.hybridspec_requests.event("drafter_logits", None, rows=computed, of=num_rows)
+        if self._wanted is not None:  # the drafter's logits: rows computed, of those vLLM's proposer computes
+            self.hybridspec_requests.event("drafter_logits", None, rows=num_rows if rows is None else len(rows),
+                                           of=num_rows)
         if rows is None or len(rows) == num_rows:
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         keeps_probs = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy

@@ -14,8 +14,6 @@ REFIT = 16  # passes learnt between two refits of the gate's tables
 DECODE_ROW_TOKENS = 64  # a row scheduling more is a prompt chunk: its pass is not learnt from
 
 
-
-
 class SuffixRequests:
     """Feeds a `SuffixCache` from vLLM's persistent batch the way hybridspec's Engine feeds it (module docstring).
 
