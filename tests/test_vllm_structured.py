@@ -3,7 +3,8 @@ greedy outputs constrained by a JSON schema, the two constraints vLLM's server c
 (a JSON list of calls; the hermes parser's structural tag) and a regex equal vLLM's without speculation, token for
 token, at batch 1 and 5; every output is valid against its constraint; our proposer drafted and vLLM accepted some.
 The same for the suffix + P-EAGLE hybrid (HYBRIDSPEC_VLLM=hybrid, `method: "eagle3"`), whose router chose drafts of
-both sources under the grammar.
+both sources under the grammar, and for the hybrid with the cost gate on, whose gate learns only the draft tokens the
+grammar let through.
 
 Why this holds without anything of the plugin's own: vLLM's scheduler checks every draft against the request's grammar
 before scheduling it (`StructuredOutputManager.validate_tokens`: the longest grammar-valid prefix, the matcher rolled
@@ -11,7 +12,7 @@ back) and the runner masks the target's logits with a bitmask per draft position
 is never verified and the bonus token stays in it. Our proposer's drafts are cut there like vLLM's own; what it sees
 next step is only what vLLM committed (`SuffixRequests.update`), so the suffix cache never learns a cut draft.
 
-One vLLM subprocess (three engine starts, ~2-3 minutes here).
+One vLLM subprocess (four engine starts, ~3-4 minutes here).
 """
 from __future__ import annotations
 
@@ -86,6 +87,8 @@ def structured_worker(model: str, runs: list[dict], out_file: str) -> None:
             os.environ.update(HYBRIDSPEC_VLLM_OBSERVER="vllm_recorder:Recorder", HYBRIDSPEC_VLLM_RECORD=run["record"])
         else:
             os.environ.pop("HYBRIDSPEC_VLLM_OBSERVER", None)
+        os.environ.pop("HYBRIDSPEC_VLLM_VERIFY_COST", None)
+        os.environ.update(run.get("env", {}))  # read as the engine (in this process) builds its proposer
         llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, disable_log_stats=False,
                   speculative_config=run.get("speculative_config"), structured_outputs_config={"backend": "xgrammar"})
         tokens, texts = [], []
@@ -144,13 +147,17 @@ def structured_runs(tmp_path_factory):
              "speculative_config": {"method": "suffix", "num_speculative_tokens": K_SUFFIX}},
             {"name": "hybrid", "batches": batches, "record": str(work / "rec-hybrid"),
              "speculative_config": {"method": "eagle3", "model": str(peagle_for_vllm(work)),
+                                    "num_speculative_tokens": K_PEAGLE, "parallel_drafting": True}},
+            {"name": "hybrid-gate", "batches": batches, "record": str(work / "rec-hybrid-gate"),
+             "env": {"HYBRIDSPEC_VLLM_VERIFY_COST": "default"},
+             "speculative_config": {"method": "eagle3", "model": str(peagle_for_vllm(work)),
                                     "num_speculative_tokens": K_PEAGLE, "parallel_drafting": True}}]
     results = run_structured(runs, work, {"HYBRIDSPEC_VLLM": "suffix,hybrid"})
     return SimpleNamespace(work=work, batches=batches, results=results)
 
 
 @needs_vllm
-@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+@pytest.mark.parametrize("method", ["suffix", "hybrid", "hybrid-gate"])
 def test_structured_greedy_outputs_of_our_methods_equal_vllm_without_speculation(structured_runs, method):
     plain, ours = structured_runs.results["none"], structured_runs.results[method]
     assert all(len(o) > 0 for batch in plain["tokens"] for o in batch)
@@ -160,7 +167,7 @@ def test_structured_greedy_outputs_of_our_methods_equal_vllm_without_speculation
 
 @needs_vllm
 def test_every_structured_output_satisfies_its_constraint(structured_runs):
-    for name in ("none", "suffix", "hybrid"):
+    for name in ("none", "suffix", "hybrid", "hybrid-gate"):
         for batch, texts in zip(structured_runs.batches, structured_runs.results[name]["texts"]):
             for request, text in zip(batch, texts):
                 assert valid(text, request["constraint"]), (name, request["constraint"], text)
@@ -187,6 +194,19 @@ def test_the_hybrid_chose_both_sources_under_the_grammar_and_vllm_accepted_some(
     recordings = read_events(structured_runs.work / "rec-hybrid")
     chosen = [e["source"] for recording in recordings for e in recording if e["event"] == "chosen"]
     assert {"suffix", "peagle"} <= set(chosen), sorted(set(chosen))
+
+
+@needs_vllm
+def test_the_gate_learns_only_the_draft_tokens_the_grammar_let_through(structured_runs):
+    """With the cost gate on, vLLM's grammar cut drafts the gate had routed (`cut` events: fewer tokens verified than
+    routed), the path on which the gate keeps only the verified part to learn from (what it learns there:
+    test_vllm_plugin's test_the_gate_learns_only_from_the_draft_tokens_vllm_verified)."""
+    events = read_events(structured_runs.work / "rec-hybrid-gate")[0]
+    routed = [e for e in events if e["event"] == "routed" and e["draft"]]
+    cuts = [e for e in events if e["event"] == "cut"]
+    assert routed and cuts, (len(routed), len(cuts))
+    assert all(0 <= e["verified"] < e["routed"] for e in cuts)
+    replay_through_fresh_cache(events)
 
 
 def test_the_constraint_check_accepts_and_refuses():

@@ -83,10 +83,12 @@ class SuffixRequests:
         for rid in [r for r in self._routed if r in scheduler_output.num_scheduled_tokens]:
             tokens = scheduled.get(rid, ())
             verified = next((i for i, t in enumerate(tokens) if t < 0), len(tokens))
-            if verified == 0:
-                del self._routed[rid]
-            elif verified < len(self._routed[rid]):
-                self._routed[rid] = self._routed[rid].subset(range(verified))
+            if verified < len(self._routed[rid]):
+                self.event("cut", rid, routed=len(self._routed[rid]), verified=verified)
+                if verified == 0:
+                    del self._routed[rid]
+                else:
+                    self._routed[rid] = self._routed[rid].subset(range(verified))
 
     def _finished_normally(self, state: Any) -> bool:
         """The engine's rules ended it with its last token (a stop token, max_tokens, the model's length); anything
