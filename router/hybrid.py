@@ -38,6 +38,14 @@ def choose_draft(suffix: Proposal, drafted: Proposal | None, expected: Callable[
     return suffix
 
 
+def positional_chain(token_ids: Sequence[int], source: str) -> Proposal:
+    """A chain from a proposer that rates none of its tokens (vLLM's EAGLE drafts), rated by position alone: node j
+    gets 0.95 - 0.1 j (at least 0.05), so each of the first ten positions has a calibration bin of its own and the
+    gate learns the acceptance at each position (a draft's later tokens are accepted less often) and can keep the
+    prefix that pays."""
+    return Proposal.chain(token_ids, probs=[max(0.95 - 0.1 * j, 0.05) for j in range(len(token_ids))], source=source)
+
+
 class DrafterEstimate:
     """What the drafter's next draft is expected to yield, before it runs: the mean rate (expected tokens per plain
     step's time of its verification, the router's calibrated figure) of its recent drafts, decaying by `decay` per

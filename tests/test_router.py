@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hybridspec.proposal import Proposal
-from hybridspec.router import DEFAULT_VERIFY_MS, CostGate, VerifyCost, verify_costs_by_context
+from hybridspec.router import DEFAULT_VERIFY_MS, CostGate, VerifyCost, positional_chain, verify_costs_by_context
 
 
 def test_interpolates_and_extrapolates():
@@ -69,6 +69,24 @@ def test_gate_calibrates_overconfident_proposers_online():
         gate.observe([draft], [[0, 1, 2, 3]])
     assert gate.accept_probability("suffix", 0.5) > 0.5 and len(gate.trim(draft)) == 4
     assert CostGate(calibrate=False).accept_probability("suffix", 0.5) == 0.5
+
+
+def test_a_chain_rated_by_position_learns_each_positions_acceptance_and_keeps_the_prefix_that_pays():
+    """vLLM's EAGLE drafts carry no probabilities: rated by position, the gate learns that later positions are
+    accepted less (here: the first 80%, the second 40%, the rest never) and keeps the paying prefix."""
+    gate = CostGate({0: 1.0, 1: 1.1, 2: 1.2, 4: 1.4, 8: 1.8})
+    draft = positional_chain([5] * 7, "peagle")
+    assert draft.probs == pytest.approx([0.95, 0.85, 0.75, 0.65, 0.55, 0.45, 0.35])
+    assert len(gate.trim(draft)) == 7  # its prior: every position pays
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        first, second = rng.random() < 0.8, rng.random() < 0.5
+        gate.observe([draft], [[0, 1] if first and second else [0] if first else []])
+    learnt = gate.calibrated_path_probs(draft)
+    assert learnt[0] == pytest.approx(0.8, abs=0.08) and learnt[1] == pytest.approx(0.4, abs=0.08)
+    assert max(learnt[2:]) < 0.05
+    assert gate.trim(draft).token_ids == [5, 5]  # (1 + 0.8 + 0.4) / 1.2 beats 1.8 / 1.1 and any longer prefix
+    assert gate.expected_tokens(draft) == pytest.approx(1.2, abs=0.2)
 
 
 def test_cost_grows_with_context():

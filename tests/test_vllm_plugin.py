@@ -480,6 +480,17 @@ def peagle_for_vllm(work: Path) -> Path:
     return vllm_checkpoint(PEAGLE, resolve_model("smollm2"), work / "peagle")
 
 
+def drafter_steps(events: list[dict]) -> list[tuple[int, list[int]]]:
+    """Per pass of the hybrid's drafter: the positions it drafted, and the lengths of its drafts vLLM then verified."""
+    steps: list[tuple[int, list[int]]] = []
+    for e in events:
+        if e["event"] == "drafter":
+            steps.append((e["positions"], []))
+        elif e["event"] == "chosen" and e["source"] == "peagle":
+            steps[-1][1].append(len(e["draft"]))
+    return steps
+
+
 @pytest.fixture(scope="module")
 def greedy_runs(tmp_path_factory):
     """none, our suffix method and the hybrid, batch 1 and 4, in one vLLM subprocess."""
@@ -543,9 +554,12 @@ def test_every_vllm_draft_is_what_our_suffix_cache_proposes_step_by_step(greedy_
         # the drafter's logits were computed at the positions of its drafts vLLM verified, and only there
         logits = [e for e in recordings[0] if e["event"] == "drafter_logits"]
         drafted = sum(len(e["draft"]) for e in recordings[0] if e["event"] == "chosen" and e["source"] == "peagle")
-        assert drafted > 0 and sum(e["rows"] for e in logits) == drafted < sum(e["of"] for e in logits)
-        # and steps with no drafter token verified ran the drafter on their tokens alone (no slots, no logits)
-        assert sum(e["event"] == "drafter_in_step" for e in recordings[0]) > 0
+        assert drafted > 0 and sum(e["rows"] for e in logits) == drafted
+        # each step the drafter drafted as many positions as its longest draft verified, and in steps with no
+        # drafter token verified it ran on their tokens alone (no slots, no logits)
+        steps = drafter_steps(recordings[0])
+        assert all(positions == max(lengths, default=0) for positions, lengths in steps)
+        assert {0, K_PEAGLE} <= {positions for positions, _ in steps}
     # every request the cache saw is the one vLLM generated: prompt + output
     cycles = life_cycle(recordings[0])
     assert cycles["start"] == sum(len(b) for b in greedy_runs.batches) and cycles["restart"] == 0
@@ -560,9 +574,14 @@ def test_the_hybrid_with_the_gate_refitted_to_vllms_passes(greedy_runs, tmp_path
                                     "num_speculative_tokens": K_PEAGLE, "parallel_drafting": True}}]
     results = run_vllm(runs, tmp_path, {"HYBRIDSPEC_VLLM": "hybrid", "HYBRIDSPEC_VLLM_VERIFY_COST": "measure"})
     assert results["hybrid"]["outputs"] == greedy_runs.results["none"]["outputs"]
-    refits = [e for e in read_events(tmp_path / "rec")[0] if e["event"] == "refit"]
+    events = read_events(tmp_path / "rec")[0]
+    refits = [e for e in events if e["event"] == "refit"]
     assert refits and all(min(e["ms"]) > 0 for e in refits)
     assert [e["passes"] for e in refits] == sorted({e["passes"] for e in refits})
+    # the gate trimmed the drafter's drafts, and each step the drafter ran the slots of its longest draft only
+    steps = drafter_steps(events)
+    assert all(positions == max(lengths, default=0) for positions, lengths in steps)
+    assert any(0 < positions < K_PEAGLE for positions, _ in steps), steps
 
 
 @needs_vllm

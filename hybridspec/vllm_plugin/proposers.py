@@ -10,7 +10,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
 from hybridspec.proposal import Proposal
-from hybridspec.router import CostGate, choose_draft
+from hybridspec.router import CostGate, choose_draft, positional_chain
 from hybridspec.vllm_plugin.config import ENV_SWITCH, HYBRID_METHODS, PluginError, announce
 from hybridspec.vllm_plugin.fasteagle import ARCHITECTURE as FASTEAGLE_ARCHITECTURE
 from hybridspec.vllm_plugin.requests import new_requests
@@ -55,15 +55,16 @@ class HybridspecHybridProposer(EagleProposer):
     """vLLM's EAGLE proposer (P-EAGLE with parallel drafting, or EAGLE-3) running its layers on every row, so its KV
     cache stays in step; per row the engine's hybrid rule (`choose_draft`) takes its draft or the suffix cache's.
 
-    vLLM's EAGLE draft carries no probabilities: it enters the rule as a chain of probability-1 tokens, whose
-    expectation (the engine's calibrated `CostGate.expected_tokens`, learnt online from what vLLM accepted of the
-    previous step's drafts) depends on its source and length alone. So each row's source, and with the gate the part
-    of the step's drafts worth verifying, is decided before the drafter runs, and the drafter's logits (over the
-    vocabulary) are computed only at the positions vLLM will verify. In a step where no row verifies a drafter
-    token (the suffix drafts win, or the gate plans them out), the drafter runs on the step's tokens alone
-    (`_keep_in_step`). Every tensor-parallel rank decides alike: the same tokens feed the same cache and gate. Drafts
-    are returned as lists of their own lengths (vLLM's EAGLE input preparation without the padded batch takes
-    per-request draft lengths), so no padding is verified or counted.
+    vLLM's EAGLE draft carries no probabilities: it enters the rule as a chain rated by position alone
+    (`router.positional_chain`), so the calibrated `CostGate.expected_tokens`, learnt online from what vLLM accepted
+    of the previous steps' drafts, knows the acceptance at each draft position. Each row's source, and with the gate
+    the prefix of each draft worth verifying, is decided before the drafter runs; the drafter then runs P-EAGLE's
+    parallel slots (or EAGLE-3's passes) for the longest draft verified only, and computes its logits (over the
+    vocabulary) only at the positions vLLM will verify. In a step where no row verifies a drafter token (the suffix
+    drafts win, or the gate plans them out), the drafter runs on the step's tokens alone. Every tensor-parallel rank
+    decides alike: the same tokens feed the same cache and gate. Drafts are returned as lists of their own lengths
+    (vLLM's EAGLE input preparation without the padded batch takes per-request draft lengths), so no padding is
+    verified or counted.
     """
 
     def __init__(self, vllm_config: Any, device: Any, runner: Any = None) -> None:
@@ -116,22 +117,21 @@ class HybridspecHybridProposer(EagleProposer):
         batch, sampled, self._sampled = self._batch, self._sampled, None
         requests = self.hybridspec_requests
         budgets = requests.update(batch, sampled, self._requests, num_speculative_tokens, booked=self._booked)
+        rids = batch.req_ids
         chosen: list[Proposal | None] = []
         for i, budget in enumerate(budgets):
             if budget <= 0:
                 chosen.append(None)
                 continue
-            # the drafter's draft as the rule sees it before it runs: its length and source
-            drafter = Proposal.chain([0] * min(budget, num_speculative_tokens), source=self.drafter_source)
-            chosen.append(choose_draft(requests.speculate(batch.req_ids[i], budget), drafter,
-                                       self.gate.expected_tokens))
+            # the drafter's draft as the rule sees it before it runs: its length, source and positions
+            drafter = positional_chain([0] * min(budget, num_speculative_tokens), self.drafter_source)
+            chosen.append(choose_draft(requests.speculate(rids[i], budget), drafter, self.gate.expected_tokens))
         planned = requests.plan(chosen, trim=self.trims)
         self._wanted = {i: len(p) for i, p in enumerate(planned)
                         if p is not None and p.source == self.drafter_source and len(p)}
         self._draft_pass = 0
         try:
-            eagle = (super().propose(num_speculative_tokens, *args, **kwargs) if self._wanted
-                     else self._keep_in_step(*args, **kwargs))
+            eagle = self._run_drafter(max(self._wanted.values(), default=0), *args, **kwargs)
         finally:
             self._wanted = None
         eagle_rows = eagle.tolist()
@@ -145,7 +145,7 @@ class HybridspecHybridProposer(EagleProposer):
             source = chosen[i].source
             self.chosen[source] = self.chosen.get(source, 0) + 1
             if draft.source == self.drafter_source:
-                draft = Proposal.chain(eagle_rows[i][:len(draft)], source=self.drafter_source)
+                draft = positional_chain(eagle_rows[i][:len(draft)], self.drafter_source)
             requests.event("chosen", rid, source=source, draft=list(draft.token_ids))
             drafts.append(requests.book(rid, draft))
             if source != self.drafter_source:
@@ -153,18 +153,30 @@ class HybridspecHybridProposer(EagleProposer):
         self._one_hot_draft_probs(suffix_rows)
         return drafts
 
-    def _keep_in_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """A step in which no row verifies the drafter's draft: the drafter's layers run on the step's tokens only, so
-        its KV cache stays in step, as vLLM's EAGLE path does for a step of no drafts (K = 0); P-EAGLE's K - 1 parallel
-        slots a row and all sampling are left out. The tokens' keys and values are the same as with the slots: the
-        slots come after them and attention is causal. Returns no drafts ([rows, 0])."""
-        extra, k = self.needs_extra_input_slots, self.num_speculative_tokens
-        self.needs_extra_input_slots = False
-        self.hybridspec_requests.event("drafter_in_step", None)
+    def _run_drafter(self, n: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """vLLM's drafter pass for the step, drafting n positions (the longest draft verified): P-EAGLE with n - 1
+        parallel slots a row instead of K - 1, EAGLE-3 with n passes instead of K. The drafts at those positions are
+        the same as with K (the slots come after them and attention is causal). n = 0: the drafter's layers run on
+        the step's tokens alone, so its KV cache stays in step, as vLLM's EAGLE path does for a step of no drafts;
+        nothing is sampled. Returns [rows, n] draft tokens; kept draft probabilities are padded to K positions."""
+        k = self.num_speculative_tokens
+        kept = (self.extra_slots_per_request, self.net_num_new_slots_per_request, self.needs_extra_input_slots)
+        if self.parallel_drafting and n < k:
+            fewer = k - max(n, 1)
+            self.extra_slots_per_request -= fewer
+            self.net_num_new_slots_per_request -= fewer
+            self.needs_extra_input_slots = self.net_num_new_slots_per_request > 0
+        self.hybridspec_requests.event("drafter", None, positions=n)
         try:
-            return super().propose(0, *args, **kwargs)
+            drafts = super().propose(n, *args, **kwargs)
         finally:
-            self.needs_extra_input_slots, self.num_speculative_tokens = extra, k
+            self.num_speculative_tokens = k
+            self.extra_slots_per_request, self.net_num_new_slots_per_request, self.needs_extra_input_slots = kept
+        probs = self._last_draft_probs
+        if probs is not None and probs.shape[1] < k:  # suffix rows' one-hot probabilities may reach position K
+            self._last_draft_probs = torch.cat([probs, probs.new_zeros((probs.shape[0], k - probs.shape[1],
+                                                                        probs.shape[2]))], dim=1)
+        return drafts
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
         """vLLM's draft sampling, at the rows of `hidden_states` whose tokens are verified (`_logit_rows`); the other
