@@ -72,8 +72,8 @@ class HybridspecHybridProposer(EagleProposer):
     parallel slots (or EAGLE-3's passes) for the longest draft verified only, and computes its logits (over the
     vocabulary) only at the positions vLLM will verify. In a step where no row verifies a drafter token (the suffix
     drafts win, or the gate plans them out), the drafter runs on the step's tokens alone. Under tensor parallelism
-    every rank routes (the same tokens feed the same cache and gate) and runs its shard of the drafter as the first
-    rank planned (`_first_ranks_plan`). Drafts are returned as lists of their own lengths
+    the first rank alone routes (vLLM verifies its drafts) and every rank runs its shard of the drafter as that rank
+    planned (`_first_ranks_plan`). Drafts are returned as lists of their own lengths
     (vLLM's EAGLE input preparation without the padded batch takes per-request draft lengths), so no padding is
     verified or counted.
     """
@@ -131,11 +131,7 @@ class HybridspecHybridProposer(EagleProposer):
         batch, sampled, self._sampled = self._batch, self._sampled, None
         requests = self.hybridspec_requests
         if requests is None:  # a later tensor-parallel rank: its shard of the first rank's drafter pass
-            self._wanted = _first_ranks_plan(None)
-            try:
-                return self._run_drafter(max(self._wanted.values(), default=0), *args, **kwargs).tolist()
-            finally:
-                self._wanted = None
+            return self._draft_as_planned(_first_ranks_plan(None), *args, **kwargs).tolist()
         budgets = requests.update(batch, sampled, self._requests, num_speculative_tokens, booked=self._booked)
         rids = batch.req_ids
         chosen: list[Proposal | None] = []
@@ -147,14 +143,9 @@ class HybridspecHybridProposer(EagleProposer):
             drafter = positional_chain([0] * min(budget, num_speculative_tokens), self.drafter_source)
             chosen.append(choose_draft(requests.speculate(rids[i], budget), drafter, requests.gate.expected_tokens))
         planned = requests.plan(chosen, trim=self.trims)
-        self._wanted = _first_ranks_plan({i: len(p) for i, p in enumerate(planned)
-                                          if p is not None and p.source == self.drafter_source and len(p)})
-        self._draft_pass = 0
-        try:
-            eagle = self._run_drafter(max(self._wanted.values(), default=0), *args, **kwargs)
-        finally:
-            self._wanted = None
-        eagle_rows = eagle.tolist()
+        eagle_rows = self._draft_as_planned(_first_ranks_plan(
+            {i: len(p) for i, p in enumerate(planned)
+             if p is not None and p.source == self.drafter_source and len(p)}), *args, **kwargs).tolist()
         drafts: list[list[int]] = []
         suffix_rows = []
         for i, draft in enumerate(planned):
@@ -172,6 +163,14 @@ class HybridspecHybridProposer(EagleProposer):
                 suffix_rows.append((i, drafts[-1]))
         self._one_hot_draft_probs(suffix_rows)
         return drafts
+
+    def _draft_as_planned(self, wanted: dict[int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The drafter's pass for a plan (row -> drafter tokens verified): its logits at those positions only."""
+        self._wanted, self._draft_pass = wanted, 0
+        try:
+            return self._run_drafter(max(wanted.values(), default=0), *args, **kwargs)
+        finally:
+            self._wanted = None
 
     def _run_drafter(self, n: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         """vLLM's drafter pass for the step, drafting n positions (the longest draft verified): P-EAGLE with n - 1
