@@ -352,7 +352,7 @@ def vllm_worker(model: str, runs: list[dict], out_file: str) -> None:
 
     results = []
     for run in runs:
-        os.environ.update(run.get("env", {}))
+        os.environ.update(run.get("env", {}))  # this run's own variables, removed after it
         if run.get("record"):  # tests/vllm_recorder.py records the plugin's events there
             os.environ.update(HYBRIDSPEC_VLLM_OBSERVER="vllm_recorder:Recorder", HYBRIDSPEC_VLLM_RECORD=run["record"])
         else:
@@ -371,6 +371,8 @@ def vllm_worker(model: str, runs: list[dict], out_file: str) -> None:
         results.append({"name": run["name"], "outputs": outputs, "cached": cached,
                         "seconds": time.perf_counter() - started})
         del llm
+        for name in run.get("env", {}):
+            os.environ.pop(name, None)
     with open(out_file, "w") as f:
         json.dump(results, f)
 
