@@ -151,6 +151,18 @@ def test_the_gate_learns_only_from_the_draft_tokens_vllm_verified():
     assert learned([], 1) == pytest.approx(CostGate().expected_tokens(Proposal.chain([7, 8, 9, 10], source="suffix")))
 
 
+def test_a_step_with_prompt_tokens_is_told_apart_from_a_decode_step():
+    """The hybrid's drafter idles only in a step without prompt tokens: a row scheduling more than its token and its
+    drafts is a prompt (a chunk, a new or a resumed request)."""
+    requests = SuffixRequests(FakeCache(), max_seq_len=64)
+    requests.on_scheduler_output(scheduler_output(scheduled={"a": [7, 8], "b": []}), {})
+    assert not requests.prompt_in_step
+    chunk = scheduler_output(scheduled={"a": [7, 8]})
+    chunk.num_scheduled_tokens["c"] = 40
+    requests.on_scheduler_output(chunk, {})
+    assert requests.prompt_in_step
+
+
 def test_the_gate_plans_a_steps_rows_together():
     """16 rows with the same draft: planned as one step, the gate keeps fewer of their tokens than trimming each row
     alone (under load a draft token costs nearly a row's share of the pass); a kept draft is a prefix of the row's;
@@ -485,8 +497,9 @@ def peagle_for_vllm(work: Path) -> Path:
     return vllm_checkpoint(PEAGLE, resolve_model("smollm2"), work / "peagle")
 
 
-def drafter_steps(events: list[dict]) -> list[tuple[int, list[int]]]:
-    """Per pass of the hybrid's drafter: the positions it drafted, and the lengths of its drafts vLLM then verified."""
+def drafter_steps(events: list[dict]) -> list[tuple[int | None, list[int]]]:
+    """Per step of the hybrid: the positions its drafter drafted (None: it idled), and the lengths of its drafts vLLM
+    then verified."""
     steps: list[tuple[int, list[int]]] = []
     for e in events:
         if e["event"] == "drafter":
@@ -571,10 +584,17 @@ def test_every_vllm_draft_is_what_our_suffix_cache_proposes_step_by_step(greedy_
         drafted = sum(len(e["draft"]) for e in recordings[0] if e["event"] == "chosen" and e["source"] == "peagle")
         assert drafted > 0 and sum(e["rows"] for e in logits) == drafted
         # each step the drafter drafted as many positions as its longest draft verified, and in steps with no
-        # drafter token verified it ran on their tokens alone (no slots, no logits)
+        # drafter token verified and no prompt it idled
         steps = drafter_steps(recordings[0])
-        assert all(positions == max(lengths, default=0) for positions, lengths in steps)
-        assert {0, K_PEAGLE} <= {positions for positions, _ in steps}
+        assert all((positions or 0) == max(lengths, default=0) for positions, lengths in steps)
+        assert {None, K_PEAGLE} <= {positions for positions, _ in steps}
+        started = False  # a step that started a request ran the drafter on its prompt
+        for e in recordings[0]:
+            if e["event"] == "start":
+                started = True
+            elif e["event"] == "drafter":
+                assert not (started and e["positions"] is None)
+                started = False
     # every request the cache saw is the one vLLM generated: prompt + output
     cycles = life_cycle(recordings[0])
     assert cycles["start"] == sum(len(b) for b in greedy_runs.batches) and cycles["restart"] == 0
@@ -595,8 +615,8 @@ def test_the_hybrid_with_the_gate_refitted_to_vllms_passes(greedy_runs, tmp_path
     assert [e["passes"] for e in refits] == sorted({e["passes"] for e in refits})
     # the gate trimmed the drafter's drafts, and each step the drafter ran the slots of its longest draft only
     steps = drafter_steps(events)
-    assert all(positions == max(lengths, default=0) for positions, lengths in steps)
-    assert any(0 < positions < K_PEAGLE for positions, _ in steps), steps
+    assert all((positions or 0) == max(lengths, default=0) for positions, lengths in steps)
+    assert any(0 < (positions or 0) < K_PEAGLE for positions, _ in steps), steps
 
 
 @needs_vllm

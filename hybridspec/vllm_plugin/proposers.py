@@ -51,19 +51,20 @@ def _first_tensor_parallel_rank() -> bool:
     return not model_parallel_is_initialized() or get_tensor_model_parallel_rank() == 0
 
 
-def _first_ranks_plan(wanted: dict[int, int] | None) -> dict[int, int]:
-    """The first tensor-parallel rank's plan (row -> drafter tokens verified; None on the other ranks) on every rank:
-    the drafter's pass is sharded, so all ranks run the same slots and logit rows."""
+def _first_ranks_plan(plan: dict[int, int] | None, first: bool = True) -> dict[int, int] | None:
+    """The first tensor-parallel rank's plan (row -> drafter tokens verified; None: the drafter idles this step) on
+    every rank (`first`: this is that rank): the drafter's pass is sharded, so all ranks run the same slots and logit
+    rows, or none."""
     from vllm.distributed import get_tp_group, model_parallel_is_initialized
 
     if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
-        return wanted or {}
-    return get_tp_group().broadcast_object(wanted, src=0)
+        return plan
+    return get_tp_group().broadcast_object((plan,) if first else None, src=0)[0]
 
 
 class HybridspecHybridProposer(EagleProposer):
-    """vLLM's EAGLE proposer (P-EAGLE with parallel drafting, or EAGLE-3) running its layers on every row, so its KV
-    cache stays in step; per row the engine's hybrid rule (`choose_draft`) takes its draft or the suffix cache's.
+    """vLLM's EAGLE proposer (P-EAGLE with parallel drafting, or EAGLE-3) beside our suffix cache: per row the
+    engine's hybrid rule (`choose_draft`) takes the drafter's draft or the suffix cache's.
 
     vLLM's EAGLE draft carries no probabilities: it enters the rule as a chain rated by position alone
     (`router.positional_chain`), so the calibrated `CostGate.expected_tokens`, learnt online from what vLLM accepted
@@ -71,11 +72,16 @@ class HybridspecHybridProposer(EagleProposer):
     the prefix of each draft worth verifying, is decided before the drafter runs; the drafter then runs P-EAGLE's
     parallel slots (or EAGLE-3's passes) for the longest draft verified only, and computes its logits (over the
     vocabulary) only at the positions vLLM will verify. In a step where no row verifies a drafter token (the suffix
-    drafts win, or the gate plans them out), the drafter runs on the step's tokens alone. Under tensor parallelism
-    the first rank alone routes (vLLM verifies its drafts) and every rank runs its shard of the drafter as that rank
-    planned (`_first_ranks_plan`). Drafts are returned as lists of their own lengths
-    (vLLM's EAGLE input preparation without the padded batch takes per-request draft lengths), so no padding is
-    verified or counted.
+    drafts win, or the gate plans them out) the drafter idles: its pass over the step's tokens would cost about a
+    tenth of a CPU step for nothing drafted. Its KV cache then lacks those positions, which later drafts attend to as
+    they find them (a worse draft at most: every draft is verified); a step with prompt tokens runs it on them all
+    the same (with a whole prompt missing it would have nothing to draft from). Unlike the engine's drafter, vLLM's
+    cannot catch up later: the target's features of a step are gone by the next.
+
+    Under tensor parallelism the first rank alone routes (vLLM verifies its drafts) and every rank runs its shard of
+    the drafter as that rank planned (`_first_ranks_plan`). Drafts are returned as lists of their own lengths (vLLM's
+    EAGLE input preparation without the padded batch takes per-request draft lengths), so no padding is verified or
+    counted.
     """
 
     def __init__(self, vllm_config: Any, device: Any, runner: Any = None) -> None:
@@ -99,6 +105,7 @@ class HybridspecHybridProposer(EagleProposer):
         self.drafter_source = ("fasteagle" if FASTEAGLE_ARCHITECTURE in architectures
                                else "peagle" if spec.parallel_drafting else spec.method)
         self.chosen: dict[str, int] = {"suffix": 0, self.drafter_source: 0}
+        self.drafter_steps = {"ran": 0, "idle": 0}  # steps of this rank's drafter
         self._batch: Any = None
         self._requests: dict | None = None
         self._booked = True
@@ -131,7 +138,7 @@ class HybridspecHybridProposer(EagleProposer):
         batch, sampled, self._sampled = self._batch, self._sampled, None
         requests = self.hybridspec_requests
         if requests is None:  # a later tensor-parallel rank: its shard of the first rank's drafter pass
-            return self._draft_as_planned(_first_ranks_plan(None), *args, **kwargs).tolist()
+            return self._draft_as_planned(_first_ranks_plan(None, first=False), *args, **kwargs)
         budgets = requests.update(batch, sampled, self._requests, num_speculative_tokens, booked=self._booked)
         rids = batch.req_ids
         chosen: list[Proposal | None] = []
@@ -143,9 +150,11 @@ class HybridspecHybridProposer(EagleProposer):
             drafter = positional_chain([0] * min(budget, num_speculative_tokens), self.drafter_source)
             chosen.append(choose_draft(requests.speculate(rids[i], budget), drafter, requests.gate.expected_tokens))
         planned = requests.plan(chosen, trim=self.trims)
-        eagle_rows = self._draft_as_planned(_first_ranks_plan(
-            {i: len(p) for i, p in enumerate(planned)
-             if p is not None and p.source == self.drafter_source and len(p)}), *args, **kwargs).tolist()
+        wanted = {i: len(p) for i, p in enumerate(planned)
+                  if p is not None and p.source == self.drafter_source and len(p)}
+        # no drafter token verified and no prompt to build its KV for: the drafter idles (see the class docstring)
+        idle = not wanted and not requests.prompt_in_step
+        eagle_rows = self._draft_as_planned(_first_ranks_plan(None if idle else wanted), *args, **kwargs)
         drafts: list[list[int]] = []
         suffix_rows = []
         for i, draft in enumerate(planned):
@@ -164,11 +173,18 @@ class HybridspecHybridProposer(EagleProposer):
         self._one_hot_draft_probs(suffix_rows)
         return drafts
 
-    def _draft_as_planned(self, wanted: dict[int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The drafter's pass for a plan (row -> drafter tokens verified): its logits at those positions only."""
+    def _draft_as_planned(self, wanted: dict[int, int] | None, *args: Any, **kwargs: Any) -> list[list[int]]:
+        """The drafter's pass for a plan (row -> drafter tokens verified): its logits at those positions only. None:
+        the drafter idles, no draft and no draft probabilities (vLLM verifies the suffix drafts as deterministic)."""
+        self.drafter_steps["ran" if wanted is not None else "idle"] += 1
+        if wanted is None:
+            self._last_draft_probs = None
+            if self.hybridspec_requests is not None:
+                self.hybridspec_requests.event("drafter", None, positions=None)
+            return [[] for _ in range(kwargs["common_attn_metadata"].batch_size())]
         self._wanted, self._draft_pass = wanted, 0
         try:
-            return self._run_drafter(max(wanted.values(), default=0), *args, **kwargs)
+            return self._run_drafter(max(wanted.values(), default=0), *args, **kwargs).tolist()
         finally:
             self._wanted = None
 

@@ -35,6 +35,7 @@ class SuffixRequests:
         self.fit = None  # a PassCostFit refitting the gate to vLLM's passes (HYBRIDSPEC_VLLM_VERIFY_COST=measure)
         self._pass: tuple[list[int], list[int]] | None = None  # the running decode pass: rows' tokens and contexts
         self._pass_started = 0.0
+        self.prompt_in_step = True  # the step scheduled prompt tokens (a chunk, a new or resumed request)
 
     def event(self, kind: str, rid: str | None, **fields: Any) -> None:
         if self.observer is not None:
@@ -51,6 +52,9 @@ class SuffixRequests:
         if self.fit is not None:
             self._time_pass(scheduler_output)
         self._keep_verified(scheduler_output)
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        self.prompt_in_step = any(n > 1 + len(drafts.get(rid, ()))
+                                  for rid, n in scheduler_output.num_scheduled_tokens.items())
         for rid in list(scheduler_output.finished_req_ids):
             if rid in self.started:
                 self._end(rid, self._finished_normally(requests.get(rid)))
