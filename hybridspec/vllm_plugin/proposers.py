@@ -72,8 +72,8 @@ class HybridspecHybridProposer(EagleProposer):
     the prefix of each draft worth verifying, is decided before the drafter runs; the drafter then runs P-EAGLE's
     parallel slots (or EAGLE-3's passes) for the longest draft verified only, and computes its logits (over the
     vocabulary) only at the positions vLLM will verify. In a step where no row verifies a drafter token (the suffix
-    drafts win, or the gate plans them out) the drafter idles: its pass over the step's tokens would cost about a
-    tenth of a CPU step for nothing drafted. Its KV cache then lacks those positions, which later drafts attend to as
+    drafts win, or the gate plans them out) the drafter idles: its pass over the step's tokens cost 6% of a
+    16-agent CPU step for nothing drafted. Its KV cache then lacks those positions, which later drafts attend to as
     they find them (a worse draft at most: every draft is verified); a step with prompt tokens runs it on them all
     the same (with a whole prompt missing it would have nothing to draft from). Unlike the engine's drafter, vLLM's
     cannot catch up later: the target's features of a step are gone by the next.
