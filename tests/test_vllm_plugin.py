@@ -152,14 +152,18 @@ def test_the_gate_learns_only_from_the_draft_tokens_vllm_verified():
 
 
 def test_a_step_with_prompt_tokens_is_told_apart_from_a_decode_step():
-    """The hybrid's drafter idles only in a step without prompt tokens: a row scheduling more than its token and its
-    drafts is a prompt (a chunk, a new or a resumed request)."""
+    """The hybrid's drafter idles only in a step without prompt tokens: a new request, or a row scheduling more than
+    its token and its drafts (a prompt chunk, a resumed request)."""
     requests = SuffixRequests(FakeCache(), max_seq_len=64)
     requests.on_scheduler_output(scheduler_output(scheduled={"a": [7, 8], "b": []}), {})
     assert not requests.prompt_in_step
     chunk = scheduler_output(scheduled={"a": [7, 8]})
     chunk.num_scheduled_tokens["c"] = 40
     requests.on_scheduler_output(chunk, {})
+    assert requests.prompt_in_step
+    cached = scheduler_output(scheduled={"a": [7, 8], "d": []})  # d: a new request, its whole prompt cached but one
+    cached.scheduled_new_reqs = [SimpleNamespace(req_id="d", num_computed_tokens=127)]
+    requests.on_scheduler_output(cached, {})
     assert requests.prompt_in_step
 
 

@@ -52,9 +52,11 @@ class SuffixRequests:
         if self.fit is not None:
             self._time_pass(scheduler_output)
         self._keep_verified(scheduler_output)
+        # a new request (even one whose whole prompt hit the prefix cache, scheduling its last token alone) or a row
+        # scheduling more than its token and its drafts (a prompt chunk, a resumed request)
         drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-        self.prompt_in_step = any(n > 1 + len(drafts.get(rid, ()))
-                                  for rid, n in scheduler_output.num_scheduled_tokens.items())
+        self.prompt_in_step = bool(getattr(scheduler_output, "scheduled_new_reqs", None)) or any(
+            n > 1 + len(drafts.get(rid, ())) for rid, n in scheduler_output.num_scheduled_tokens.items())
         for rid in list(scheduler_output.finished_req_ids):
             if rid in self.started:
                 self._end(rid, self._finished_normally(requests.get(rid)))
