@@ -504,7 +504,7 @@ def peagle_for_vllm(work: Path) -> Path:
 def drafter_steps(events: list[dict]) -> list[tuple[int | None, list[int]]]:
     """Per step of the hybrid: the positions its drafter drafted (None: it idled), and the lengths of its drafts vLLM
     then verified."""
-    steps: list[tuple[int, list[int]]] = []
+    steps: list[tuple[int | None, list[int]]] = []
     for e in events:
         if e["event"] == "drafter":
             steps.append((e["positions"], []))

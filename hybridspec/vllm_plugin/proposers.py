@@ -191,9 +191,10 @@ class HybridspecHybridProposer(EagleProposer):
     def _run_drafter(self, n: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         """vLLM's drafter pass for the step, drafting n positions (the longest draft verified): P-EAGLE with n - 1
         parallel slots a row instead of K - 1, EAGLE-3 with n passes instead of K. The drafts at those positions are
-        the same as with K (the slots come after them and attention is causal). n = 0: the drafter's layers run on
-        the step's tokens alone, so its KV cache stays in step, as vLLM's EAGLE path does for a step of no drafts;
-        nothing is sampled. Returns [rows, n] draft tokens; kept draft probabilities are padded to K positions."""
+        the same as with K (the slots come after them and attention is causal). n = 0 (a step with prompt tokens and
+        no drafter token verified): the drafter's layers run on the step's tokens alone, so its KV cache holds the
+        prompt, as vLLM's EAGLE path does for a step of no drafts; nothing is sampled. Returns [rows, n] draft
+        tokens; kept draft probabilities are padded to K positions."""
         k = self.num_speculative_tokens
         kept = (self.extra_slots_per_request, self.net_num_new_slots_per_request, self.needs_extra_input_slots)
         if self.parallel_drafting and n < k:

@@ -51,10 +51,10 @@ class SuffixRequests:
     def on_scheduler_output(self, scheduler_output: Any, requests: dict) -> None:
         if self.fit is not None:
             self._time_pass(scheduler_output)
-        self._keep_verified(scheduler_output)
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        self._keep_verified(scheduler_output, drafts)
         # a new request (even one whose whole prompt hit the prefix cache, scheduling its last token alone) or a row
         # scheduling more than its token and its drafts (a prompt chunk, a resumed request)
-        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         self.prompt_in_step = bool(getattr(scheduler_output, "scheduled_new_reqs", None)) or any(
             n > 1 + len(drafts.get(rid, ())) for rid, n in scheduler_output.num_scheduled_tokens.items())
         for rid in list(scheduler_output.finished_req_ids):
@@ -81,11 +81,10 @@ class SuffixRequests:
             if decode else None
         self._pass_started = now
 
-    def _keep_verified(self, scheduler_output: Any) -> None:
+    def _keep_verified(self, scheduler_output: Any, scheduled: dict) -> None:
         """The gate learns from what vLLM verifies of a routed draft: the scheduler cuts a draft to the token budget
         and, under structured outputs, at the first token the grammar refuses (-1 from there, or a shorter list);
         the tokens cut were never verified, so they count as neither accepted nor rejected."""
-        scheduled = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         for rid in [r for r in self._routed if r in scheduler_output.num_scheduled_tokens]:
             tokens = scheduled.get(rid, ())
             verified = next((i for i, t in enumerate(tokens) if t < 0), len(tokens))
