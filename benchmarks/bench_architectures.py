@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from common import PEERS_PYTHON, VLLM_ENV, VLLM_PYTHON, machine_info, median_ms_each, write_json
+from common import PEERS_PYTHON, VLLM_ENV, VLLM_PYTHON, machine_info, median_ms_each, streaming_gb_s, write_json
 
 VLLM_WORKER = Path(__file__).with_name("vllm_decode_worker.py")
 LLAMA_CPP_WORKER = Path(__file__).with_name("llama_cpp_decode_worker.py")
@@ -106,6 +106,15 @@ def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
             moe.experts = experts
     total = sum(4 * (g.shape[0] * g.shape[1] + d.shape[0] * d.shape[1]) for moe in saved for g, d in moe)
     return one_token / 2 ** 20, total / 2 ** 20
+
+
+def decode_weight_mib(model, row: dict) -> float:
+    """MiB of float32 weights one decode token multiplies: every parameter but an untied embedding (one row of it is
+    read) and, of a mixture of experts, only the chosen experts (`expert_bytes`)."""
+    params = sum(p.numel() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        params -= model.get_input_embeddings().weight.numel()
+    return 4 * params / 2 ** 20 + row.get("expert_mib_per_token", 0) - row.get("expert_mib_all", 0)
 
 
 def peer_timings(python: Path, worker: Path, job: dict, env: dict) -> dict:
@@ -355,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         row["prefill_speedup"] = row["transformers_prefill_ms_per_token"] / row["hybridspec_prefill_ms_per_token"]
         if any(hasattr(layer.mlp, "experts") for layer in engine.target.layers):
             row["expert_mib_per_token"], row["expert_mib_all"] = expert_bytes(engine, prompt[:16])
+        # no float32 decoder that reads each weight once a token is faster than this
+        row["weight_mib_per_token"] = decode_weight_mib(model, row)
+        row["stream_gb_s"] = streaming_gb_s(1024)
+        row["decode_bound_ms"] = row["weight_mib_per_token"] * 2 ** 20 / row["stream_gb_s"] / 1e6
         if peers:
             engine = None  # a peer loads the weights again beside the model
             job = {"prompt": prompt, "new": args.new, "repeats": args.repeats, "threads": args.threads}
@@ -378,11 +391,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = model = None  # the next model is built without this one beside it
 
     print(f"\n{args.prompt}-token prompt, {args.new} decoded tokens, float32, {args.threads} threads; ms per token "
-          "(transformers / hybridspec = speed-up)\n")
-    print("| model | params (M) | prefill: transformers | hybridspec | speed-up | decode: transformers | hybridspec "
-          "| speed-up | " + " | ".join(f"{p}: prefill / decode (its / ours)" for p in peers)
-          + " | expert weights a token multiplies |")
-    print("|---" * (9 + len(peers)) + "|")
+          "(transformers / hybridspec = speed-up); memory bound: the float32 weights a decode token multiplies at "
+          "the rate this machine read memory (a sum over 1 GiB)\n")
+    print("| " + " | ".join(["model", "params (M)", "prefill: transformers", "hybridspec", "speed-up",
+                              "decode: transformers", "hybridspec", "speed-up", "memory bound",
+                              *(f"{p}: prefill / decode (its / ours)" for p in peers),
+                              "expert weights a token multiplies"]) + " |")
+    print("|---" * (10 + len(peers)) + "|")
     for r in rows:
         experts = (f"{r['expert_mib_per_token']:.0f} of {r['expert_mib_all']:.0f} MiB" if "expert_mib_all" in r
                    else "-")
@@ -393,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['model']} | {r['params_m']:.0f} | {r['transformers_prefill_ms_per_token']:.2f} | "
               f"{r['hybridspec_prefill_ms_per_token']:.2f} | {r['prefill_speedup']:.2f}x | "
               f"{r['transformers_decode_ms_per_token']:.1f} | {r['hybridspec_decode_ms_per_token']:.1f} | "
-              f"**{r['decode_speedup']:.2f}x** | " + " | ".join(columns + [experts]) + " |")
+              f"**{r['decode_speedup']:.2f}x** | {r['decode_bound_ms']:.1f} ({r['stream_gb_s']:.1f} GB/s) | "
+              + " | ".join(columns + [experts]) + " |")
     for r in rows:
         for peer, got in r.get("peers", {}).items():
             if "error" in got:

@@ -13,25 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from common import machine_info, median_ms_each, write_json
+from common import machine_info, median_ms_each, streaming_gb_s, write_json
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-def streaming_gb_s() -> float:
-    """One core's rate of reading memory: a sum over 256 MB, the best of three."""
-    x = torch.ones(64 << 20)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.nbytes / best / 1e9
 
 
 def measure(contexts: list[int], queries: list[int], layers: int, kv_heads: int, group: int, dim: int,

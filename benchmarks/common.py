@@ -57,6 +57,19 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2,
     return median_ms_each({0: fn}, repeats, warmup, sync=sync)[0]
 
 
+def streaming_gb_s(size_mib: int = 256) -> float:
+    """This machine's rate of reading memory on torch's threads: a sum over `size_mib` MiB, the best of three."""
+    import torch
+
+    x = torch.ones(size_mib << 18)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best / 1e9
+
+
 def write_json(path: Path | str | None, result: dict) -> None:
     """Writes `result` as indented JSON to `path` (its folder created), and says so; nothing when path is None."""
     if path:

@@ -9,7 +9,6 @@ additive mask.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -89,17 +88,12 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
     return out * torch.sigmoid(lse - sinks)[..., None]
 
 
-_prompt_threads: tuple[int, ThreadPoolExecutor] | None = None  # (its workers, the pool) the prompt kernel runs on
-
-
 def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                    num_kv_heads: int, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Attention of a prompt chunk by the kernel (`hs_prefill_attention`): query [b, heads, q, D] at positions
     start.., each seeing the cache up to itself (its own keys already written there; keys [b, kv_heads, capacity, D];
     sinks [heads] float32 contiguous, or None), or only its last `window` positions (0: all; else at least
-    TILE_QUERIES).
-    On several torch threads, its tiles (16 queries of a KV head) are dealt among them: the kernel releases the GIL."""
-    global _prompt_threads
+    TILE_QUERIES). Its tiles (16 queries of a KV head) are dealt over torch's threads."""
     bsz, heads, q, dim = query.shape
     group = heads // num_kv_heads
     folded = query.reshape(bsz, num_kv_heads, group * q, dim).contiguous()
@@ -107,21 +101,10 @@ def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     tiles = bsz * num_kv_heads * -(-q // _kernels.TILE_QUERIES)
     workers = min(torch.get_num_threads(), tiles)
     scratch = torch.empty(workers, 16 * group * (2 * dim + _kernels.TILE_KEYS + 2))
-
-    def run(worker: int) -> bool:
-        return _kernels.prefill_attention(
-            folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scratch[worker].data_ptr(),
-            num_kv_heads, group, q, dim, start, worker, tiles, workers, _address(sinks), window, keys.stride(0),
-            keys.stride(1), keys.stride(2), dim ** -0.5)
-
-    others = []
-    if workers > 1:  # this thread runs the first share, the pool the others
-        if _prompt_threads is None or _prompt_threads[0] < workers - 1:
-            _prompt_threads = (workers - 1, ThreadPoolExecutor(workers - 1, thread_name_prefix="hybridspec-prompt"))
-        others = [_prompt_threads[1].submit(run, w) for w in range(1, workers)]
-    run(0)
-    for share in others:
-        share.result()
+    _kernels.prefill_attention(folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
+                               scratch.data_ptr(), scratch.shape[1], num_kv_heads, group, q, dim, start, tiles,
+                               _address(sinks), window, keys.stride(0), keys.stride(1), keys.stride(2), dim ** -0.5,
+                               workers)
     return out.view(bsz, heads, q, dim)
 
 

@@ -392,3 +392,22 @@ HS_TARGET static int hs_prefill_attention(const float *q, const float *keys, con
     }
     return 1;
 }
+
+/* hs_prefill_attention's tiles (`tiles`: batch x kv_heads x ceil(nq / PF_QUERIES)) dealt over `threads` OpenMP
+   threads, thread t taking every threads-th from t, in its scratch + t * scratch_stride. OpenMP, not threads of the
+   caller's: the extension shares torch's libgomp, so the threads that just ran a product take the tiles up at once
+   (a thread of another pool would wait for the core that a product's thread still spins on). */
+HS_TARGET static int hs_prefill_attention_threads(const float *q, const float *keys, const float *values, float *out,
+                                                  float *scratch, long scratch_stride, int kv_heads, int group,
+                                                  int nq, int dim, int start, int tiles, const float *sinks,
+                                                  int window, long batch_stride, long head_stride, long key_stride,
+                                                  float scale, int threads) {
+    if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        hs_prefill_attention(q, keys, values, out, scratch + t * scratch_stride, kv_heads, group, nq, dim, start, t,
+                             tiles, n, sinks, window, batch_stride, head_stride, key_stride, scale);
+    }
+    return 1;
+}

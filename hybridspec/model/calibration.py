@@ -26,8 +26,8 @@ DEFAULT_COST_DRAFT_TOKENS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
 AUTO_CONTEXTS = (512, 2048, 4096)  # as the built-in tables (router/cost.py)
 # bump when the measurement changes: cached tables of older versions are measured again (3: timed by `work_clock`,
 # the fastest repeat; version 2's wall-clock medians, measured beside other work, had a pass of 2 tokens at 4x one;
-# 4: the small-row product kernel made every pass of a few tokens cheaper)
-CALIBRATION_VERSION = 4
+# 4: the small-row product kernel made every pass of a few tokens cheaper; 5: its prefetch, a pass of 2-8 tokens)
+CALIBRATION_VERSION = 5
 TABLES_FILE = f"verify_cost_v{CALIBRATION_VERSION}.json"  # in the user cache, per machine
 
 
