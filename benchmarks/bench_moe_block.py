@@ -5,16 +5,25 @@ a token, biases, clamped SwiGLU) shapes, random weights, a chunk of prompt token
 experts, weighted sum) with the experts by the panel kernel (the engine's prompt path), by oneDNN's product expert
 by expert (its prompt path before the panel kernel), and by the small-row kernel on all pairs. The three take turns
 round by round (this host's speed drifts between minutes); GFLOP/s counts the experts' products only. Every way's
-output is checked against the expert-by-expert one."""
+output is checked against the expert-by-expert one.
+
+Then vLLM's own kernel for the same layer (`cpu_fused_moe`, float32, in .venv-vllm: vllm_moe_worker.py) against the
+panel kernel, the two taking turns in that one process on the same weights and routing, the router left out of both
+(so its column is the experts and their weighted sum only)."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import transformers
 
-from common import machine_info, median_ms_each, write_json
+from common import REPO, VLLM_PYTHON, machine_info, median_ms_each, write_json
 from hybridspec.model import layers
 
 SHAPES = {  # name: (model class, its config)
@@ -44,7 +53,7 @@ def moe_layers(model_class: str, config) -> dict[str, layers._MixtureOfExperts]:
     return {"panel kernel": panels, "oneDNN expert by expert": onednn, "small-row kernel": panels}
 
 
-def run(name: str, tokens: int, repeats: int) -> dict:
+def run(name: str, tokens: int, repeats: int, vllm: bool) -> dict:
     model_class, make_config = SHAPES[name]
     config = make_config()
     ways = moe_layers(model_class, config)
@@ -75,7 +84,32 @@ def run(name: str, tokens: int, repeats: int) -> dict:
     row = {"model": name, "tokens": tokens, "expert_gflop": flops / 1e9,
            "ms": ms, "expert_gflop_per_s": {way: flops / (t / 1e3) / 1e9 for way, t in ms.items()}}
     row["panel_speedup_vs_onednn"] = ms["oneDNN expert by expert"] / ms["panel kernel"]
+    if vllm:
+        row["vllm"] = vllm_turns(ways["panel kernel"], x, repeats)
     return row
+
+
+def vllm_turns(moe: layers._MixtureOfExperts, x: torch.Tensor, repeats: int) -> dict:
+    """vLLM's fused-MoE kernel and the panel kernel on this layer's experts and routing, in turns in .venv-vllm
+    (vllm_moe_worker.py): their median ms and largest difference, or why it did not run."""
+    if not VLLM_PYTHON.exists():
+        return {"error": f"{VLLM_PYTHON} is missing (scripts/setup_vllm.sh makes it)"}
+    with torch.inference_mode():
+        weights, chosen = moe.route(x)
+    gate_up, gate_up_bias, down, down_bias = moe.stacked
+    with tempfile.TemporaryDirectory(prefix="bench-moe-") as tmp:
+        path = Path(tmp) / "layer.pt"
+        torch.save({"x": x, "weights": weights, "chosen": chosen, "top_k": moe.top_k, "clamp": moe.clamp,
+                    "gate_up": gate_up, "gate_up_bias": gate_up_bias, "down": down, "down_bias": down_bias}, path)
+        job = {"tensors": str(path), "repeats": repeats, "threads": torch.get_num_threads()}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(job["threads"])}
+        done = subprocess.run([str(VLLM_PYTHON), str(REPO / "benchmarks" / "vllm_moe_worker.py"), json.dumps(job)],
+                              env=env, text=True, capture_output=True, timeout=1800)
+    for line in done.stdout.splitlines():
+        kind, _, payload = line.partition(" ")
+        if kind in ("@@result", "@@error"):
+            return json.loads(payload)
+    return {"error": f"the worker exited {done.returncode}: {done.stderr.strip()[-300:]}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=512, help="prompt tokens in the chunk")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
+                        help="also vLLM's fused-MoE kernel against the panel kernel (in .venv-vllm)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     models = args.models.split(",")
@@ -92,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if not layers.KERNEL_ROWS:
         parser.error("the product kernels need an AVX-512 CPU; this one runs the experts expert by expert only")
     torch.set_num_threads(args.threads)
-    rows = [run(name, args.tokens, args.repeats) for name in models]
+    rows = [run(name, args.tokens, args.repeats, args.vllm) for name in models]
     print(f"\n{args.tokens}-token chunk, float32, {args.threads} threads; ms for the MoE block (experts' GFLOP/s)\n")
     ways = list(rows[0]["ms"])
     print("| model | expert GFLOP | " + " | ".join(ways) + " | panel vs oneDNN |")
@@ -101,6 +137,19 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{row['ms'][w]:.1f} ({row['expert_gflop_per_s'][w]:.0f})" for w in ways]
         print(f"| {row['model']} | {row['expert_gflop']:.2f} | " + " | ".join(cells)
               + f" | **{row['panel_speedup_vs_onednn']:.2f}x** |")
+    if args.vllm:
+        print("\nvLLM's fused-MoE kernel against the panel kernel, in turns in one process (experts and their sum,"
+              " ms)\n")
+        print("| model | vLLM fused MoE | panel kernel | vLLM's time over ours | largest difference |")
+        print("|---|---|---|---|---|")
+        for row in rows:
+            got = row["vllm"]
+            if "error" in got:
+                print(f"| {row['model']} | {got['error'][:120]} | | | |")
+                continue
+            theirs, ours = got["ms"]["vLLM fused MoE"], got["ms"]["panel kernel"]
+            print(f"| {row['model']} | {theirs:.1f} | {ours:.1f} | **{theirs / ours:.2f}x** | "
+                  f"{got['max_abs_diff']:.1e} |")
     write_json(args.json, {"args": vars(args), "machine": machine_info(), "rows": rows})
     return 0
 

@@ -191,13 +191,14 @@ def test_moe_kernel_products_are_the_expert_by_expert_ones(name, monkeypatch):
 @pytest.mark.skipif(not KERNEL_ROWS, reason="the product kernels need an AVX-512 CPU")
 @pytest.mark.parametrize("activation", ["none", "silu", "clamped swiglu"])
 def test_the_panel_kernel_is_each_experts_product(activation):
-    """`grouped_expert_products` on shapes that end mid-panel and mid-slice (n, the hidden units and k not multiples
-    of the kernel's blocks), experts of 1 to 19 rows gathered by index from x, biases and row scales: each expert's
-    rows are their product in torch (with the activation: the hidden units of gate_up, in transformers' forms)."""
+    """`grouped_expert_products` on shapes that end mid-panel, mid-group and mid-slice (n, the hidden units and k not
+    multiples of the kernel's blocks; more panels than a group), experts of 1 to 19 rows gathered by index from x,
+    biases and row scales: each expert's rows are their product in torch (with the activation: the hidden units of
+    gate_up, in transformers' forms)."""
     from hybridspec.model import layers
 
     torch.manual_seed(0)
-    n, k, units, alpha, limit = 70, 300, 37, 1.702, 2.0
+    n, k, units, alpha, limit = 300, 300, 150, 1.702, 2.0  # 10 panels: a group of 8 and one of 2
     gated = activation != "none"
     weight = torch.randn(5, 2 * units if gated else n, k) / 8
     bias = torch.randn(5, weight.shape[1])

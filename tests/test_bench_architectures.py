@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import bench_architectures
-from common import PEERS_PYTHON
+from common import PEERS_PYTHON, VLLM_PYTHON
 from hybridspec.model.linear import KERNEL_ROWS
 
 TINY = {
@@ -139,7 +139,7 @@ def test_bench_moe_block_times_the_three_ways_on_tiny_shapes(tmp_path, monkeypat
     monkeypatch.setattr(layers, "grouped_expert_products", lambda *a, **k: grouped.append(1) or real(*a, **k))
     out = tmp_path / "moe.json"
     assert bench_moe_block.main(["--models", "tiny-moe,tiny-oss", "--tokens", "48", "--repeats", "1",
-                                 "--threads", "1", "--json", str(out)]) == 0
+                                 "--threads", "1", "--no-vllm", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert grouped and [r["model"] for r in rows] == ["tiny-moe", "tiny-oss"]
     for row in rows:
@@ -148,3 +148,34 @@ def test_bench_moe_block_times_the_three_ways_on_tiny_shapes(tmp_path, monkeypat
     assert "| tiny-oss |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_moe_block.main(["--models", "nope"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not KERNEL_ROWS, reason="the product kernels need an AVX-512 CPU")
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"{VLLM_PYTHON} is missing (scripts/setup_vllm.sh makes it)")
+def test_bench_moe_block_times_vllms_fused_moe_on_the_same_layer(tmp_path, monkeypatch, capsys):
+    """bench_moe_block.py's vLLM column: vLLM's fused-MoE kernel (in .venv-vllm) and the panel kernel on a tiny
+    layer's experts and routing compute the same outputs (SiLU, and gpt-oss's clamped SwiGLU with biases), and the
+    ratio printed is of the worker's own timings."""
+    import transformers
+
+    import bench_moe_block
+
+    monkeypatch.setattr(bench_moe_block, "SHAPES", {  # vLLM's kernel wants sizes in 32s (gate_up's in 64s)
+        "tiny-moe": ("Qwen3MoeForCausalLM", lambda: transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)),
+        "tiny-oss": ("GptOssForCausalLM", lambda: transformers.GptOssConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4))})
+    out = tmp_path / "moe.json"
+    assert bench_moe_block.main(["--models", "tiny-moe,tiny-oss", "--tokens", "80", "--repeats", "1",
+                                 "--threads", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for row in json.loads(out.read_text())["rows"]:
+        got = row["vllm"]
+        assert "error" not in got, got
+        assert got["max_abs_diff"] < 1e-4
+        ratio = got["ms"]["vLLM fused MoE"] / got["ms"]["panel kernel"]
+        assert f"| {row['model']} | " in printed and f"**{ratio:.2f}x**" in printed

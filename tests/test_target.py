@@ -535,7 +535,7 @@ def test_argmax_only_steps_pick_the_tokens_of_full_steps(target):
             assert not torch.equal(fast, full)  # really the bfloat16 head
 
 
-@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("rows", [1, 5, 300, 2100])  # 2,100: a chunk the kernel threads
 def test_rms_norm_is_the_models_formula_and_each_row_alone(target, tiny_model, rows):
     """The float32 norm (the C kernel where it runs, torch's fused one otherwise) is the Llama formula's up to float32
     rounding, and each row's result is bitwise the same whatever rows it is normed with (a draft's tokens and a plain
@@ -551,16 +551,17 @@ def test_rms_norm_is_the_models_formula_and_each_row_alone(target, tiny_model, r
     assert torch.equal(target._rms_norm(x[:, ::2], weight), got[:, ::2])  # strided rows
 
 
-def test_query_and_key_norms_in_one_call_are_each_heads_norm():
+@pytest.mark.parametrize("tokens", [5, 2000])  # 2,000: a prompt chunk, its rows over the threads
+def test_query_and_key_norms_in_one_call_are_each_heads_norm(tokens):
     """Qwen3's per-head query and key norms, one kernel call over a token's heads in its QKV row, are each head's own
-    norm by its weight."""
+    norm by its weight, whatever rows share the call."""
     from hybridspec.tools.testing import tiny_causal_lm
 
     target = TargetModel(tiny_causal_lm("qwen3"))
     layer, hq, hk, hd = target.layers[0], target.num_heads, target.num_kv_heads, target.head_dim
     torch.manual_seed(0)
-    qkv = torch.randn(5, (hq + 2 * hk) * hd) * 2
-    query_key = qkv[:, :(hq + hk) * hd].view(5, hq + hk, hd)  # a view with the values' columns between tokens
+    qkv = torch.randn(tokens, (hq + 2 * hk) * hd) * 2
+    query_key = qkv[:, :(hq + hk) * hd].view(tokens, hq + hk, hd)  # a view with the values' columns between tokens
     got = target._qk_norm(query_key, layer)
     want = torch.cat([torch.rms_norm(query_key[:, :hq], (hd,), layer.q_norm, target.eps),
                       torch.rms_norm(query_key[:, hq:], (hd,), layer.k_norm, target.eps)], dim=1)

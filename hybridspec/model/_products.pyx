@@ -16,7 +16,7 @@ cdef extern from "product_kernel.h" nogil:
                              const int64_t *counts, int segments, const float *scales, float *y, long y_stride,
                              int act, float alpha, float limit, float *h, long h_stride, int threads)
     void hs_rms_norm(const float *x, long group_stride, const float *w, int period, float eps, float *y, int rows,
-                     int dim)
+                     int dim, int threads)
     int HS_PRODUCT_MAX_ROWS
     int HS_PANEL
     int HS_GATED_UNITS
@@ -65,11 +65,11 @@ def grouped_products(uintptr_t x, long x_stride, uintptr_t x_rows, uintptr_t pan
 
 
 def rms_norm(uintptr_t x, long group_stride, uintptr_t w, int period, float eps, uintptr_t y, int rows,
-             int dim) -> None:
+             int dim, int threads) -> None:
     """y [rows, dim], y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w[r % period]; x's rows in groups of `period`
-    consecutive ones, group_stride apart."""
+    consecutive ones, group_stride apart; a prompt chunk's rows over `threads` threads."""
     with nogil:
-        hs_rms_norm(<const float *>x, group_stride, <const float *>w, period, eps, <float *>y, rows, dim)
+        hs_rms_norm(<const float *>x, group_stride, <const float *>w, period, eps, <float *>y, rows, dim, threads)
 
 
 cdef extern from "delta_kernel.h" nogil:

@@ -129,7 +129,8 @@ class _MixtureOfExperts:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))  # transformers' order, so its values to the bit
 
-    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts [T, top_k] and their weights [T, top_k], as the model's router picks them."""
         logits = self.router(x)
         if self.softmax_first:
             weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
@@ -138,6 +139,16 @@ class _MixtureOfExperts:
         else:
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
+        return weights, chosen
+
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out = self.experts_sum(x, *self.route(x))
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return residual + out
+
+    def experts_sum(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each token's chosen experts' outputs by their weights, summed in expert order (as transformers does)."""
         order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, k) pairs grouped by expert
         counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts))
         rows, pair_weights = order // self.top_k, weights.to(x.dtype).reshape(-1)[order]
@@ -154,11 +165,7 @@ class _MixtureOfExperts:
                     products[begin:begin + count] = down(self._activation(gate_up(x[rows[begin:begin + count]])))
                     begin += count
             products *= pair_weights[:, None]
-        # each token's experts summed in expert order, as transformers does
-        out = torch.zeros_like(x).index_add_(0, rows, products)
-        if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return residual + out
+        return torch.zeros_like(x).index_add_(0, rows, products)
 
     def _chosen_experts(self, gathered: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """down(act(gate_up(rows))) of the gathered token rows, grouped by expert (`counts` a row each): one kernel
