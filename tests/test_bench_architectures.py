@@ -119,22 +119,28 @@ def test_llama_cpp_decodes_the_gguf_written_for_gpt_oss_and_qwen3_5():
         assert got.get("tokens") == expected, (name, got)
 
 
+def tiny_moe_blocks(intermediate: int) -> dict:
+    """bench_moe_block's SHAPES for a tiny Qwen3-MoE and gpt-oss layer with experts of `intermediate` hidden units."""
+    import transformers
+
+    return {
+        "tiny-moe": ("Qwen3MoeForCausalLM", lambda: transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate)),
+        "tiny-oss": ("GptOssForCausalLM", lambda: transformers.GptOssConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4))}
+
+
 @pytest.mark.skipif(not KERNEL_ROWS, reason="the product kernels need an AVX-512 CPU")
 def test_bench_moe_block_times_the_three_ways_on_tiny_shapes(tmp_path, monkeypatch, capsys):
     """benchmarks/bench_moe_block.py on tiny MoE layers: every way's output is checked against the expert-by-expert
     one (a wrong kernel fails the run), the ratio is of its own timings, and the panel kernel ran."""
-    import transformers
 
     import bench_moe_block
     from hybridspec.model import layers
 
-    monkeypatch.setattr(bench_moe_block, "SHAPES", {
-        "tiny-moe": ("Qwen3MoeForCausalLM", lambda: transformers.Qwen3MoeConfig(
-            vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40)),
-        "tiny-oss": ("GptOssForCausalLM", lambda: transformers.GptOssConfig(
-            vocab_size=64, hidden_size=64, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4))})
+    monkeypatch.setattr(bench_moe_block, "SHAPES", tiny_moe_blocks(intermediate=40))
     grouped, real = [], layers.grouped_expert_products
     monkeypatch.setattr(layers, "grouped_expert_products", lambda *a, **k: grouped.append(1) or real(*a, **k))
     out = tmp_path / "moe.json"
@@ -158,17 +164,11 @@ def test_bench_moe_block_times_vllms_fused_moe_on_the_same_layer(tmp_path, monke
     """bench_moe_block.py's vLLM column: vLLM's fused-MoE kernel (in .venv-vllm) and the panel kernel on a tiny
     layer's experts and routing compute the same outputs (SiLU, and gpt-oss's clamped SwiGLU with biases), and the
     ratio printed is of the worker's own timings."""
-    import transformers
 
     import bench_moe_block
 
-    monkeypatch.setattr(bench_moe_block, "SHAPES", {  # vLLM's kernel wants sizes in 32s (gate_up's in 64s)
-        "tiny-moe": ("Qwen3MoeForCausalLM", lambda: transformers.Qwen3MoeConfig(
-            vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)),
-        "tiny-oss": ("GptOssForCausalLM", lambda: transformers.GptOssConfig(
-            vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4))})
+    # vLLM's kernel wants sizes in 32s (gate_up's in 64s)
+    monkeypatch.setattr(bench_moe_block, "SHAPES", tiny_moe_blocks(intermediate=64))
     out = tmp_path / "moe.json"
     assert bench_moe_block.main(["--models", "tiny-moe,tiny-oss", "--tokens", "80", "--repeats", "1",
                                  "--threads", "1", "--json", str(out)]) == 0

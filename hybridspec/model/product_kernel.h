@@ -157,8 +157,8 @@ HS_PRODUCT_TARGET static void hs_expert_products(const float *x, long x_stride, 
    input feed 16 FMAs. The panels are taken HS_PANEL_DEPTH of k at a time and HS_PANEL_GROUP of them together: each
    tile of the expert's rows runs through the group's slices (256 KiB, in L2) while its own inputs' slice stays in L1,
    so an input row is read once per group of panels rather than once per panel (where a router sends most of a
-   chunk's tokens to a few experts, their rows are megabytes; Qwen3-MoE's layer ran ~6% faster so); the next slices
-   are fetched into L2 meanwhile, the sums wait in y between slices. Each output is one chain of FMAs in k's order, so
+   chunk's tokens to a few experts, their rows are megabytes); the next slices are fetched into L2 meanwhile, the
+   sums wait in y between slices. Each output is one chain of FMAs in k's order, so
    the same bits for any number of rows.
 
    Gated experts: the gate_up weight packed with panel t's first 16 columns gate units [16 t, 16 t + 16) and its last
