@@ -11,18 +11,20 @@ plain greedy decoding (decode, ms per token: the difference of the two calls ove
 `Engine.generate(speculate="none")`, prefix cache off; transformers: `generate` (SDPA; gpt-oss: eager, its only CPU
 attention; Qwen3.5: its PyTorch gated delta rule, what runs without the CUDA-only kernels). `--peers`, each in a
 process of its own after the others, on the same weights (the architectures one does not run say why): vLLM on CPU
-(.venv-vllm; `LLM.generate` on the weights saved to a directory, float32, prefix caching off) and llama.cpp
-(llama-cpp-python in .venv-peers; the weights written to a float32 GGUF, for Qwen3, Qwen3-MoE, gpt-oss and Qwen3.5 dense
-and MoE; greedy by argmax over its logits). Both are timed as the engine is: a prompt to its first token, then per
-decoded token; the engine is timed again after each peer, and a peer's ratio is to the mean of the engine's timings on
-either side of it (this host's memory bandwidth drifts between minutes, and peers run minutes apart). MoE rows: the
-expert weights a decode token multiplied (counted on the engine's products) against all of a layer's experts.
+(.venv-vllm; `LLM.generate` on the weights saved to a directory, float32, prefix caching off), with the engine loaded
+in that process from the same directory and the two timed in turns (their ratio the median of the rounds'), and
+llama.cpp (llama-cpp-python in .venv-peers; the weights written to a float32 GGUF, for Qwen3, Qwen3-MoE, gpt-oss and
+Qwen3.5 dense and MoE; greedy by argmax over its logits), timed as the engine is: a prompt to its first token, then
+per decoded token, the engine timed again after it and its ratio to the mean of the engine's timings on either side
+(this host's memory bandwidth drifts between minutes). MoE rows: the expert weights a decode token multiplied
+(counted on the engine's products) against all of a layer's experts.
 
     .venv/bin/python benchmarks/bench_architectures.py --json out/bench_architectures.json
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -32,6 +34,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from hybridspec.model.machine import release_free_memory
 
 from common import PEERS_PYTHON, VLLM_ENV, VLLM_PYTHON, machine_info, median_ms_each, streaming_gb_s, write_json
 
@@ -131,8 +135,13 @@ def peer_timings(python: Path, worker: Path, job: dict, env: dict) -> dict:
         kind, _, payload = line.partition(" ")
         if kind == "@@result":
             got = json.loads(payload)
-            return {"prefill_ms_per_token": got["prefill_ms"] / len(job["prompt"]),
-                    "decode_ms_per_token": got["decode_ms"], "tokens": got["tokens"]}
+            timings = {"prefill_ms_per_token": got["prefill_ms"] / len(job["prompt"]),
+                       "decode_ms_per_token": got["decode_ms"], "tokens": got["tokens"]}
+            if "prefill_ratio" in got:  # the engine timed in turns with the peer, in its process
+                timings.update(hybridspec_prefill_ms_per_token=got["hybridspec_prefill_ms"] / len(job["prompt"]),
+                               hybridspec_decode_ms_per_token=got["hybridspec_decode_ms"], in_turns=True,
+                               prefill_ratio=got["prefill_ratio"], decode_ratio=got["decode_ratio"])
+            return timings
         if kind == "@@error":
             return {"error": json.loads(payload)["error"]}
     lines = done.stderr.strip().splitlines() or [""]
@@ -369,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         row["stream_gb_s"] = streaming_gb_s(1024)
         row["decode_bound_ms"] = row["weight_mib_per_token"] * 2 ** 20 / row["stream_gb_s"] / 1e6
         if peers:
-            engine = None  # a peer loads the weights again beside the model
+            engine = None  # a peer loads the weights again (vLLM's worker the engine's too) beside the model
+            gc.collect()
+            release_free_memory()  # the freed engine's pages back to the system before the peer's are taken
             job = {"prompt": prompt, "new": args.new, "repeats": args.repeats, "threads": args.threads}
             row["peers"] = {}
             before = (row["hybridspec_prefill_ms_per_token"], row["hybridspec_decode_ms_per_token"])
@@ -378,10 +389,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {peer} {got.get('error') or 'ran'}", file=sys.stderr)
                 if "error" in got:
                     continue
+                got["same_tokens"] = got.pop("tokens") == reference
+                if got.get("in_turns"):
+                    continue
                 # the engine again right after the peer: its ratio is to the mean of the engine's runs on either
                 # side of it (this host's memory bandwidth drifts between minutes)
                 after = engine_timings(model, prompt, args.new, args.repeats)
-                got["same_tokens"] = got.pop("tokens") == reference
                 got["hybridspec_prefill_ms_per_token"] = (before[0] + after[0]) / 2
                 got["hybridspec_decode_ms_per_token"] = (before[1] + after[1]) / 2
                 got["prefill_ratio"] = got["prefill_ms_per_token"] / got["hybridspec_prefill_ms_per_token"]

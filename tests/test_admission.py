@@ -232,6 +232,42 @@ def test_the_caller_never_lends_its_thread_and_a_dropped_handle_cancels_its_call
     assert engine.stats.calls == 3 and engine.stats.new_tokens < 16 + 400
 
 
+_TEAMS = """
+import os, time
+import torch
+from hybridspec.model.target import TargetModel
+from hybridspec.runtime.engine import Engine
+from hybridspec.tools.testing import tiny_llama, tiny_tokenizer
+torch.set_num_threads(2)
+engine = Engine(TargetModel(tiny_llama()), tiny_tokenizer(128), verify_cost=None)
+
+def threads_settled():  # this process's threads once the loop thread (and its team) has gone
+    assert engine.loop.wait_idle(10)
+    time.sleep(0.2)
+    return len(os.listdir("/proc/self/task"))
+
+engine.generate("warm up", max_new_tokens=4)
+alone = threads_settled()
+torch.ones(1 << 22).add_(1)  # a parallel region of this thread's own: its team keeps a worker
+with_team = len(os.listdir("/proc/self/task"))
+engine.generate("a call", max_new_tokens=4)
+print(alone, with_team, threads_settled())
+"""
+
+
+def test_a_caller_hands_the_loop_a_call_without_an_openmp_team_of_its_own():
+    """libgomp spins its waiting workers only while it manages no more threads than there are CPUs: a caller's idle
+    team beside the loop's would make every step's parallel regions wake their workers through the kernel. A caller
+    that submits a call ends its team (`release_openmp_threads`)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _TEAMS], capture_output=True, text=True, check=True, timeout=300)
+    alone, with_team, after = map(int, run.stdout.split())
+    assert with_team == alone + 1  # the caller's worker
+    assert after == alone
+
+
 # ------------------------------------------------------------------------------------------------ over HTTP
 
 

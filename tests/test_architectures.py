@@ -194,7 +194,9 @@ def test_the_panel_kernel_is_each_experts_product(activation):
     """`grouped_expert_products` on shapes that end mid-panel, mid-group and mid-slice (n, the hidden units and k not
     multiples of the kernel's blocks; more panels than a group), experts of 1 to 19 rows gathered by index from x,
     biases and row scales: each expert's rows are their product in torch (with the activation: the hidden units of
-    gate_up, in transformers' forms)."""
+    gate_up, in transformers' forms), and bitwise the same under this CPU's blocking and under others (all of k at
+    once, in slices of 64 or 256, groups of 1 to 8 panels); and a step's activation of the same sums is the kernel's
+    to the bit (a few tokens' experts and a prompt chunk's agree)."""
     from hybridspec.model import layers
 
     torch.manual_seed(0)
@@ -206,12 +208,19 @@ def test_the_panel_kernel_is_each_experts_product(activation):
     experts, starts = torch.tensor([3, 0, 4, 1, 2]), torch.cumsum(counts, 0) - counts
     rows, scales = torch.randint(0, 40, (int(counts.sum()),)), torch.rand(int(counts.sum()))
     panels = layers.pack_panels(weight, gated=gated)
-    if gated:
-        kind = layers.KERNEL_SILU if activation == "silu" else layers.KERNEL_CLAMPED_SWIGLU
-        got = layers.grouped_expert_products(x, rows, panels, layers.gated_order(bias), units, experts, starts, counts,
-                                             activation=(kind, alpha, limit))
-    else:
-        got = layers.grouped_expert_products(x, rows, panels, bias, n, experts, starts, counts, scales)
+
+    kind = layers.KERNEL_SILU if activation == "silu" else layers.KERNEL_CLAMPED_SWIGLU
+
+    def products(blocking: tuple[int, int]) -> torch.Tensor:
+        if gated:
+            return layers.grouped_expert_products(x, rows, panels, layers.gated_order(bias), units, experts, starts,
+                                                  counts, activation=(kind, alpha, limit), blocking=blocking)
+        return layers.grouped_expert_products(x, rows, panels, bias, n, experts, starts, counts, scales,
+                                              blocking=blocking)
+
+    got = products((0, 0))
+    for blocking in [(k, 8), (256, 8), (64, 3), (64, 1)]:
+        assert torch.equal(products(blocking), got), blocking
     for e, start, count in zip(experts.tolist(), starts.tolist(), counts.tolist()):
         part = slice(start, start + count)
         product = x[rows[part]] @ weight[e].T + bias[e]
@@ -223,6 +232,10 @@ def test_the_panel_kernel_is_each_experts_product(activation):
             gate, up = product[:, :units].clamp(max=limit), product[:, units:].clamp(-limit, limit)
             want = (up + 1) * (gate * torch.sigmoid(gate * alpha))
         torch.testing.assert_close(got[part], want, atol=2e-5, rtol=2e-5)
+    if gated:  # a step's activation (`gated_activation`) of the same sums: the panel kernel's bits
+        sums = layers.grouped_expert_products(x, rows, layers.pack_panels(weight), bias, 2 * units, experts, starts,
+                                              counts)
+        assert torch.equal(layers.gated_activation(sums, (kind, alpha, limit)), got)
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "mistral_window"])

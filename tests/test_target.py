@@ -10,7 +10,7 @@ import torch
 
 from bench_verify_cost import measure_calls_step, measure_prefill
 from hybridspec.model.calibration import measure_verify_cost
-from hybridspec.model.kv_cache import tree_depths_and_mask
+from hybridspec.model.kv_cache import KVCache, tree_depths_and_mask
 from hybridspec.model.linear import KERNEL_ROWS
 from hybridspec.speculators import default_aux_layer_ids
 from hybridspec.model.inputs import StepInput
@@ -552,21 +552,25 @@ def test_rms_norm_is_the_models_formula_and_each_row_alone(target, tiny_model, r
 
 
 @pytest.mark.parametrize("tokens", [5, 2000])  # 2,000: a prompt chunk, its rows over the threads
-def test_query_and_key_norms_in_one_call_are_each_heads_norm(tokens):
-    """Qwen3's per-head query and key norms, one kernel call over a token's heads in its QKV row, are each head's own
-    norm by its weight, whatever rows share the call."""
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # with per-head norms, and without
+def test_queries_and_keys_normed_and_rotated_in_one_call_are_each_heads(tokens, arch):
+    """Qwen3's per-head query and key norms and RoPE, one kernel call over a token's heads in its QKV row, are each
+    head's own norm by its weight, then its rotation at the token's position, whatever rows share the call."""
+    from hybridspec.model.attention import rotate
     from hybridspec.tools.testing import tiny_causal_lm
 
-    target = TargetModel(tiny_causal_lm("qwen3"))
+    target = TargetModel(tiny_causal_lm(arch))
     layer, hq, hk, hd = target.layers[0], target.num_heads, target.num_kv_heads, target.head_dim
     torch.manual_seed(0)
     qkv = torch.randn(tokens, (hq + 2 * hk) * hd) * 2
     query_key = qkv[:, :(hq + hk) * hd].view(tokens, hq + hk, hd)  # a view with the values' columns between tokens
-    got = target._qk_norm(query_key, layer)
-    want = torch.cat([torch.rms_norm(query_key[:, :hq], (hd,), layer.q_norm, target.eps),
-                      torch.rms_norm(query_key[:, hq:], (hd,), layer.k_norm, target.eps)], dim=1)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    assert torch.equal(target._qk_norm(query_key[2:3], layer), got[2:3])
+    rope = target.ropes[layer.rope_kind][torch.randint(0, target.max_seq_len, (tokens,))][:, None]
+    got = target._norm_and_rotate(query_key, layer, rope)
+    normed = query_key if layer.q_norm is None else torch.cat(
+        [torch.rms_norm(query_key[:, :hq], (hd,), layer.q_norm, target.eps),
+         torch.rms_norm(query_key[:, hq:], (hd,), layer.k_norm, target.eps)], dim=1)
+    torch.testing.assert_close(got, rotate(normed, rope), atol=1e-5, rtol=1e-5)
+    assert torch.equal(target._norm_and_rotate(query_key[2:3], layer, rope[2:3]), got[2:3])
 
 
 def test_a_bfloat16_model_follows_its_reference(tiny_model):
@@ -713,3 +717,37 @@ def test_calibrate_cli_measures_products_and_verify_cost_again(tiny_model, tmp_p
     assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").iterdir())
     with pytest.raises(SystemExit, match="--threads must be positive"):
         main(["calibrate", str(tmp_path / "model"), "--threads", "0"])
+
+
+def _huge_pages_on() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _huge_pages_on(), reason="transparent huge pages are off (or this is not Linux)")
+def test_a_kv_cache_is_zeros_in_huge_pages(target):
+    """A call's KV cache, megabytes written at once, is zeros held in 2 MiB pages (`ask_for_huge_pages`: 4 KiB
+    faults made a 512-token cache several times slower to zero), also after it grows."""
+    cache = target.new_cache(1, 64)
+    cache.reserve(64 * 1024, exact=True)
+
+    def huge_kib(address: int) -> int:  # the huge pages of the mapping that holds `address`, from /proc/self/smaps
+        inside = False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and ":" not in head:
+                    start, end = (int(part, 16) for part in head.split("-"))
+                    inside = start <= address < end
+                elif inside and head == "AnonHugePages:":
+                    return int(line.split()[1])
+        return 0
+
+    assert cache.keys.nbytes >= 8 << 20, cache.keys.nbytes
+    assert not cache.keys.any() and not cache.values.any()
+    assert huge_kib(cache.keys.data_ptr() + cache.keys.nbytes // 2) >= 2048
+    fresh = KVCache(target.num_kv_layers, 1, target.num_kv_heads, target.head_dim, 64 * 1024, torch.float32)
+    assert huge_kib(fresh.values.data_ptr() + fresh.values.nbytes // 2) >= 2048 and not fresh.values.any()

@@ -14,13 +14,23 @@ cdef extern from "product_kernel.h" nogil:
     void hs_grouped_products(const float *x, long x_stride, const int64_t *x_rows, const float *panels,
                              const float *bias, int n, int k, const int64_t *experts, const int64_t *starts,
                              const int64_t *counts, int segments, const float *scales, float *y, long y_stride,
-                             int act, float alpha, float limit, float *h, long h_stride, int threads)
+                             int act, float alpha, float limit, float *h, long h_stride, int depth, int group,
+                             int threads)
     void hs_rms_norm(const float *x, long group_stride, const float *w, int period, float eps, float *y, int rows,
                      int dim, int threads)
+    void hs_norm_rotate(const float *x, long group_stride, const float *w, int period, float eps, const float *rope,
+                        float *y, int rows, int dim, int threads)
+    void hs_gated_rows(const float *gate_up, long stride, int rows, int n, int act, float alpha, float limit,
+                       float *out, int threads)
     int HS_PRODUCT_MAX_ROWS
     int HS_PANEL
     int HS_GATED_UNITS
     int hs_product_supported()
+
+cdef extern from "omp.h" nogil:
+    ctypedef enum omp_pause_resource_t:
+        omp_pause_soft
+    int omp_pause_resource_all(omp_pause_resource_t kind)
 
 MAX_ROWS = HS_PRODUCT_MAX_ROWS
 PANEL = HS_PANEL  # output columns of a packed panel (`grouped_products`)
@@ -30,6 +40,15 @@ GATED_UNITS = HS_GATED_UNITS  # hidden units of a gated panel: its gate columns,
 def supported() -> bool:
     """Whether this CPU runs the kernel (AVX-512F)."""
     return bool(hs_product_supported())
+
+
+def release_threads() -> bool:
+    """End the calling thread's idle OpenMP team (its worker threads; a later parallel region of that thread starts
+    a new one). False where it is inside a parallel region."""
+    cdef int done
+    with nogil:
+        done = omp_pause_resource_all(omp_pause_soft)
+    return done == 0
 
 
 def small_product(uintptr_t x, long x_stride, uintptr_t w, int n, int k, uintptr_t bias, uintptr_t residual,
@@ -53,15 +72,16 @@ def expert_products(uintptr_t x, long x_stride, uintptr_t w, uintptr_t bias, int
 def grouped_products(uintptr_t x, long x_stride, uintptr_t x_rows, uintptr_t panels, uintptr_t bias, int n, int k,
                      uintptr_t experts, uintptr_t starts, uintptr_t counts, int segments, uintptr_t scales,
                      uintptr_t y, long y_stride, int act, float alpha, float limit, uintptr_t h, long h_stride,
-                     int threads) -> None:
+                     int depth, int group, int threads) -> None:
     """Segment s: y rows p in [starts[s], + counts[s]) = (x row x_rows[p] (p where x_rows is 0) @ w[experts[s]].T
     (+ its bias)) * scales[p] (where scales is nonzero), w given as its 32-column panels; with act (1: SiLU, 2:
-    gpt-oss's clamped SwiGLU) gated panels of gate_up, n hidden units into h (`hs_grouped_products`)."""
+    gpt-oss's clamped SwiGLU) gated panels of gate_up, n hidden units into h; k in slices `depth` deep, `group`
+    panels together (0: this CPU's blocking; the bits are the same either way) (`hs_grouped_products`)."""
     with nogil:
         hs_grouped_products(<const float *>x, x_stride, <const int64_t *>x_rows, <const float *>panels,
                             <const float *>bias, n, k, <const int64_t *>experts, <const int64_t *>starts,
                             <const int64_t *>counts, segments, <const float *>scales, <float *>y, y_stride, act,
-                            alpha, limit, <float *>h, h_stride, threads)
+                            alpha, limit, <float *>h, h_stride, depth, group, threads)
 
 
 def rms_norm(uintptr_t x, long group_stride, uintptr_t w, int period, float eps, uintptr_t y, int rows,
@@ -70,6 +90,23 @@ def rms_norm(uintptr_t x, long group_stride, uintptr_t w, int period, float eps,
     consecutive ones, group_stride apart; a prompt chunk's rows over `threads` threads."""
     with nogil:
         hs_rms_norm(<const float *>x, group_stride, <const float *>w, period, eps, <float *>y, rows, dim, threads)
+
+
+def norm_rotate(uintptr_t x, long group_stride, uintptr_t w, int period, float eps, uintptr_t rope, uintptr_t y,
+                int rows, int dim, int threads) -> None:
+    """y [rows, dim]: x's rows as `rms_norm` takes them, normed as there (w nonzero) and then rotated by RoPE, pair i
+    of token r // period's rows by rope[r // period][i] (complex, [tokens, dim / 2]) (`hs_norm_rotate`)."""
+    with nogil:
+        hs_norm_rotate(<const float *>x, group_stride, <const float *>w, period, eps, <const float *>rope, <float *>y,
+                       rows, dim, threads)
+
+
+def gated_rows(uintptr_t gate_up, long stride, int rows, int n, int act, float alpha, float limit, uintptr_t out,
+               int threads) -> None:
+    """out [rows, n] = act(gate_up[:, :n], gate_up[:, n:]) (1: silu(gate) * up, 2: gpt-oss's clamped SwiGLU), the
+    panel kernel's activation; gate_up's rows `stride` floats apart."""
+    with nogil:
+        hs_gated_rows(<const float *>gate_up, stride, rows, n, act, alpha, limit, <float *>out, threads)
 
 
 cdef extern from "delta_kernel.h" nogil:

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from hybridspec.model.linear import KERNEL_ROWS, _products
+from hybridspec.model.machine import ask_for_huge_pages
 
 DELTA_KERNEL = KERNEL_ROWS > 0  # the delta rule's step kernel, in the product kernel's extension (AVX-512 CPUs)
 
@@ -98,6 +99,18 @@ def delta_step(state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, deca
     return into
 
 
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.empty, in huge pages on a CPU (`ask_for_huge_pages`): a cache is megabytes written all at once."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if out.device.type == "cpu":
+        ask_for_huge_pages(out.data_ptr(), out.nbytes)
+    return out
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    return _empty(shape, dtype, device).zero_()
+
+
 class KVCache:
     """Keys and values of B sequences: [attention layers, B, kv_heads, capacity, head_dim]; row b holds lengths[b]
     tokens. With `ring`, the sliding-window layers' keys and values are apart, in a ring of a window's size
@@ -119,8 +132,7 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu", recurrent: RecurrentShape | None = None,
                  ring: RingShape | None = None):
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys, self.values = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
         self.lengths = [0] * batch_size
         self.recurrent, self.ring = recurrent, ring
         self.conv = self.state = self.ring_keys = self.ring_values = None
@@ -130,8 +142,7 @@ class KVCache:
             self.state = torch.zeros(r.layers, batch_size, r.heads, r.key_dim, r.value_dim, device=device)
         if ring is not None:
             ring_shape = (ring.layers, batch_size, num_kv_heads, ring.window - 1 + ring.slack, head_dim)
-            self.ring_keys = torch.zeros(ring_shape, dtype=dtype, device=device)
-            self.ring_values = torch.zeros(ring_shape, dtype=dtype, device=device)
+            self.ring_keys, self.ring_values = _zeros(ring_shape, dtype, device), _zeros(ring_shape, dtype, device)
         self.ring_from = [0] * batch_size
         self.pending: PendingNodes | None = None
 
@@ -163,7 +174,7 @@ class KVCache:
         size = self.ring.window - 1 + max(inputs, 2 * (old_size - self.ring.window + 1))
         for name in ("ring_keys", "ring_values"):
             old = getattr(self, name)
-            new = old.new_zeros(old.shape[:3] + (size,) + old.shape[4:])
+            new = _zeros(old.shape[:3] + (size,) + old.shape[4:], old.dtype, old.device)
             for row, length in enumerate(self.lengths):
                 held = torch.arange(max(self.ring_from[row], length - old_size), length, device=old.device)
                 new[:, row, :, held % size] = old[:, row, :, held % old_size]
@@ -187,7 +198,7 @@ class KVCache:
         new_capacity = capacity if exact else max(capacity, 2 * self.capacity)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_empty(old.shape[:3] + (new_capacity,) + old.shape[4:])
+            new = _empty(old.shape[:3] + (new_capacity,) + old.shape[4:], old.dtype, old.device)
             new[:, :, :, : old.shape[3]] = old
             new[:, :, :, old.shape[3]:] = 0  # scratch slots are read under a mask: zero, never NaN (the rest is copied)
             setattr(self, name, new)

@@ -47,21 +47,39 @@ def rotary_dim(config, head_dim: int) -> int:
     return int(head_dim * factor)
 
 
-class _DenseMLP:
-    """A gated MLP: down(act(gate(x)) * up(x)), gate and up as one product (SwiGLU; Gemma's GELU-tanh)."""
+def gated_activation(gate_up: torch.Tensor, activation: tuple[int, float, float]) -> torch.Tensor:
+    """A gated MLP's hidden units from its gate_up product [T, 2 n] (gate columns, then up): activation KERNEL_SILU
+    (silu(gate) * up) or KERNEL_CLAMPED_SWIGLU with its alpha and limit, by the kernel the panel kernel's gated tiles
+    share (the same bits for a step's few rows as for a prompt chunk's), in one pass. float32 rows on a CPU."""
+    n = gate_up.shape[-1] // 2
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    out = gate_up.new_empty(gate_up.shape[0], n)
+    _products.gated_rows(gate_up.data_ptr(), gate_up.stride(0), gate_up.shape[0], n, *activation, out.data_ptr(),
+                         torch.get_num_threads())
+    return out
 
-    __slots__ = ("gate_up", "down", "act")
+
+class _DenseMLP:
+    """A gated MLP: down(act(gate(x)) * up(x)), gate and up as one product (SwiGLU, by the kernel where it runs;
+    Gemma's GELU-tanh)."""
+
+    __slots__ = ("gate_up", "down", "act", "kernel")
 
     def __init__(self, mlp, config, pack: bool):
         self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(
             mlp.gate_proj.bias, mlp.up_proj.bias), pack=pack)
         self.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias, pack=pack)
         self.act = ACTIVATIONS[getattr(config, "hidden_activation", None) or config.hidden_act]
+        weight = mlp.down_proj.weight
+        self.kernel = bool(KERNEL_ROWS) and self.act is F.silu and weight.dtype == torch.float32 and \
+            weight.device.type == "cpu"
 
     def linears(self) -> list[Linear]:
         return [self.gate_up, self.down]
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return gated_activation(self.gate_up(x), (KERNEL_SILU, 0.0, 0.0))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.act(gate).mul_(up)  # into the activation's fresh output
 
@@ -122,6 +140,9 @@ class _MixtureOfExperts:
         return [self.router] + [lin for pair in self.experts for lin in pair] + shared
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return gated_activation(gate_up, (KERNEL_SILU, 0.0, 0.0) if self.clamp is None else
+                                    (KERNEL_CLAMPED_SWIGLU, *self.clamp))
         gate, up = gate_up.chunk(2, dim=-1)
         if self.clamp is None:
             return F.silu(gate) * up
@@ -230,11 +251,13 @@ def _gated_rows(gate_up: torch.Tensor) -> torch.Tensor:
 def grouped_expert_products(x: torch.Tensor, x_rows: torch.Tensor | None, panels: torch.Tensor,
                             bias: torch.Tensor | None, n: int, experts: torch.Tensor, starts: torch.Tensor,
                             counts: torch.Tensor, scales: torch.Tensor | None = None,
-                            activation: tuple[int, float, float] = (0, 0.0, 0.0)) -> torch.Tensor:
+                            activation: tuple[int, float, float] = (0, 0.0, 0.0),
+                            blocking: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """Pairs [starts[s], starts[s] + counts[s]) by expert experts[s]: row p = (x[x_rows[p]] (x[p] where x_rows is
     None) @ w[experts[s]].T + its bias) * scales[p], w given as its panels (`pack_panels`), by the panel kernel.
     activation (KERNEL_SILU, or KERNEL_CLAMPED_SWIGLU with alpha and limit): w a gated gate_up (bias in
-    `gated_order`), the rows its n hidden units."""
+    `gated_order`), the rows its n hidden units. blocking: the kernel's slice of k and panels a group (0, 0: this
+    CPU's; the same bits whatever they are)."""
     x = x.contiguous()
     pairs, act, alpha, limit = int(counts.sum()), *activation
     out = x.new_empty(pairs, n)
@@ -243,7 +266,7 @@ def grouped_expert_products(x: torch.Tensor, x_rows: torch.Tensor | None, panels
                                panels.data_ptr(), 0 if bias is None else bias.data_ptr(), n, panels.shape[2],
                                experts.data_ptr(), starts.data_ptr(), counts.data_ptr(), len(experts),
                                0 if scales is None else scales.data_ptr(), sums.data_ptr(), sums.stride(0), act,
-                               alpha, limit, out.data_ptr(), out.stride(0), torch.get_num_threads())
+                               alpha, limit, out.data_ptr(), out.stride(0), *blocking, torch.get_num_threads())
     return out
 
 

@@ -1,10 +1,12 @@
 """The RMSNorms of a forward pass: float32 rows by this package's C kernel (`hs_rms_norm` in `product_kernel.h`,
 each row alone, ~1 us where torch's composite norm costs ~40 us a call, and a step runs one to four a layer; a prompt
-chunk's rows over torch's threads), other dtypes by torch, as transformers computes them."""
+chunk's rows over torch's threads), other dtypes by torch, as transformers computes them; and the queries' and keys'
+per-head norms with RoPE, in one pass by the kernel (`norm_and_rotate`)."""
 from __future__ import annotations
 
 import torch
 
+from hybridspec.model.attention import rotate
 from hybridspec.model.linear import _products
 
 
@@ -26,6 +28,26 @@ def qk_norm(query_key: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
         return _kernel_norm(query_key, both, eps, query_key.shape[1])
     return torch.cat([rms_norm(query_key[:, :heads], q_norm, eps, False),
                       rms_norm(query_key[:, heads:], k_norm, eps, False)], dim=1)
+
+
+def norm_and_rotate(query_key: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                    both: torch.Tensor | None, rope: torch.Tensor, heads: int, eps: float,
+                    kernel: bool) -> torch.Tensor:
+    """A layer's queries and keys [T, heads + kv_heads, D] (a view of the QKV product's rows) normed where the model
+    has per-head norms (q_norm not None, `qk_norm`) and rotated by RoPE (`rotate`; rope [T, 1, D / 2] complex): by the
+    kernel in one pass where it takes them (float32), else by `qk_norm` and `rotate`."""
+    if kernel and query_key.dtype == torch.float32 and query_key.stride(-1) == 1 and query_key.stride(-2) == \
+            query_key.shape[-1] and rope.dtype == torch.complex64:
+        tokens, period, dim = query_key.shape
+        table = torch.view_as_real(rope.reshape(tokens, dim // 2).contiguous())
+        out = torch.empty(query_key.shape, dtype=query_key.dtype, device=query_key.device)
+        _products.norm_rotate(query_key.data_ptr(), query_key.stride(0), 0 if q_norm is None else both.data_ptr(),
+                              period, eps, table.data_ptr(), out.data_ptr(), tokens * period, dim,
+                              torch.get_num_threads())
+        return out
+    if q_norm is not None:
+        query_key = qk_norm(query_key, q_norm, k_norm, both, heads, eps, kernel)
+    return rotate(query_key, rope)
 
 
 def _kernel_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, period: int) -> torch.Tensor:

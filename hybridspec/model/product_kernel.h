@@ -20,6 +20,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <unistd.h>
 
 #define HS_PRODUCT_MAX_ROWS 8
 #define HS_PRODUCT_TARGET __attribute__((target("avx512f")))
@@ -154,22 +155,41 @@ HS_PRODUCT_TARGET static void hs_expert_products(const float *x, long x_stride, 
    The weight of each expert is packed once into panels of 32 output columns, [k][32] each (`pack_panels` layout:
    panels[e][t][j][c] = w[e][32 t + c][j], zero past n), so that a tile of up to 8 input rows by one panel keeps its
    8 x 32 sums in 16 registers while the panel streams past: per k, two panel vectors and a broadcast of each row's
-   input feed 16 FMAs. The panels are taken HS_PANEL_DEPTH of k at a time and HS_PANEL_GROUP of them together: each
-   tile of the expert's rows runs through the group's slices (256 KiB, in L2) while its own inputs' slice stays in L1,
-   so an input row is read once per group of panels rather than once per panel (where a router sends most of a
-   chunk's tokens to a few experts, their rows are megabytes); the next slices are fetched into L2 meanwhile, the
-   sums wait in y between slices. Each output is one chain of FMAs in k's order, so
-   the same bits for any number of rows.
+   input feed 16 FMAs. The panels are taken a slice of k at a time and a group of them together (`hs_panel_blocking`):
+   each tile of the expert's rows runs through the group's slices (in L2) while its own inputs' slice stays in L1, so
+   an input row is read once per group of panels rather than once per panel (where a router sends most of a chunk's
+   tokens to a few experts, their rows are megabytes); the next slices are fetched into L2 meanwhile, the sums wait in
+   y between slices. Each output is one chain of FMAs in k's order, whatever the slices, so the same bits for any
+   number of rows and on any CPU.
 
    Gated experts: the gate_up weight packed with panel t's first 16 columns gate units [16 t, 16 t + 16) and its last
    16 the same up units, so the tile that finishes them applies the activation to both halves and stores 16 hidden
    units: the hidden rows are written once, no pass of their own. */
 #define HS_PANEL 32
 #define HS_PANEL_ROWS 8
-#define HS_PANEL_DEPTH 256
-#define HS_PANEL_GROUP 8
+#define HS_PANEL_GROUP_MAX 8
 #define HS_GATED_UNITS 16
 enum { HS_ACT_NONE = 0, HS_ACT_SILU = 1, HS_ACT_CLAMPED_SWIGLU = 2 };
+
+/* The slice of k and the panels a group takes, from this CPU's caches: a slice as deep as an 8-row tile's inputs
+   keep within three quarters of L1 (all of k where it fits, else equal slices), as many panels as their slices keep
+   within three quarters of L2 (at most HS_PANEL_GROUP_MAX). Deep slices store and reload the sums less often: on an
+   AMD EPYC (Zen 5: L1 48 KiB, L2 1 MiB) all of k = 1024 in groups of 6 ran the MoE layers of a prompt chunk about 8%
+   faster than slices of 256 in groups of 8 (`benchmarks/bench_moe_block.py`). */
+static void hs_panel_blocking(int k, int *depth, int *group) {
+    static long l1, l2;  /* asked once (the same answer on every thread) */
+    if (!l1) {
+        long one = sysconf(_SC_LEVEL1_DCACHE_SIZE), two = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        l2 = two > 0 ? two : 1 << 20;
+        l1 = one > 0 ? one : 32768;
+    }
+    long most = (l1 * 3 / 4) / (HS_PANEL_ROWS * (long)sizeof(float)) / 16 * 16;
+    if (most < 64) most = 64;
+    long slices = (k + most - 1) / most;
+    *depth = (int)(((k + slices - 1) / slices + 15) / 16 * 16);
+    long panels = (l2 * 3 / 4) / ((long)*depth * HS_PANEL * (long)sizeof(float));
+    *group = (int)(panels < 1 ? 1 : panels > HS_PANEL_GROUP_MAX ? HS_PANEL_GROUP_MAX : panels);
+}
 
 /* e^x within 2 ulp over float32's range (Cephes' polynomial on x - n ln 2, then scaled by 2^n) */
 HS_PRODUCT_TARGET HS_PRODUCT_INLINE __m512 hs_exp(__m512 x) {
@@ -260,10 +280,11 @@ HS_PRODUCT_TARGET HS_PRODUCT_INLINE void hs_grouped_panels(const float *x, long 
                                                            const float *panels, const float *bias, int n, int k,
                                                            long t0, long t1, long begin, long end,
                                                            const float *scales, float *y, long y_stride, int act,
-                                                           float alpha, float limit, float *h, long h_stride) {
+                                                           float alpha, float limit, float *h, long h_stride,
+                                                           int depth) {
     int width = act ? HS_GATED_UNITS : HS_PANEL;
-    for (int j0 = 0; j0 < k; j0 += HS_PANEL_DEPTH) {
-        int j1 = j0 + HS_PANEL_DEPTH < k ? j0 + HS_PANEL_DEPTH : k;
+    for (int j0 = 0; j0 < k; j0 += depth) {
+        int j1 = j0 + depth < k ? j0 + depth : k;
         for (long p0 = begin; p0 < end; p0 += HS_PANEL_ROWS) {
             int M = (int)(end - p0 < HS_PANEL_ROWS ? end - p0 : HS_PANEL_ROWS);
             const float *xs[HS_PANEL_ROWS];
@@ -306,24 +327,41 @@ HS_PRODUCT_TARGET HS_PRODUCT_INLINE void hs_grouped_panels(const float *x, long 
    x_rows is NULL) @ w[experts[s]].T + its bias) * scales[p] (where scales is not NULL), w given as its panels, its
    n outputs as y's columns. With an activation (act not HS_ACT_NONE), w the gated packing of gate_up for n hidden
    units: y holds the sums between slices (32 columns a panel) and h row p, row stride h_stride, the hidden units.
-   Dealt over threads by (segment, group of HS_PANEL_GROUP panels), as they come free (an equal share of the rows
+   Slices `depth` deep, groups of `group` panels (either 0: this CPU's, `hs_panel_blocking`). Dealt over threads by
+   (segment, group of panels), as they come free (an equal share of the rows
    each, in that order, was no faster). */
 HS_PRODUCT_TARGET static void hs_grouped_products(const float *x, long x_stride, const int64_t *x_rows,
                                                   const float *panels, const float *bias, int n, int k,
                                                   const int64_t *experts, const int64_t *starts,
                                                   const int64_t *counts, int segments, const float *scales, float *y,
                                                   long y_stride, int act, float alpha, float limit, float *h,
-                                                  long h_stride, int threads) {
+                                                  long h_stride, int depth, int group, int threads) {
     long tiles = (n + (act ? HS_GATED_UNITS : HS_PANEL) - 1) / (act ? HS_GATED_UNITS : HS_PANEL);
-    long groups = (tiles + HS_PANEL_GROUP - 1) / HS_PANEL_GROUP;
+    if (depth <= 0 || group <= 0) hs_panel_blocking(k, &depth, &group);
+    long groups = (tiles + group - 1) / group;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (long i = 0; i < segments * groups; i++) {
-        long s = i / groups, t0 = i % groups * HS_PANEL_GROUP, e = experts[s];
-        long t1 = t0 + HS_PANEL_GROUP < tiles ? t0 + HS_PANEL_GROUP : tiles;
+        long s = i / groups, t0 = i % groups * group, e = experts[s];
+        long t1 = t0 + group < tiles ? t0 + group : tiles;
         const float *b = !bias ? 0 : act ? bias + e * tiles * HS_PANEL : bias + e * n;
         hs_grouped_panels(x, x_stride, x_rows, panels + e * tiles * (long)k * HS_PANEL, b, n, k, t0, t1, starts[s],
-                          starts[s] + counts[s], scales, y, y_stride, act, alpha, limit, h, h_stride);
+                          starts[s] + counts[s], scales, y, y_stride, act, alpha, limit, h, h_stride, depth);
     }
+}
+
+/* 1 / sqrt(mean(x^2) + eps) of dim floats */
+HS_PRODUCT_TARGET HS_PRODUCT_INLINE __m512 hs_inverse_rms(const float *x, int dim, float eps) {
+    __m512 squares = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= dim; j += 16) {
+        __m512 v = _mm512_loadu_ps(x + j);
+        squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    if (j < dim) {
+        __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (dim - j)) - 1u), x + j);
+        squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    return _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps));
 }
 
 /* RMSNorm of `rows` rows of dim floats into y [rows, dim]: y[r] = (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) *
@@ -340,24 +378,59 @@ HS_PRODUCT_TARGET static void hs_rms_norm(const float *x, long group_stride, con
         const float *xr = x + (r / period) * group_stride + (long)(r % period) * dim;
         const float *wr = w + (long)(r % period) * dim;
         float *yr = y + (long)r * dim;
-        __m512 squares = _mm512_setzero_ps();
+        __m512 scale = hs_inverse_rms(xr, dim, eps);
         int j = 0;
-        for (; j + 16 <= dim; j += 16) {
-            __m512 v = _mm512_loadu_ps(xr + j);
-            squares = _mm512_fmadd_ps(v, v, squares);
-        }
-        if (j < dim) {
-            __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (dim - j)) - 1u), xr + j);
-            squares = _mm512_fmadd_ps(v, v, squares);
-        }
-        __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps));
-        for (j = 0; j + 16 <= dim; j += 16)
+        for (; j + 16 <= dim; j += 16)
             _mm512_storeu_ps(yr + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + j), scale),
                                                    _mm512_loadu_ps(wr + j)));
         if (j < dim) {
             __mmask16 tail = (__mmask16)((1u << (dim - j)) - 1u);
             _mm512_mask_storeu_ps(yr + j, tail, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, xr + j), scale),
                                                               _mm512_maskz_loadu_ps(tail, wr + j)));
+        }
+    }
+}
+
+/* A layer's queries and keys positioned: x as hs_rms_norm's rows (a token's period heads of dim floats, tokens
+   group_stride apart), each head normed as there where w is not NULL (Qwen3's and Gemma's per-head norms), then
+   rotated by RoPE, its dimensions in pairs (`interleave_rotary_pairs`): pair i of token t's heads times rope[t][i], a
+   complex number stored (cos, sin), into y [rows, dim]. One pass over the heads where the norm and torch's complex
+   product took three; (a, b) (c, s) = (a c - b s, a s + b c) as one fused multiply-add of each part. */
+HS_PRODUCT_TARGET static void hs_norm_rotate(const float *x, long group_stride, const float *w, int period, float eps,
+                                             const float *rope, float *y, int rows, int dim, int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && (long)rows * dim >= HS_NORM_THREADED_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (r / period) * group_stride + (long)(r % period) * dim;
+        const float *wr = w ? w + (long)(r % period) * dim : 0;
+        const float *turn = rope + (long)(r / period) * dim;
+        float *yr = y + (long)r * dim;
+        __m512 scale = wr ? hs_inverse_rms(xr, dim, eps) : _mm512_set1_ps(1.0f);
+        for (int j = 0; j < dim; j += 16) {
+            __mmask16 m = (__mmask16)(dim - j >= 16 ? 0xFFFFu : (1u << (dim - j)) - 1u);
+            __m512 v = _mm512_maskz_loadu_ps(m, xr + j), t = _mm512_maskz_loadu_ps(m, turn + j);
+            if (wr)
+                v = _mm512_mul_ps(_mm512_mul_ps(v, scale), _mm512_maskz_loadu_ps(m, wr + j));
+            __m512 swapped = _mm512_permute_ps(v, 0xB1);  /* (b, a) of each pair */
+            __m512 rotated = _mm512_fmaddsub_ps(v, _mm512_moveldup_ps(t),
+                                                _mm512_mul_ps(swapped, _mm512_movehdup_ps(t)));
+            _mm512_mask_storeu_ps(yr + j, m, rotated);
+        }
+    }
+}
+
+/* out[r][j] = hs_gated(gate_up[r][j], gate_up[r][n + j]): a gated MLP's hidden units from its gate_up product, rows
+   `stride` apart, in one pass (torch: the activation's output, then the product), and the same bits as the panel
+   kernel's gated tiles give (a prompt chunk's experts), so a step's few tokens agree with a chunk's */
+HS_PRODUCT_TARGET static void hs_gated_rows(const float *gate_up, long stride, int rows, int n, int act, float alpha,
+                                            float limit, float *out, int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && (long)rows * n >= HS_NORM_THREADED_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (long)r * stride, *u = g + n;
+        float *o = out + (long)r * n;
+        for (int j = 0; j < n; j += 16) {
+            __mmask16 m = (__mmask16)(n - j >= 16 ? 0xFFFFu : (1u << (n - j)) - 1u);
+            _mm512_mask_storeu_ps(o + j, m, hs_gated(_mm512_maskz_loadu_ps(m, g + j), _mm512_maskz_loadu_ps(m, u + j),
+                                                     act, alpha, limit));
         }
     }
 }

@@ -35,14 +35,14 @@ from typing import Sequence
 
 import torch
 
-from hybridspec.model.attention import STEP_KERNEL_MAX_QUERIES, Attention, rotary_table, rotate
+from hybridspec.model.attention import STEP_KERNEL_MAX_QUERIES, Attention, rotary_table
 from hybridspec.model.delta_net import new_pending
 from hybridspec.model.head import GreedyHead
 from hybridspec.model.inputs import ForwardPart, StepInput, StepOutput, step_part
 from hybridspec.model.kv_cache import KVCache, RingShape
 from hybridspec.model.layers import ACTIVATIONS, DecoderLayer, is_gemma, layer_window, norm_weight, rotary_dim
 from hybridspec.model.linear import KERNEL_ROWS, Linear, fast_bf16, tune_products
-from hybridspec.model.norms import qk_norm, rms_norm
+from hybridspec.model.norms import norm_and_rotate, rms_norm
 from hybridspec.speculators.features import default_aux_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "qwen3_5",
@@ -162,9 +162,9 @@ class TargetModel:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.norm_kernel)
 
-    def _qk_norm(self, query_key: torch.Tensor, layer: DecoderLayer) -> torch.Tensor:
-        return qk_norm(query_key, layer.q_norm, layer.k_norm, layer.qk_norm, self.num_heads, self.eps,
-                       self.norm_kernel)
+    def _norm_and_rotate(self, query_key: torch.Tensor, layer: DecoderLayer, rope: torch.Tensor) -> torch.Tensor:
+        return norm_and_rotate(query_key, layer.q_norm, layer.k_norm, layer.qk_norm, rope, self.num_heads, self.eps,
+                               self.norm_kernel)
 
     @torch.inference_mode()
     def forward(self, parts: Sequence[ForwardPart], *, return_hidden: bool = False,
@@ -214,9 +214,7 @@ class TargetModel:
                 continue
             qkv = layer.qkv(self._rms_norm(x, layer.input_norm))
             query_key = qkv[:, :(hq + hk) * hd].view(total, hq + hk, hd)
-            if layer.q_norm is not None:
-                query_key = self._qk_norm(query_key, layer)
-            query_key = rotate(query_key, ropes[layer.rope_kind])
+            query_key = self._norm_and_rotate(query_key, layer, ropes[layer.rope_kind])
             if layer.window:
                 attn = self._attend(layer, ring_plans[layer.window], [], range(len(parts)), parts, spans, query_key,
                                     qkv)

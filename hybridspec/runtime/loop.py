@@ -16,7 +16,7 @@ import contextlib
 import threading
 from typing import Callable, Iterator
 
-from hybridspec.model.machine import release_free_memory
+from hybridspec.model.machine import release_free_memory, release_openmp_threads
 from hybridspec.router import StepLoad
 from hybridspec.runtime.admission import Admission
 from hybridspec.runtime.call import CallState
@@ -56,12 +56,26 @@ class EngineLoop:
                 self._unpaused.notify_all()
 
     def submit(self, call: CallState, kv_bytes: int) -> None:
-        """Put `call` in line (`QueueFull`, in the caller's thread, if the line is full) and make sure the loop runs."""
+        """Put `call` in line (`QueueFull`, in the caller's thread, if the line is full) and make sure the loop runs.
+        The caller's idle OpenMP team ends here: beside the loop's it slows each step (`release_openmp_threads`)."""
+        if not getattr(ON_LOOP, "active", False):
+            release_openmp_threads()
         with self._lock:
             self.admission.enqueue(call, kv_bytes)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hybridspec-engine", daemon=True)
                 self._thread.start()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the loop's thread has ended (no call runs or waits), and its OpenMP team with it: torch work on
+        another thread (a peer timed in turns with the engine) then has the CPUs to itself. False if it still runs
+        after `timeout` seconds."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
     def _run(self) -> None:
         ON_LOOP.active = True
