@@ -730,7 +730,7 @@ def _huge_pages_on() -> bool:
 @pytest.mark.skipif(not _huge_pages_on(), reason="transparent huge pages are off (or this is not Linux)")
 def test_a_kv_cache_is_zeros_in_huge_pages(target):
     """A call's KV cache, megabytes written at once, is zeros in memory advised to be huge pages (`ask_for_huge_pages`:
-    4 KiB faults made a 512-token cache several times slower to zero), also after it grows: its mapping carries the
+    one fault per 2 MiB in place of one per 4 KiB), also after it grows: its mapping carries the
     advice (smaps' `hg` flag; whether the pages are huge is then the kernel's, and memory glibc reuses is faulted in
     already)."""
     tokens = -(-(8 << 20) // (target.num_kv_layers * target.num_kv_heads * target.head_dim * 4))

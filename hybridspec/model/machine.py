@@ -3,6 +3,7 @@ what the engine measured on this machine, kept in the user cache (`measured_here
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -128,38 +129,39 @@ def resident_bytes() -> int:
         return 0
 
 
+@functools.lru_cache(maxsize=1)
+def _glibc():
+    """glibc, through ctypes (OSError where there is none)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
 def release_free_memory() -> None:
     """Hand the allocator's free pages back to the system (glibc keeps them after a burst of requests, and the
     resident memory would stay at the burst's peak); a no-op elsewhere."""
     try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _glibc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
-_libc = None
 
 
 def ask_for_huge_pages(address: int, nbytes: int) -> bool:
     """Ask Linux to back the whole 2 MiB pages inside [address, address + nbytes) with huge pages, before anything is
     written there (where transparent huge pages are on `madvise`, as is common). Why: glibc maps a large block afresh
-    on each allocation and its first write faults in every 4 KiB page; a call's KV cache (a 512-token prompt's on a
-    0.6B model: 140 MB) took 75 ms to zero that way and 18 ms in huge pages. False where the system said no."""
-    global _libc
+    on each allocation and its first write faults in every 4 KiB page, one fault per 4 KiB of a call's KV cache (a
+    512-token prompt's on a 0.6B model: 140 MB) where huge pages take one per 2 MiB. False where the system said no."""
     start, end = -(-address // _HUGE_PAGE) * _HUGE_PAGE, (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
     if end <= start or not sys.platform.startswith("linux"):
         return False
     try:
-        import ctypes
-
-        if _libc is None:
-            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return _libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
+        return _glibc().madvise(start, end - start, _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
 
@@ -187,10 +189,8 @@ def limit_allocator_arenas(count: int = 2) -> bool:
     keeping the free pages of the work it did, so a long burst grows resident memory past the KV budget. Only one
     step runs at a time, so few arenas cost no contention. Returns whether the allocator took the setting."""
     try:
-        import ctypes
-
         M_ARENA_MAX = -8  # glibc's malloc.h
-        return ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, count) == 1
+        return _glibc().mallopt(M_ARENA_MAX, count) == 1
     except (OSError, AttributeError):
         return False
 
