@@ -20,6 +20,12 @@ all K drafts from one pass of the cascade: HYBRIDSPEC_VLLM=fasteagle); optionall
 gate trimming their drafts, by its built-in tables (`hybridspec-suffix-gate`, `hybridspec-hybrid-gate`) or by tables
 refitted to vLLM's own passes (`hybridspec-suffix-measure`, `hybridspec-hybrid-measure`).
 
+In turns (`--rounds R`, R > 1): every method's vLLM is loaded at once (memory for each) and the calls are dealt into R
+rounds (every R-th trajectory and question); round by round each method replays them, in order one round and reversed
+the next. The issue-51 targets are then the median of the rounds' ratios, so that this host's drift between minutes
+(25% and more) falls on the methods alike instead of on whichever ran in a slow spell. Each round needs C
+trajectories to keep C agents busy.
+
 With `hybridspec-fasteagle`, our Engine runs the same FastEagle head on the same calls too (in this process, calls one
 at a time, chains of the checkpoint's K, every draft verified in full as vLLM does; `--no-engine` skips it): "engine"
 in the JSON, and the target `fasteagle_tokens_per_step_over_engine` (vLLM at concurrency 1 over ours, agent and chat
@@ -34,13 +40,16 @@ request tokens; identical_calls = calls whose tokens equal `none`'s.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere: its sibling modules
 
@@ -147,6 +156,26 @@ def summarize(results: list[dict], baseline: list[dict] | None) -> dict:
             "identical_calls": identical, "calls": calls, "tokens": tokens, "wall_s": round(wall, 2)}
 
 
+def mixed(by_workload: dict[str, dict[int, list[dict]]], conc: int) -> list[dict]:
+    """A method's replays of both workloads at one concurrency (every round's)."""
+    return [result for workload in ("agent", "chat") for result in by_workload[workload][conc]]
+
+
+def in_call_order(rounds: list[dict]) -> dict:
+    """One replay of the whole workload from its rounds' replays (round r held trajectories r, r + R, ...)."""
+    calls = [None] * sum(len(r["calls"]) for r in rounds)
+    for r, result in enumerate(rounds):
+        calls[r::len(rounds)] = result["calls"]
+    return {"calls": calls, "wall_s": sum(r["wall_s"] for r in rounds)}
+
+
+def round_ratios(a: dict[str, dict[int, list[dict]]], b: dict[str, dict[int, list[dict]]], conc: int) -> list[float]:
+    """Round by round, method a's tok/s over b's on both workloads (the same calls, replayed minutes apart at most)."""
+    rounds = len(a["agent"][conc])
+    return [round(summarize([a[w][conc][r] for w in ("agent", "chat")], None)["tok_s"]
+                  / summarize([b[w][conc][r] for w in ("agent", "chat")], None)["tok_s"], 3) for r in range(rounds)]
+
+
 def load_workloads(args, tokenizer) -> dict[str, list[list[list[int]]]]:
     from agent_calls import chat_token_ids, load_agent_calls
     from bench_e2e import chat_questions
@@ -193,15 +222,58 @@ def run_engine(head: Path, k: int, workloads_in: dict[str, list[list[list[int]]]
 
 
 def print_table(workloads: dict, methods: list[str]) -> None:
-    print(f"\n{'workload':<8} {'conc':>4} {'method':<20} {'tok/s':>8} {'x none':>7} {'tok/step':>8} {'identical':>10}")
+    print(f"\n{'workload':<8} {'conc':>4} {'method':<22} {'tok/s':>8} {'x none':>7} {'tok/step':>8} {'identical':>10}")
     for workload, by_conc in workloads.items():
         for conc, by_method in by_conc.items():
             none = by_method.get("none", {}).get("tok_s") or 0.0
             for name in methods:
                 m = by_method[name]
                 ratio = f"{m['tok_s'] / none:.2f}" if none else "-"
-                print(f"{workload:<8} {conc:>4} {name:<20} {m['tok_s']:>8.2f} {ratio:>7} {m['tokens_per_step']:>8.2f} "
+                print(f"{workload:<8} {conc:>4} {name:<22} {m['tok_s']:>8.2f} {ratio:>7} {m['tokens_per_step']:>8.2f} "
                       f"{m['identical_calls']:>4}/{m['calls']:<5}")
+
+
+def start_worker(name: str, conc: int, *, args, model: Path, max_model_len: int, heads: tuple) -> Worker:
+    """A loaded vLLM running method `name` (heads: vLLM's P-EAGLE copy, its K, (FastEagle copy, its K))."""
+    spec, env = method_config(name, args.num_speculative_tokens, *heads)
+    print(f"{name}: loading vLLM (concurrency {conc}) ...", file=sys.stderr, flush=True)
+    return Worker({"model": str(model), "max_model_len": max_model_len, "speculative_config": spec,
+                   "threads": args.threads}, env)
+
+
+def replay_methods(methods: list[str], concurrency: list[int], rounds: int,
+                   workloads_in: dict[str, list[list[list[int]]]], max_new_tokens: int,
+                   start: Callable[[str, int], Worker]) -> tuple[dict[str, dict[str, dict[int, list[dict]]]],
+                                                                   dict[str, float]]:
+    """Every method's replays of every workload at every concurrency: {method: {workload: {conc: [a replay a round]}}}
+    and each worker's load time. One method's vLLM at a time where rounds == 1; else all of them loaded at once and the
+    calls dealt into `rounds` rounds (every rounds-th trajectory), in order and reversed by turns, so that the host's
+    drift between minutes falls on all of them alike."""
+    results = {name: {workload: {conc: [] for conc in concurrency} for workload in workloads_in} for name in methods}
+    load_s: dict[str, float] = {}
+    together = [methods] if rounds > 1 else [[name] for name in methods]
+    for conc in concurrency:
+        for group in together:
+            # A fresh vLLM per concurrency: a second replay of the same calls would find their responses in the
+            # suffix caches' global index (a retried call), flattering the suffix methods. The prefix cache is
+            # warmed instead by a 1-token pass over every prompt (its responses add nothing to the index).
+            workers = {}
+            for name in group:
+                workers[name] = start(name, conc)
+                load_s[f"{name}@{conc}"] = round(workers[name].ready["load_s"], 1)
+                for trajectories in workloads_in.values():
+                    workers[name].replay(trajectories, 1, 4)
+            for r in range(rounds):
+                for name in group if r % 2 == 0 else group[::-1]:  # A B C, C B A, ...: each pair balanced
+                    for workload, trajectories in workloads_in.items():
+                        result = workers[name].replay(trajectories[r::rounds], max_new_tokens, conc)
+                        results[name][workload][conc].append(result)
+                        tokens = sum(len(c["tokens"]) for t in result["calls"] for c in t)
+                        print(f"{name}: {workload} c={conc} round {r + 1}/{rounds}: "
+                              f"{tokens / result['wall_s']:.2f} tok/s", file=sys.stderr, flush=True)
+            for worker in workers.values():
+                worker.close()
+    return results, load_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,4", help="comma-separated numbers of agents at once")
     parser.add_argument("--num-speculative-tokens", type=int, default=16, help="K of ngram and both suffix methods")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="more than 1: every method's vLLM at once (memory for each), the calls dealt into this "
+                             "many rounds replayed by the methods in turns; targets from the median of rounds")
     parser.add_argument("--no-engine", action="store_true",
                         help="with hybridspec-fasteagle: skip our Engine's run of the same head")
     args = parser.parse_args(argv)
@@ -226,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in methods if m not in METHODS + GATED]
     if unknown or not methods:
         parser.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS + GATED)}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if "none" not in methods:
         methods.insert(0, "none")  # the reference for identical outputs and the ratios
     try:
@@ -241,50 +318,32 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(model)
     workloads_in = load_workloads(args, tokenizer)
+    short = {w: len(t) for w, t in workloads_in.items() if len(t) < args.rounds}
+    if short:
+        parser.error(f"--rounds {args.rounds}: fewer calls than rounds in {short}")
     longest = max(len(p) for calls in workloads_in.values() for t in calls for p in t)
     max_model_len = longest + args.max_new_tokens + 32
-    results: dict[str, dict[str, dict[int, dict]]] = {}
-    load_s: dict[str, float] = {}
     engine_results: dict[str, dict] | None = None
     with tempfile.TemporaryDirectory(prefix="bench_vllm_plugin-") as tmp:
         peagle, peagle_k = vllm_peagle(model, Path(tmp) / "peagle")
         fasteagle = vllm_head(FASTEAGLE, model, Path(tmp) / "fasteagle")
         if "hybridspec-fasteagle" in methods and not args.no_engine:
             engine_results = run_engine(fasteagle[0], fasteagle[1], workloads_in, args.max_new_tokens, args.threads)
-        for name in methods:
-            spec, env = method_config(name, args.num_speculative_tokens, peagle, peagle_k, fasteagle)
-            results[name] = {workload: {} for workload in workloads_in}
-            for conc in concurrency:
-                # A fresh vLLM per concurrency: a second replay of the same calls would find their responses in the
-                # suffix caches' global index (a retried call), flattering the suffix methods. The prefix cache is
-                # warmed instead by a 1-token pass over every prompt (its responses add nothing to the index).
-                print(f"{name}: loading vLLM (concurrency {conc}) ...", file=sys.stderr, flush=True)
-                worker = Worker({"model": str(model), "max_model_len": max_model_len, "speculative_config": spec,
-                                 "threads": args.threads}, env)
-                load_s[f"{name}@{conc}"] = round(worker.ready["load_s"], 1)
-                for trajectories in workloads_in.values():
-                    worker.replay(trajectories, 1, 4)
-                for workload, trajectories in workloads_in.items():
-                    result = worker.replay(trajectories, args.max_new_tokens, conc)
-                    results[name][workload][conc] = result
-                    tokens = sum(len(c["tokens"]) for t in result["calls"] for c in t)
-                    print(f"{name}: {workload} c={conc}: {tokens / result['wall_s']:.2f} tok/s", file=sys.stderr,
-                          flush=True)
-                worker.close()
+        start = functools.partial(start_worker, args=args, model=model, max_model_len=max_model_len,
+                                  heads=(peagle, peagle_k, fasteagle))
+        results, load_s = replay_methods(methods, concurrency, args.rounds, workloads_in, args.max_new_tokens, start)
 
     workloads: dict[str, dict[int, dict[str, dict]]] = {"agent": {}, "chat": {}, "mixed": {}}
     for conc in concurrency:
         for workload in ("agent", "chat"):
-            workloads[workload][conc] = {name: summarize([results[name][workload][conc]],
-                                                         [results["none"][workload][conc]]) for name in methods}
-        workloads["mixed"][conc] = {name: summarize([results[name][w][conc] for w in ("agent", "chat")],
-                                                    [results["none"][w][conc] for w in ("agent", "chat")])
+            workloads[workload][conc] = {name: summarize(results[name][workload][conc],
+                                                         results["none"][workload][conc]) for name in methods}
+        workloads["mixed"][conc] = {name: summarize(mixed(results[name], conc), mixed(results["none"], conc))
                                     for name in methods}
-    agent_all = {name: summarize([results[name]["agent"][c] for c in concurrency],
-                                 [results["none"]["agent"][c] for c in concurrency]) for name in methods}
-    mixed_all = {name: summarize([results[name][w][c] for w in ("agent", "chat") for c in concurrency],
-                                 [results["none"][w][c] for w in ("agent", "chat") for c in concurrency])
-                 for name in methods}
+    agent_all = {name: summarize([r for c in concurrency for r in results[name]["agent"][c]],
+                                 [r for c in concurrency for r in results["none"]["agent"][c]]) for name in methods}
+    mixed_all = {name: summarize([r for c in concurrency for r in mixed(results[name], c)],
+                                 [r for c in concurrency for r in mixed(results["none"], c)]) for name in methods}
     ratios = {scope: {name: round(s[name]["tok_s"] / s["none"]["tok_s"], 3) for name in methods}
               for scope, s in (("agent", agent_all), ("mixed", mixed_all))}
     targets = {}
@@ -296,22 +355,28 @@ def main(argv: list[str] | None = None) -> int:
         best = max(mixed_all[m]["tok_s"] for m in built_in)
         targets["hybridspec_hybrid_over_best_built_in_mixed"] = round(mixed_all["hybridspec-hybrid"]["tok_s"] / best, 3)
     one, most = min(concurrency), max(concurrency)
+    in_turns: dict[str, list[float]] = {}  # each pair's per-round ratios; the targets take their median
     for hybrid in [m for m in ("hybridspec-hybrid", "hybridspec-hybrid-gate", "hybridspec-hybrid-measure")
                    if m in methods]:
         # issue 51: >= our suffix method at one agent, >= no speculation at the most
         name = hybrid.replace("hybridspec-", "").replace("-", "_")
+        pairs = [(f"{name}_over_none_mixed_c{most}", "none", most)]
         if "hybridspec-suffix" in methods:
-            at_one = workloads["mixed"][one]
-            targets[f"{name}_over_hybridspec_suffix_mixed_c{one}"] = round(
-                at_one[hybrid]["tok_s"] / at_one["hybridspec-suffix"]["tok_s"], 3)
-        at_most = workloads["mixed"][most]
-        targets[f"{name}_over_none_mixed_c{most}"] = round(at_most[hybrid]["tok_s"] / at_most["none"]["tok_s"], 3)
+            pairs.insert(0, (f"{name}_over_hybridspec_suffix_mixed_c{one}", "hybridspec-suffix", one))
+        for target, reference, conc in pairs:
+            if args.rounds > 1:
+                in_turns[target] = round_ratios(results[hybrid], results[reference], conc)
+                targets[target] = round(statistics.median(in_turns[target]), 3)
+            else:
+                at = workloads["mixed"][conc]
+                targets[target] = round(at[hybrid]["tok_s"] / at[reference]["tok_s"], 3)
     targets["all_identical"] = all(s["identical_calls"] == s["calls"] for s in mixed_all.values())
     engine = None
     if engine_results is not None:  # against vLLM's `none` at concurrency 1 (the engine ran one call at a time)
-        engine = {w: summarize([engine_results[w]], [results["none"][w][1]]) for w in ("agent", "chat")}
-        engine["mixed"] = summarize([engine_results[w] for w in ("agent", "chat")],
-                                    [results["none"][w][1] for w in ("agent", "chat")])
+        none = {w: in_call_order(results["none"][w][1]) for w in ("agent", "chat")}
+        engine = {w: summarize([engine_results[w]], [none[w]]) for w in ("agent", "chat")}
+        both = ("agent", "chat")
+        engine["mixed"] = summarize([engine_results[w] for w in both], [none[w] for w in both])
         ours = workloads["mixed"][1]["hybridspec-fasteagle"]["tokens_per_step"]
         targets["fasteagle_tokens_per_step_over_engine"] = round(ours / engine["mixed"]["tokens_per_step"], 3)
 
@@ -319,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nagent calls, both concurrencies:")
     for name in methods:
         m = agent_all[name]
-        print(f"  {name:<20} {m['tok_s']:>7.2f} tok/s  x{ratios['agent'][name]:.2f} none  "
+        print(f"  {name:<22} {m['tok_s']:>7.2f} tok/s  x{ratios['agent'][name]:.2f} none  "
               f"{m['tokens_per_step']:.2f} tok/step  identical {m['identical_calls']}/{m['calls']}")
     if engine is not None:
         print("\nFastEagle, vLLM (concurrency 1) against our Engine with the same head, the same calls:")
@@ -328,11 +393,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {workload:<6} tok/step vLLM {theirs['tokens_per_step']:.3f}  engine {m['tokens_per_step']:.3f}  "
                   f"tok/s vLLM {theirs['tok_s']:.2f}  engine {m['tok_s']:.2f}  "
                   f"engine = vLLM none {m['identical_calls']}/{m['calls']}")
+    for target, ratios_by_round in in_turns.items():
+        print(f"  {target}: rounds {ratios_by_round} -> median {targets[target]}")
     print(f"targets: {targets}")
     write_json(args.json, {
         "methods": agent_all, "mixed": mixed_all,
         "workloads": {w: {str(c): v for c, v in by.items()} for w, by in workloads.items()},
-        "ratios_to_none": ratios, "targets": targets, "engine": engine, "load_s": load_s,
+        "ratios_to_none": ratios, "targets": targets, "round_ratios": in_turns, "engine": engine, "load_s": load_s,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "max_model_len": max_model_len, "wall_s": round(time.perf_counter() - started, 1), "machine": machine_info(),
         "vllm": vllm.__version__})
