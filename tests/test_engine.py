@@ -4,6 +4,7 @@ their KV cache and feed the suffix cache, and bad input gives clear errors. Pref
 tests/test_prefix_cache.py."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import pickle
 import random
@@ -525,6 +526,11 @@ def test_model_resolution(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="transformers cannot read broken.gguf"):
         resolve_model(tmp_path / "broken.gguf")
     assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())
+    # an environment without gguf (.venv-vllm, .venv-peers) is told how to get the conversion, not transformers' hint
+    find_spec = importlib.util.find_spec
+    with monkeypatch.context() as m, pytest.raises(ImportError, match="needs the gguf package.*scripts/setup.sh"):
+        m.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+        resolve_model(tmp_path / "broken.gguf")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     assert resolve_model(tmp_path / "model") == tmp_path / "model"

@@ -88,6 +88,10 @@ def smollm2_gguf() -> Path:
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    if importlib.util.find_spec("gguf") is None:  # transformers' own error names neither the file nor the fix
+        raise ImportError(f"converting {gguf.name} to {out_dir} needs the gguf package, which this environment "
+                          f"({sys.prefix}) lacks: run ./scripts/setup.sh (it converts it once in .venv) or pip "
+                          f"install gguf")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     with first_run(f"converting {gguf.name} to safetensors in {out_dir}"):
