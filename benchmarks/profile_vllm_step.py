@@ -17,7 +17,8 @@ and every scheduled request's tokens are 1 + its draft); prefill steps are count
 
 JSON: "methods": {name: {steps, prefill_steps, tokens_per_step, scheduled_per_step (the target's width: last tokens +
 drafts), total_ms, remainder_ms, ms_per_token, ms: {part: mean ms per decode step}, chosen (the hybrid's per-row
-choices), drafter_steps (the hybrid's steps whose drafter ran or idled), ...}}, "parts", "steps": {name: [per step:
+choices), drafter_steps (the hybrid's steps whose drafter ran, idled, or was declined as not paying), drafter_share
+(its measured pass over the rest of a decode step), ...}}, "parts", "steps": {name: [per step:
 total, remainder, parts (s), decode, tokens, scheduled]}, "config", "machine".
 """
 from __future__ import annotations
@@ -246,7 +247,7 @@ def child(config_path: Path) -> None:
         "steps": profiler.steps, "wall_s": result["wall_s"], "load_s": load_s, "threads": torch.get_num_threads(),
         "calls": [[c["tokens"] for c in t] for t in result["calls"]],
         "chosen": getattr(drafter, "chosen", None), "drafter_steps": getattr(drafter, "drafter_steps", None),
-        "counters": getattr(requests, "counters", None)}))
+        "drafter_share": getattr(drafter, "drafter_share", None), "counters": getattr(requests, "counters", None)}))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -310,13 +311,13 @@ def main(argv: list[str] | None = None) -> int:
             summaries[name] = {**summarize(out["steps"]), "wall_s": round(out["wall_s"], 2),
                                "load_s": round(out["load_s"], 1), "threads": out["threads"],
                                "chosen": out["chosen"], "drafter_steps": out.get("drafter_steps"),
-                               "counters": out["counters"],
+                               "drafter_share": out.get("drafter_share"), "counters": out["counters"],
                                "identical_calls_to_first": sum(a == b for ta, tb in zip(out["calls"], first_calls)
                                                                for a, b in zip(ta, tb))}
     print("\n" + format_table(summaries))
     for name, s in summaries.items():
-        print(f"{name}: chosen {s['chosen']}, drafter steps {s['drafter_steps']}, identical calls to {methods[0]}: "
-              f"{s['identical_calls_to_first']}")
+        print(f"{name}: chosen {s['chosen']}, drafter steps {s['drafter_steps']} (share {s['drafter_share']}), "
+              f"identical calls to {methods[0]}: {s['identical_calls_to_first']}")
     write_json(args.json, {"methods": summaries, "parts": list(PARTS), "steps": raw_steps,
                            "max_model_len": max_model_len,
                            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -76,6 +76,30 @@ def drafter_pays(suffix_rate: float, drafter_rate: float | None, draft_steps: fl
     return max(drafter_rate, suffix_rate) / (1.0 + draft_steps) > suffix_rate
 
 
+def drafter_step_pays(gate: Any, with_drafter: Sequence[Proposal | None], suffix_only: Sequence[Proposal | None],
+                      contexts: Sequence[int], drafter_share: float | None) -> bool:
+    """A step's drafter pass (the vLLM plugin's: one pass over every row) is expected to yield more tokens per unit
+    of time than the step's suffix drafts alone. The two plans, row by row (None: no draft for that row), are priced
+    by the gate: a step yields its rows' 1 + expected accepted tokens, in a pass of `gate.pass_cost` over their
+    verified tokens; running the drafter adds `drafter_share` of that pass (its measured ms over the rest of the
+    step's; None: not measured yet, so it runs). The drafter pays where E_d / (C_d (1 + share)) > E_s / C_s."""
+    if drafter_share is None:
+        return True
+    rows = [i for i, (d, s) in enumerate(zip(with_drafter, suffix_only)) if d is not None or s is not None]
+    if not rows:
+        return False
+
+    def value(plan: Sequence[Proposal | None]) -> tuple[float, float]:
+        drafts = [plan[i] for i in rows]
+        tokens = sum(1.0 + (gate.expected_tokens(d) if d is not None else 0.0) for d in drafts)
+        ms = gate.pass_cost([1 + (len(d) if d is not None else 0) for d in drafts], [contexts[i] for i in rows])
+        return tokens, ms
+
+    tokens_d, ms_d = value(with_drafter)
+    tokens_s, ms_s = value(suffix_only)
+    return tokens_d * ms_s > tokens_s * ms_d * (1.0 + drafter_share)
+
+
 def perfect_rate(router: Router, depth: int, context: int, load: StepLoad | None = None) -> float:
     """What the best draft `depth` deep could yield, in the router's tokens per plain step's time: a chain the target
     accepts whole (a tree of that depth commits no more, and costs more to verify)."""

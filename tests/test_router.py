@@ -174,6 +174,31 @@ def test_under_load_drafts_shrink_and_vanish():
     assert perfect_rate(gate, 4, 512) == alone  # planning a step changed nothing of the gate's own
 
 
+def test_the_vllm_hybrids_drafter_runs_in_a_step_only_where_its_drafts_pay_for_its_measured_pass():
+    """drafter_step_pays: the step's plan with the drafter's drafts against the suffix drafts alone, priced by the
+    gate's pass cost, the drafter's pass adding its measured share of the step."""
+    from hybridspec.router.hybrid import drafter_step_pays
+
+    gate = linear_gate(per_token_ms=5.0, base_ms=50.0)  # 4 verified tokens: 65 ms against a suffix-less 50
+    drafted = [Proposal.chain([5, 6, 7], probs=[0.9, 0.8, 0.7], source="peagle")]  # 1 + 2.4 tokens
+    no_suffix = [Proposal.chain([], source="suffix")]  # 1 token in 50 ms
+    weak_suffix = [chain([0.9, 0.6, 0.4])]  # 1 + 1.9 tokens in 65 ms
+    contexts = [512]
+    # nothing to draft from the suffix cache: 3.4 / 65 against 1 / 50 pays unless the drafter costs 2.6x a step
+    assert drafter_step_pays(gate, drafted, no_suffix, contexts, 0.1)
+    assert drafter_step_pays(gate, drafted, no_suffix, contexts, 1.5)
+    assert not drafter_step_pays(gate, drafted, no_suffix, contexts, 1.7)
+    # a suffix draft nearly as good: 3.4 / 3.0 beats the drafter's share of 10%, not 20%
+    assert drafter_step_pays(gate, drafted, weak_suffix, contexts, 0.1)
+    assert not drafter_step_pays(gate, drafted, weak_suffix, contexts, 0.2)
+    # not measured yet: it runs (and is measured); no rows: nothing to run for
+    assert drafter_step_pays(gate, drafted, weak_suffix, contexts, None)
+    assert not drafter_step_pays(gate, [None], [None], contexts, 0.1)
+    # several rows share one pass: the drafter's row gains for all, a row without drafts costs both plans alike
+    rows = drafted * 2 + [None]
+    assert drafter_step_pays(gate, rows, weak_suffix * 2 + [None], contexts * 3, 0.1)
+
+
 def test_beside_prompt_chunks_a_draft_pays_as_in_a_decode_step_and_one_row_alone_is_trimmed_as_ever():
     """The prompt chunks' seconds are not the rows' to share: counted in, any draft looked free beside them and
     every draft token delayed the prompts' first tokens (16 agents: median 10.4 s against 6.0 without drafts)."""

@@ -592,6 +592,11 @@ def test_every_vllm_draft_is_what_our_suffix_cache_proposes_step_by_step(greedy_
         steps = drafter_steps(recordings[0])
         assert all((positions or 0) == max(lengths, default=0) for positions, lengths in steps)
         assert {None, K_PEAGLE} <= {positions for positions, _ in steps}
+        # where the drafter's measured share of a step was more than its drafts were expected to add, it idled
+        events = recordings[0]
+        declined = [i for i, e in enumerate(events) if e["event"] == "declined"]
+        assert all(events[i]["share"] > 0 for i in declined)
+        assert all(next(e for e in events[i:] if e["event"] == "drafter")["positions"] is None for i in declined)
         started = False  # a step that started a request ran the drafter on its prompt
         for e in recordings[0]:
             if e["event"] == "start":

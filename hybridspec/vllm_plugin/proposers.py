@@ -3,6 +3,7 @@ its drafter with isinstance). Imported only by the plugin's patches, in a proces
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Iterable
 
 import torch
@@ -10,10 +11,12 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
 from hybridspec.proposal import Proposal
-from hybridspec.router import CostGate, choose_draft, positional_chain
+from hybridspec.router import CostGate, choose_draft, drafter_step_pays, positional_chain
 from hybridspec.vllm_plugin.config import ENV_SWITCH, HYBRID_METHODS, PluginError, announce
 from hybridspec.vllm_plugin.fasteagle import ARCHITECTURE as FASTEAGLE_ARCHITECTURE
 from hybridspec.vllm_plugin.requests import new_requests
+
+SHARE_DECAY = 0.8  # of the drafter's measured share of a step: a few steps follow a change of load
 
 
 class HybridspecSuffixProposer(SuffixDecodingProposer):
@@ -73,7 +76,8 @@ class HybridspecHybridProposer(EagleProposer):
     parallel slots (or EAGLE-3's passes) for the longest draft verified only, and computes its logits (over the
     vocabulary) only at the positions vLLM will verify. In a step where no row verifies a drafter token (the suffix
     drafts win, or the gate plans them out) the drafter idles: its pass over the step's tokens cost 6% of a
-    16-agent CPU step for nothing drafted. Its KV cache then lacks those positions, which later drafts attend to as
+    16-agent CPU step for nothing drafted. It idles too where its drafts are not expected to pay for its pass
+    (`router.drafter_step_pays`, by its share of a decode step as timed here, `_time_step`). Its KV cache then lacks those positions, which later drafts attend to as
     they find them (a worse draft at most: every draft is verified); a step with prompt tokens runs it on them all
     the same (with a whole prompt missing it would have nothing to draft from). Unlike the engine's drafter, vLLM's
     cannot catch up later: the target's features of a step are gone by the next.
@@ -105,7 +109,11 @@ class HybridspecHybridProposer(EagleProposer):
         self.drafter_source = ("fasteagle" if FASTEAGLE_ARCHITECTURE in architectures
                                else "peagle" if spec.parallel_drafting else spec.method)
         self.chosen: dict[str, int] = {"suffix": 0, self.drafter_source: 0}
-        self.drafter_steps = {"ran": 0, "idle": 0}  # steps of this rank's drafter
+        # steps of this rank's drafter; declined: idle because its pass was not expected to pay (drafter_step_pays)
+        self.drafter_steps = {"ran": 0, "idle": 0, "declined": 0}
+        self.drafter_share: float | None = None  # its pass over the rest of a decode step (_time_step)
+        self._drafter_ms: float | None = None  # its pass in the running step, where that was a decode step's
+        self._step_started: float | None = None
         self._batch: Any = None
         self._requests: dict | None = None
         self._booked = True
@@ -139,19 +147,29 @@ class HybridspecHybridProposer(EagleProposer):
         requests = self.hybridspec_requests
         if requests is None:  # a later tensor-parallel rank: its shard of the first rank's drafter pass
             return self._draft_as_planned(_first_ranks_plan(None, first=False), *args, **kwargs)
+        self._time_step()
         budgets = requests.update(batch, sampled, self._requests, num_speculative_tokens, booked=self._booked)
         rids = batch.req_ids
         chosen: list[Proposal | None] = []
+        suffixes: list[Proposal | None] = []
         for i, budget in enumerate(budgets):
             if budget <= 0:
                 chosen.append(None)
+                suffixes.append(None)
                 continue
             # the drafter's draft as the rule sees it before it runs: its length, source and positions
             drafter = positional_chain([0] * min(budget, num_speculative_tokens), self.drafter_source)
-            chosen.append(choose_draft(requests.speculate(rids[i], budget), drafter, requests.gate.expected_tokens))
+            suffixes.append(requests.speculate(rids[i], budget))
+            chosen.append(choose_draft(suffixes[-1], drafter, requests.gate.expected_tokens))
         planned = requests.plan(chosen, trim=self.trims)
         wanted = {i: len(p) for i, p in enumerate(planned)
                   if p is not None and p.source == self.drafter_source and len(p)}
+        if wanted and not requests.prompt_in_step:  # with prompt tokens it runs anyway: its drafts come free
+            suffix_plan = requests.plan(suffixes, trim=self.trims)
+            if not drafter_step_pays(requests.gate, planned, suffix_plan, requests.contexts, self.drafter_share):
+                chosen, planned, wanted = suffixes, suffix_plan, {}
+                self.drafter_steps["declined"] += 1
+                requests.event("declined", None, share=self.drafter_share)
         # no drafter token verified and no prompt to build its KV for: the drafter idles (see the class docstring)
         idle = not wanted and not requests.prompt_in_step
         eagle_rows = self._draft_as_planned(_first_ranks_plan(None if idle else wanted), *args, **kwargs)
@@ -183,10 +201,26 @@ class HybridspecHybridProposer(EagleProposer):
                 self.hybridspec_requests.event("drafter", None, positions=None)
             return [[] for _ in range(kwargs["common_attn_metadata"].batch_size())]
         self._wanted, self._draft_pass = wanted, 0
+        started = time.perf_counter()
         try:
-            return self._run_drafter(max(wanted.values(), default=0), *args, **kwargs).tolist()
+            drafts = self._run_drafter(max(wanted.values(), default=0), *args, **kwargs).tolist()  # synchronises
         finally:
             self._wanted = None
+        if wanted and self.hybridspec_requests is not None and not self.hybridspec_requests.prompt_in_step:
+            self._drafter_ms = (time.perf_counter() - started) * 1e3  # a decode step's pass: the share learns it
+        return drafts
+
+    def _time_step(self) -> None:
+        """The drafter's share of a decode step, learnt from the steps it ran in: its pass's ms over the rest of
+        the step (from one propose to the next, the target's pass among it), a moving average."""
+        now = time.perf_counter()
+        if self._drafter_ms is not None and self._step_started is not None:
+            rest = (now - self._step_started) * 1e3 - self._drafter_ms
+            if rest > 0:
+                share = self._drafter_ms / rest
+                self.drafter_share = share if self.drafter_share is None else \
+                    SHARE_DECAY * self.drafter_share + (1 - SHARE_DECAY) * share
+        self._step_started, self._drafter_ms = now, None
 
     def _run_drafter(self, n: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         """vLLM's drafter pass for the step, drafting n positions (the longest draft verified): P-EAGLE with n - 1
