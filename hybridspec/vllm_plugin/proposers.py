@@ -75,12 +75,13 @@ class HybridspecHybridProposer(EagleProposer):
     the prefix of each draft worth verifying, is decided before the drafter runs; the drafter then runs P-EAGLE's
     parallel slots (or EAGLE-3's passes) for the longest draft verified only, and computes its logits (over the
     vocabulary) only at the positions vLLM will verify. In a step where no row verifies a drafter token (the suffix
-    drafts win, or the gate plans them out) the drafter idles: its pass over the step's tokens cost 6% of a
-    16-agent CPU step for nothing drafted. It idles too where its drafts are not expected to pay for its pass
-    (`router.drafter_step_pays`, by its share of a decode step as timed here, `_time_step`). Its KV cache then lacks those positions, which later drafts attend to as
-    they find them (a worse draft at most: every draft is verified); a step with prompt tokens runs it on them all
-    the same (with a whole prompt missing it would have nothing to draft from). Unlike the engine's drafter, vLLM's
-    cannot catch up later: the target's features of a step are gone by the next.
+    drafts win, or the gate plans them out) the drafter idles: its pass over the step's tokens cost 6% of a 16-agent
+    CPU step for nothing drafted. It idles too where its drafts are not expected to pay for its pass
+    (`router.drafter_step_pays`, by its share of a decode step as timed here, `_time_step`). Its KV cache then lacks
+    those positions, which later drafts attend to as they find them (a worse draft at most: every draft is
+    verified); a step with prompt tokens runs it on them all the same (with a whole prompt missing it would have
+    nothing to draft from). Unlike the engine's drafter, vLLM's cannot catch up later: the target's features of a
+    step are gone by the next.
 
     Under tensor parallelism the first rank alone routes (vLLM verifies its drafts) and every rank runs its shard of
     the drafter as that rank planned (`_first_ranks_plan`). Drafts are returned as lists of their own lengths (vLLM's
