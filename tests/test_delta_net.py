@@ -5,9 +5,12 @@ token-for-token tests against transformers (every proposer, batched, chunked pre
 tests/test_architectures.py."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from hybridspec.model.linear import KERNEL_ROWS
 from hybridspec.model.target import TargetModel
 from hybridspec.runtime.engine import Engine
 from hybridspec.runtime.prefix_cache import PrefixCache
@@ -90,22 +93,29 @@ def test_the_delta_step_is_the_rule_in_place_or_not(shape):
     assert torch.equal(batch[:, 1], new) and torch.equal(batch[:, 0], state)
 
 
-def test_a_fully_accepted_chain_keeps_the_bits_a_replay_gives(target):
+def test_a_fully_accepted_chain_keeps_the_state_a_replay_gives(target):
     """A plain step or a fully accepted chain keeps the state its pass computed; a partly accepted one replays the
-    kept nodes at commit: the same tokens reach bitwise the same state either way."""
+    kept nodes at commit. From one pass, the replay is bitwise the pass's own state; across passes of different
+    lengths the same tokens reach bitwise the same state where the products compute each row alone (the AVX-512
+    kernel), and the same within rounding where MKL's and oneDNN's products round a 3- and a 4-row pass apart."""
     prompt = [5, 9, 17, 33, 8, 41, 12, 77, 6]
-    kept, replayed = target.new_cache(1, 64), target.new_cache(1, 64)
-    for cache in (kept, replayed):
+    kept, replayed, forced = (target.new_cache(1, 64) for _ in range(3))
+    for cache in (kept, replayed, forced):
         target.prefill(cache, [prompt])
     target.step(kept, [3], [[20, 21]])
     kept.commit(0, [0, 1, 2])  # the pass's last state
     target.step(replayed, [3], [[20, 21, 22]])
     replayed.commit(0, [0, 1, 2])  # node 3 rejected: replayed from the row's state
-    assert torch.equal(kept.state, replayed.state) and torch.equal(kept.conv, replayed.conv)
+    target.step(forced, [3], [[20, 21]])
+    forced.pending.chain_ends = [None] * len(forced.pending.chain_ends)
+    forced.commit(0, [0, 1, 2])  # the same pass's nodes, replayed
+    assert torch.equal(forced.state, kept.state) and torch.equal(forced.conv, kept.conv)
+    same = torch.equal if KERNEL_ROWS >= 4 else functools.partial(torch.allclose, rtol=1e-4, atol=1e-4)
+    assert same(kept.state, replayed.state) and same(kept.conv, replayed.conv)
     for cache in (kept, replayed):
         target.step(cache, [7])
         cache.commit(0, [0])
-    assert torch.equal(kept.state, replayed.state)
+    assert same(kept.state, replayed.state)
 
 
 def test_a_recurrent_cache_cannot_go_back_and_copies_only_whole_rows(target):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -172,12 +173,19 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype =
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(name_or_path)
+    options = {"dtype": dtype}
+    if json.loads((path / "config.json").read_text()).get("quantization_config", {}).get("quant_method") == "mxfp4":
+        from transformers import Mxfp4Config
+
+        # gpt-oss's MXFP4 experts decoded at load: the engine runs its own products on them. Left to itself,
+        # transformers would fetch MXFP4 kernels from the Hugging Face Hub wherever `kernels` and Triton are installed.
+        options["quantization_config"] = Mxfp4Config(dequantize=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **options)
     except ValueError as e:  # gpt-oss has no SDPA in transformers; the engine runs its own attention anyway
         if "attention implementation" not in str(e):
             raise
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **options)
     return model.eval()
 
 
