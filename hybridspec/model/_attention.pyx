@@ -15,10 +15,11 @@ cdef extern from "attention_kernel.h" nogil:
                                  float *out, float *scores, long scores_stride, int batch, int kv_heads, int rows,
                                  int dim, int nq, const int64_t *prefix, const uint8_t *see, const float *sinks,
                                  long key_stride, float scale, int threads)
-    int hs_prefill_attention_threads(const float *q, const float *keys, const float *values, float *out,
-                                     float *scratch, long scratch_stride, int kv_heads, int group, int nq, int dim,
-                                     int start, int tiles, const float *sinks, int window, long batch_stride,
-                                     long head_stride, long key_stride, float scale, int threads)
+    int hs_prefill_attention_threads(const float *q, const long *qs, const float *keys, const float *values,
+                                     float *out, const long *os, float *scratch, long scratch_stride, int kv_heads,
+                                     int group, int nq, int dim, int start, int tiles, const float *sinks,
+                                     int window, long batch_stride, long head_stride, long key_stride, float scale,
+                                     int threads)
     int PF_QUERIES, PF_KEYS
 
 
@@ -61,16 +62,21 @@ def decode_attention_rows(uintptr_t q, uintptr_t new_keys, uintptr_t new_values,
 TILE_QUERIES, TILE_KEYS = PF_QUERIES, PF_KEYS  # a prompt tile's queries; the keys of one block
 
 
-def prefill_attention(uintptr_t q, uintptr_t keys, uintptr_t values, uintptr_t out, uintptr_t scratch,
-                      long scratch_stride, int kv_heads, int group, int nq, int dim, int start, int tiles,
-                      uintptr_t sinks, int window, long batch_stride, long head_stride, long key_stride, float scale,
-                      int threads) -> bool:
+def prefill_attention(uintptr_t q, tuple q_strides, uintptr_t keys, uintptr_t values, uintptr_t out,
+                      tuple out_strides, uintptr_t scratch, long scratch_stride, int kv_heads, int group, int nq,
+                      int dim, int start, int tiles, uintptr_t sinks, int window, long batch_stride, long head_stride,
+                      long key_stride, float scale, int threads) -> bool:
     """A prompt chunk's causal attention, its `tiles` tiles over `threads` OpenMP threads, each with its scratch
-    (`hs_prefill_attention_threads`; window 0 or at least TILE_QUERIES); False: head_dim is not one the kernel has."""
+    (`hs_prefill_attention_threads`; window 0 or at least TILE_QUERIES); q and out [batch, heads, nq, dim] at the
+    strides given (batch, head, position; dim contiguous). False: head_dim is not one the kernel has."""
+    cdef long qs[3]
+    cdef long os[3]
     cdef int done
+    qs[0], qs[1], qs[2] = q_strides
+    os[0], os[1], os[2] = out_strides
     with nogil:
-        done = hs_prefill_attention_threads(<const float *>q, <const float *>keys, <const float *>values,
-                                            <float *>out, <float *>scratch, scratch_stride, kv_heads, group, nq,
+        done = hs_prefill_attention_threads(<const float *>q, qs, <const float *>keys, <const float *>values,
+                                            <float *>out, os, <float *>scratch, scratch_stride, kv_heads, group, nq,
                                             dim, start, tiles, <const float *>sinks, window, batch_stride,
                                             head_stride, key_stride, scale, threads)
     return bool(done)

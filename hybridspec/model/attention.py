@@ -90,22 +90,25 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
 
 def _prompt_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                    num_kv_heads: int, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-    """Attention of a prompt chunk by the kernel (`hs_prefill_attention`): query [b, heads, q, D] at positions
-    start.., each seeing the cache up to itself (its own keys already written there; keys [b, kv_heads, capacity, D];
-    sinks [heads] float32 contiguous, or None), or only its last `window` positions (0: all; else at least
-    TILE_QUERIES). Its tiles (16 queries of a KV head) are dealt over torch's threads."""
+    """Attention of a prompt chunk by the kernel (`hs_prefill_attention`): query [b, heads, q, D] (any strides, D
+    contiguous: the projection's transposed view is read in place) at positions start.., each seeing the cache up to
+    itself (its own keys already written there; keys [b, kv_heads, capacity, D]; sinks [heads] float32 contiguous,
+    or None), or only its last `window` positions (0: all; else at least TILE_QUERIES). Its tiles (16 queries of a
+    KV head) are dealt over torch's threads. Returns [b, heads, q, D], a view of [b, q, heads, D] memory: the output
+    projection's input without a copy."""
     bsz, heads, q, dim = query.shape
-    group = heads // num_kv_heads
-    folded = query.reshape(bsz, num_kv_heads, group * q, dim).contiguous()
-    out = torch.empty_like(folded)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = query.new_empty(bsz, q, heads, dim).transpose(1, 2)
     tiles = bsz * num_kv_heads * -(-q // _kernels.TILE_QUERIES)
     workers = min(torch.get_num_threads(), tiles)
+    group = heads // num_kv_heads
     scratch = torch.empty(workers, 16 * group * (2 * dim + _kernels.TILE_KEYS + 2))
-    _kernels.prefill_attention(folded.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
-                               scratch.data_ptr(), scratch.shape[1], num_kv_heads, group, q, dim, start, tiles,
-                               _address(sinks), window, keys.stride(0), keys.stride(1), keys.stride(2), dim ** -0.5,
-                               workers)
-    return out.view(bsz, heads, q, dim)
+    _kernels.prefill_attention(query.data_ptr(), query.stride()[:3], keys.data_ptr(), values.data_ptr(),
+                               out.data_ptr(), out.stride()[:3], scratch.data_ptr(), scratch.shape[1], num_kv_heads,
+                               group, q, dim, start, tiles, _address(sinks), window, keys.stride(0), keys.stride(1),
+                               keys.stride(2), dim ** -0.5, workers)
+    return out
 
 
 def _address(t: torch.Tensor | None) -> int:

@@ -296,10 +296,12 @@ HS_TARGET HS_INLINE void hs_pf_values(const float *p, int width, const float *v,
         if (rv == 3) CALL(3) else if (rv == 2) CALL(2) else CALL(1)                                                 \
     }
 
-/* One tile: queries i0 .. i0 + tq - 1 of every head of the KV head. scratch: width * (2 * dim + PF_KEYS + 2) floats */
-HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const float *v, long key_stride, int nq,
-                                         int group, int start, int i0, int tq, const float *sinks, int window,
-                                         float scale, float *out, float *scratch, const int dim) {
+/* One tile: queries i0 .. i0 + tq - 1 of every head of the KV head (q and out: the KV head's first query head, its
+   heads qh / oh and positions qp / op floats apart). scratch: width * (2 * dim + PF_KEYS + 2) floats */
+HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, long qh, long qp, const float *k, const float *v,
+                                         long key_stride, int group, int start, int i0, int tq, const float *sinks,
+                                         int window, float scale, float *out, long oh, long op, float *scratch,
+                                         const int dim) {
     const int width = 16 * group, n = start + i0 + tq;  /* the tile's keys: up to its last query's */
     /* from its first query's first key: with a window of at least 16 keys every query of the tile sees one of the
        first block's, so from the first block on each running maximum is finite */
@@ -310,7 +312,7 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int g = 0; g < group; g++)
         for (int l = 0; l < 16; l++) {
-            const float *qr = q + ((long)g * nq + i0 + (l < tq ? l : 0)) * dim;
+            const float *qr = q + g * qh + (i0 + (l < tq ? l : 0)) * qp;
             for (int d = 0; d < dim; d++) qt[(long)d * width + 16 * g + l] = l < tq ? qr[d] * scale : 0.0f;
         }
     /* a sink is a key of score sinks[g] with no value: the running sums start from it */
@@ -360,29 +362,31 @@ HS_TARGET HS_INLINE void hs_prefill_tile(const float *q, const float *k, const f
     for (int g = 0; g < group; g++)
         for (int l = 0; l < tq; l++) {
             const float inverse = 1.0f / row_sum[16 * g + l];
-            float *dst = out + ((long)g * nq + i0 + l) * dim;
+            float *dst = out + g * oh + (i0 + l) * op;
             for (int d = 0; d < dim; d++) dst[d] = ot[(long)d * width + 16 * g + l] * inverse;
         }
 }
 
 /* Tiles tile_begin, tile_begin + tile_step, ... below tile_end of batch x kv_heads x ceil(nq / PF_QUERIES), in that
    order (threads take every tile_step-th: later tiles see more keys, so a contiguous share would not be a fair one).
+   q and out: [batch, heads, nq, dim] at any strides (qs, os: batch, head, position, in floats; dim contiguous).
    scratch: at least 16 * group * (2 * head_dim + PF_KEYS + 2) floats. 0 when head_dim is not 16, 32, 64 or 128
    (nothing computed). */
-HS_TARGET static int hs_prefill_attention(const float *q, const float *keys, const float *values, float *out,
-                                          float *scratch, int kv_heads, int group, int nq, int dim, int start,
-                                          int tile_begin, int tile_end, int tile_step, const float *sinks,
-                                          int window, long batch_stride, long head_stride, long key_stride,
-                                          float scale) {
+HS_TARGET static int hs_prefill_attention(const float *q, const long *qs, const float *keys, const float *values,
+                                          float *out, const long *os, float *scratch, int kv_heads, int group, int nq,
+                                          int dim, int start, int tile_begin, int tile_end, int tile_step,
+                                          const float *sinks, int window, long batch_stride, long head_stride,
+                                          long key_stride, float scale) {
     if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
     const int tiles = (nq + PF_QUERIES - 1) / PF_QUERIES;
     for (int t = tile_begin; t < tile_end; t += tile_step) {
         const int b = t / (kv_heads * tiles), h = t / tiles % kv_heads, i0 = t % tiles * PF_QUERIES;
         const int tq = nq - i0 < PF_QUERIES ? nq - i0 : PF_QUERIES;
-        const long qo = ((long)b * kv_heads + h) * group * nq * dim, ko = b * batch_stride + h * head_stride;
+        const long ko = b * batch_stride + h * head_stride, head = (long)h * group;
 #define HS_PF_TILE(DIM) \
-    hs_prefill_tile(q + qo, keys + ko, values + ko, key_stride, nq, group, start, i0, tq, \
-                    sinks ? sinks + (long)h * group : NULL, window, scale, out + qo, scratch, DIM)
+    hs_prefill_tile(q + b * qs[0] + head * qs[1], qs[1], qs[2], keys + ko, values + ko, key_stride, group, start, \
+                    i0, tq, sinks ? sinks + head : NULL, window, scale, out + b * os[0] + head * os[1], os[1], os[2], \
+                    scratch, DIM)
         switch (dim) {  /* a constant head_dim: the loops over it unroll */
             case 16: HS_PF_TILE(16); break;
             case 32: HS_PF_TILE(32); break;
@@ -397,17 +401,18 @@ HS_TARGET static int hs_prefill_attention(const float *q, const float *keys, con
    threads, thread t taking every threads-th from t, in its scratch + t * scratch_stride. OpenMP, not threads of the
    caller's: the extension shares torch's libgomp, so the threads that just ran a product take the tiles up at once
    (a thread of another pool would wait for the core that a product's thread still spins on). */
-HS_TARGET static int hs_prefill_attention_threads(const float *q, const float *keys, const float *values, float *out,
-                                                  float *scratch, long scratch_stride, int kv_heads, int group,
-                                                  int nq, int dim, int start, int tiles, const float *sinks,
-                                                  int window, long batch_stride, long head_stride, long key_stride,
-                                                  float scale, int threads) {
+HS_TARGET static int hs_prefill_attention_threads(const float *q, const long *qs, const float *keys,
+                                                  const float *values, float *out, const long *os, float *scratch,
+                                                  long scratch_stride, int kv_heads, int group, int nq, int dim,
+                                                  int start, int tiles, const float *sinks, int window,
+                                                  long batch_stride, long head_stride, long key_stride, float scale,
+                                                  int threads) {
     if (dim != 16 && dim != 32 && dim != 64 && dim != 128) return 0;
     #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
-        hs_prefill_attention(q, keys, values, out, scratch + t * scratch_stride, kv_heads, group, nq, dim, start, t,
-                             tiles, n, sinks, window, batch_stride, head_stride, key_stride, scale);
+        hs_prefill_attention(q, qs, keys, values, out, os, scratch + t * scratch_stride, kv_heads, group, nq, dim,
+                             start, t, tiles, n, sinks, window, batch_stride, head_stride, key_stride, scale);
     }
     return 1;
 }
