@@ -183,3 +183,21 @@ def test_bench_moe_block_times_vllms_fused_moe_on_the_same_layer(tmp_path, monke
         assert got["max_abs_diff"] < 1e-4
         ratio = got["ms"]["vLLM fused MoE"] / got["ms"]["panel kernel"]
         assert f"| {row['model']} | " in printed and f"**{ratio:.2f}x**" in printed
+
+
+def test_profile_prefill_parts_add_up_to_the_prefill(tmp_path, monkeypatch, capsys):
+    """benchmarks/profile_prefill.py: each part is charged its own time (nested timers do not count a callee twice),
+    so the parts and the remainder are the prefill; the MoE's parts appear on a MoE; the methods are restored."""
+    import profile_prefill
+    from hybridspec.model.target import TargetModel
+
+    monkeypatch.setattr(bench_architectures, "SHAPES", TINY)
+    attend = TargetModel._attend
+    out = tmp_path / "parts.json"
+    assert profile_prefill.main(["--models", "tiny-moe", "--prompt", "40", "--repeats", "2", "--threads", "1",
+                                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["models"]["tiny-moe"]
+    assert got["remainder_ms"] >= 0 and sum(got["parts"].values()) + got["remainder_ms"] == pytest.approx(got["ms"])
+    assert {"attention (cache writes and kernel)", "MoE routing", "products (qkv, router, head)"} <= set(got["parts"])
+    assert TargetModel._attend is attend
+    assert "| MoE routing |" in capsys.readouterr().out

@@ -1,0 +1,112 @@
+"""Where a prompt's prefill time goes in the engine, by part, on bench_architectures' random-weight shapes.
+
+    .venv/bin/python benchmarks/profile_prefill.py [--models qwen3-moe-8l,gpt-oss-4l] [--prompt 512] [--repeats 6]
+        [--json out/profile_prefill.json]
+
+`TargetModel.prefill` of one prompt on a fresh cache, timed whole and with timers around the functions a layer is made
+of (`PARTS`). Timers nest: each part is charged its own time without the parts it calls (the router's product inside
+the MoE's routing counts as a product), so the parts and the remainder (the forward's own glue) add up to the prefill.
+torch's profiler cannot say this: the engine's kernels (attention, experts, norms) are not torch operators.
+JSON: "models": {name: {ms (the prefill), ms_per_token, parts: {part: ms}, remainder_ms}}, "machine".
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import functools
+import importlib
+import time
+from typing import Iterator
+
+import torch
+
+from bench_architectures import SHAPES, build
+from common import machine_info, write_json
+
+# (module, class, method, part): the parts of a decoder layer's prefill
+PARTS = [
+    ("hybridspec.model.target", "TargetModel", "_attend", "attention (cache writes and kernel)"),
+    ("hybridspec.model.target", "TargetModel", "_norm_and_rotate", "query/key norms and RoPE"),
+    ("hybridspec.model.target", "TargetModel", "_rms_norm", "RMS norms"),
+    ("hybridspec.model.layers", "_MixtureOfExperts", "_chunk_experts", "MoE experts (panel kernel)"),
+    ("hybridspec.model.layers", "_MixtureOfExperts", "experts_sum", "MoE grouping and sum"),
+    ("hybridspec.model.layers", "_MixtureOfExperts", "route", "MoE routing"),
+    ("hybridspec.model.layers", "_DenseMLP", "plus", "dense MLP"),
+    ("hybridspec.model.linear", "Linear", "__call__", "products (qkv, router, head)"),
+    ("hybridspec.model.linear", "Linear", "plus", "products with a residual (o_proj)"),
+    ("hybridspec.model.delta_net", "GatedDeltaNet", "plus", "Gated DeltaNet layers"),
+]
+
+
+@contextlib.contextmanager
+def instrumented(spent: dict[str, float]) -> Iterator[None]:
+    """Every part's method wrapped while inside: its own seconds (without the wrapped parts it calls) add to
+    spent[part]; the methods restored after."""
+    stack: list[float] = []  # per open part: the seconds its wrapped callees took
+
+    def timed(method, part: str):
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            stack.append(0.0)
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - start
+                spent[part] += took - stack.pop()
+                if stack:
+                    stack[-1] += took
+        return call
+
+    wrapped = []
+    for module, cls, name, part in PARTS:
+        owner = getattr(importlib.import_module(module), cls, None)
+        if owner is not None and name in vars(owner):
+            wrapped.append((owner, name, vars(owner)[name]))
+            setattr(owner, name, timed(vars(owner)[name], part))
+    try:
+        yield
+    finally:
+        for owner, name, method in wrapped:
+            setattr(owner, name, method)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="qwen3-moe-8l,gpt-oss-4l", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from hybridspec.model.target import TargetModel
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    result = {"models": {}, "machine": machine_info(), "args": vars(args)}
+    for name in args.models.split(","):
+        target = TargetModel(build(name))
+        prompt = torch.randint(1, min(1000, target.vocab_size), (args.prompt,),
+                               generator=torch.Generator().manual_seed(1)).tolist()
+        with torch.inference_mode(), instrumented(spent):
+            for warm in (True, False):
+                spent.clear()
+                start = time.perf_counter()
+                for _ in range(1 if warm else args.repeats):
+                    target.prefill(target.new_cache(1, args.prompt + 16), [prompt])
+                total = (time.perf_counter() - start) * 1e3 / (1 if warm else args.repeats)
+        parts = {part: s * 1e3 / args.repeats for part, s in sorted(spent.items(), key=lambda kv: -kv[1])}
+        result["models"][name] = {"ms": total, "ms_per_token": total / args.prompt, "parts": parts,
+                                  "remainder_ms": total - sum(parts.values())}
+        print(f"\n{name}: prefill of {args.prompt} tokens {total:.1f} ms ({total / args.prompt:.3f} ms a token)")
+        print("| part | ms | share |\n|---|---|---|")
+        for part, ms in [*parts.items(), ("the rest (the forward's glue)", result["models"][name]["remainder_ms"])]:
+            print(f"| {part} | {ms:.1f} | {ms / total:.0%} |")
+        del target
+    write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
