@@ -172,10 +172,12 @@ HS_PRODUCT_TARGET static void hs_expert_products(const float *x, long x_stride, 
 enum { HS_ACT_NONE = 0, HS_ACT_SILU = 1, HS_ACT_CLAMPED_SWIGLU = 2 };
 
 /* The slice of k and the panels a group takes, from this CPU's caches: a slice as deep as an 8-row tile's inputs
-   keep within three quarters of L1 (all of k where it fits, else equal slices), as many panels as their slices keep
-   within three quarters of L2 (at most HS_PANEL_GROUP_MAX). Deep slices store and reload the sums less often: on an
-   AMD EPYC (Zen 5: L1 48 KiB, L2 1 MiB) all of k = 1024 in groups of 6 ran the MoE layers of a prompt chunk about 8%
-   faster than slices of 256 in groups of 8 (`benchmarks/bench_moe_block.py`). */
+   keep within L1 (all of k where it fits, else equal slices), as many panels as their slices keep within three
+   quarters of L2 (at most HS_PANEL_GROUP_MAX). Deep slices store and reload the sums less often: on an AMD EPYC
+   (Zen 5: L1 48 KiB, L2 1 MiB) all of k = 1024 in groups of 6 ran the MoE layers of a prompt chunk about 8% faster
+   than slices of 256 in groups of 8 (`benchmarks/bench_moe_block.py`); on a Zen 4 (L1 32 KiB, L2 1 MiB), where the
+   inputs of all of k fill L1, 1.10x / 1.05x faster (Qwen3-MoE / gpt-oss) than slices of 512 (three quarters of L1
+   then) in groups of 8. */
 static void hs_panel_blocking(int k, int *depth, int *group) {
     static long l1, l2;  /* asked once (the same answer on every thread) */
     if (!l1) {
@@ -183,7 +185,7 @@ static void hs_panel_blocking(int k, int *depth, int *group) {
         l2 = two > 0 ? two : 1 << 20;
         l1 = one > 0 ? one : 32768;
     }
-    long most = (l1 * 3 / 4) / (HS_PANEL_ROWS * (long)sizeof(float)) / 16 * 16;
+    long most = l1 / (HS_PANEL_ROWS * (long)sizeof(float)) / 16 * 16;
     if (most < 64) most = 64;
     long slices = (k + most - 1) / most;
     *depth = (int)(((k + slices - 1) / slices + 15) / 16 * 16);
