@@ -174,7 +174,7 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: torch.dtype =
 
     path = resolve_model(name_or_path)
     options = {"dtype": dtype}
-    if json.loads((path / "config.json").read_text()).get("quantization_config", {}).get("quant_method") == "mxfp4":
+    if (json.loads((path / "config.json").read_text()).get("quantization_config") or {}).get("quant_method") == "mxfp4":
         from transformers import Mxfp4Config
 
         # gpt-oss's MXFP4 experts decoded at load: the engine runs its own products on them. Left to itself,
