@@ -5,7 +5,8 @@
 
 `TargetModel.prefill` of one prompt on a fresh cache, timed whole and with timers around the functions a layer is made
 of (`PARTS`). Timers nest: each part is charged its own time without the parts it calls (the router's product inside
-the MoE's routing counts as a product), so the parts and the remainder (the forward's own glue) add up to the prefill.
+the MoE's routing counts as a product; profile_vllm_step.py's `StepProfiler`), so the parts and the remainder (the
+forward's own glue) add up to the prefill.
 torch's profiler cannot say this: the engine's kernels (attention, experts, norms) are not torch operators.
 JSON: "models": {name: {ms (the prefill), ms_per_token, parts: {part: ms}, remainder_ms}}, "machine".
 """
@@ -14,15 +15,14 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import functools
 import importlib
-import time
 from typing import Iterator
 
 import torch
 
 from bench_architectures import SHAPES, build
 from common import machine_info, write_json
+from profile_vllm_step import STEP, StepProfiler
 
 # (module, class, method, part): the parts of a decoder layer's prefill
 PARTS = [
@@ -40,31 +40,16 @@ PARTS = [
 
 
 @contextlib.contextmanager
-def instrumented(spent: dict[str, float]) -> Iterator[None]:
-    """Every part's method wrapped while inside: its own seconds (without the wrapped parts it calls) add to
-    spent[part]; the methods restored after."""
-    stack: list[float] = []  # per open part: the seconds its wrapped callees took
-
-    def timed(method, part: str):
-        @functools.wraps(method)
-        def call(*args, **kwargs):
-            stack.append(0.0)
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                took = time.perf_counter() - start
-                spent[part] += took - stack.pop()
-                if stack:
-                    stack[-1] += took
-        return call
-
+def instrumented(profiler: StepProfiler) -> Iterator[None]:
+    """`TargetModel.prefill` timed as the profiler's step and every part's method as its part while inside (the
+    self-time timers of profile_vllm_step.py); the methods restored after."""
+    targets = [("hybridspec.model.target", "TargetModel", "prefill", STEP), *PARTS]
     wrapped = []
-    for module, cls, name, part in PARTS:
+    for module, cls, name, part in targets:
         owner = getattr(importlib.import_module(module), cls, None)
         if owner is not None and name in vars(owner):
             wrapped.append((owner, name, vars(owner)[name]))
-            setattr(owner, name, timed(vars(owner)[name], part))
+            setattr(owner, name, profiler.wrap(vars(owner)[name], part))
     try:
         yield
     finally:
@@ -83,22 +68,25 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from hybridspec.model.target import TargetModel
 
-    spent: dict[str, float] = collections.defaultdict(float)
     result = {"models": {}, "machine": machine_info(), "args": vars(args)}
     for name in args.models.split(","):
         target = TargetModel(build(name))
         prompt = torch.randint(1, min(1000, target.vocab_size), (args.prompt,),
                                generator=torch.Generator().manual_seed(1)).tolist()
-        with torch.inference_mode(), instrumented(spent):
+        profiler = StepProfiler()
+        with torch.inference_mode(), instrumented(profiler):
             for warm in (True, False):
-                spent.clear()
-                start = time.perf_counter()
+                profiler.recording = not warm
                 for _ in range(1 if warm else args.repeats):
                     target.prefill(target.new_cache(1, args.prompt + 16), [prompt])
-                total = (time.perf_counter() - start) * 1e3 / (1 if warm else args.repeats)
-        parts = {part: s * 1e3 / args.repeats for part, s in sorted(spent.items(), key=lambda kv: -kv[1])}
+        total = 1e3 * sum(step["total"] for step in profiler.steps) / args.repeats
+        spent = collections.Counter()
+        for step in profiler.steps:
+            spent.update(step["parts"])
+        parts = {part: s * 1e3 / args.repeats for part, s in spent.most_common()}
         result["models"][name] = {"ms": total, "ms_per_token": total / args.prompt, "parts": parts,
-                                  "remainder_ms": total - sum(parts.values())}
+                                  "remainder_ms": 1e3 * sum(step["remainder"] for step in profiler.steps)
+                                  / args.repeats}
         print(f"\n{name}: prefill of {args.prompt} tokens {total:.1f} ms ({total / args.prompt:.3f} ms a token)")
         print("| part | ms | share |\n|---|---|---|")
         for part, ms in [*parts.items(), ("the rest (the forward's glue)", result["models"][name]["remainder_ms"])]:
