@@ -176,8 +176,8 @@ enum { HS_ACT_NONE = 0, HS_ACT_SILU = 1, HS_ACT_CLAMPED_SWIGLU = 2 };
    quarters of L2 (at most HS_PANEL_GROUP_MAX). Deep slices store and reload the sums less often: on an AMD EPYC
    (Zen 5: L1 48 KiB, L2 1 MiB) all of k = 1024 in groups of 6 ran the MoE layers of a prompt chunk about 8% faster
    than slices of 256 in groups of 8 (`benchmarks/bench_moe_block.py`); on a Zen 4 (L1 32 KiB, L2 1 MiB), where the
-   inputs of all of k fill L1, 1.10x / 1.05x faster (Qwen3-MoE / gpt-oss) than slices of 512 (three quarters of L1
-   then) in groups of 8. */
+   inputs of all of k fill L1, vLLM's fused MoE took 0.97x our time with slices of 512 (three quarters of L1) and
+   1.03x / 1.06x (Qwen3-MoE / gpt-oss) with all of k. */
 static void hs_panel_blocking(int k, int *depth, int *group) {
     static long l1, l2;  /* asked once (the same answer on every thread) */
     if (!l1) {
