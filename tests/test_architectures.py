@@ -189,6 +189,30 @@ def test_moe_kernel_products_are_the_expert_by_expert_ones(name, monkeypatch):
 
 
 @pytest.mark.skipif(not KERNEL_ROWS, reason="the product kernels need an AVX-512 CPU")
+@pytest.mark.parametrize("tokens,top_k,dim", [(3, 2, 40), (600, 8, 1000), (64, 4, 16)])
+def test_the_expert_sum_kernel_is_index_adds_bits(tokens, top_k, dim):
+    """The MoE's weighted sum by `expert_sums` is, to the bit, what transformers computes: zeros index_add_-ed in
+    expert order, then the residual added; a step's few tokens on one thread, a chunk's over two (dims that end
+    mid-vector)."""
+    from hybridspec.model import _products
+
+    torch.manual_seed(tokens)
+    chosen = torch.rand(tokens, 32).argsort(dim=-1)[:, :top_k]  # distinct experts a token, in no order
+    order = torch.argsort(chosen.reshape(-1), stable=True)
+    rows = order // top_k
+    products = torch.randn(tokens * top_k, dim) * 10.0 ** torch.randint(-3, 4, (tokens * top_k, 1))  # order shows
+    residual = torch.randn(tokens, dim)
+    expected = torch.zeros(tokens, dim).index_add_(0, rows, products)
+    for res, want in ((None, expected), (residual, residual + expected)):
+        out = torch.empty(tokens, dim)
+        _products.expert_sums(products.data_ptr(), products.stride(0), order.data_ptr(), tokens, top_k, dim,
+                              0 if res is None else res.data_ptr(), out.data_ptr(), 2)
+        assert torch.equal(out, want)
+    if top_k > 2:  # the order of three or more addends shows in the bits: the test can tell
+        assert not torch.equal(torch.zeros(tokens, dim).index_add_(0, rows.flip(0), products.flip(0)), expected)
+
+
+@pytest.mark.skipif(not KERNEL_ROWS, reason="the product kernels need an AVX-512 CPU")
 @pytest.mark.parametrize("activation", ["none", "silu", "clamped swiglu"])
 def test_the_panel_kernel_is_each_experts_product(activation):
     """`grouped_expert_products` on shapes that end mid-panel, mid-group and mid-slice (n, the hidden units and k not

@@ -22,7 +22,10 @@ cdef extern from "product_kernel.h" nogil:
                         float *y, int rows, int dim, int threads)
     void hs_gated_rows(const float *gate_up, long stride, int rows, int n, int act, float alpha, float limit,
                        float *out, int threads)
+    int hs_expert_sums(const float *products, long stride, const int64_t *order, int tokens, int top_k, int dim,
+                       const float *residual, float *out, int threads)
     int HS_PRODUCT_MAX_ROWS
+    int HS_EXPERT_SUM_MAX_K
     int HS_PANEL
     int HS_GATED_UNITS
     int hs_product_supported()
@@ -33,6 +36,7 @@ cdef extern from "omp.h" nogil:
     int omp_pause_resource_all(omp_pause_resource_t kind)
 
 MAX_ROWS = HS_PRODUCT_MAX_ROWS
+EXPERT_SUM_MAX_K = HS_EXPERT_SUM_MAX_K  # the most experts a token that `expert_sums` takes
 PANEL = HS_PANEL  # output columns of a packed panel (`grouped_products`)
 GATED_UNITS = HS_GATED_UNITS  # hidden units of a gated panel: its gate columns, then their up columns
 
@@ -107,6 +111,18 @@ def gated_rows(uintptr_t gate_up, long stride, int rows, int n, int act, float a
     panel kernel's activation; gate_up's rows `stride` floats apart."""
     with nogil:
         hs_gated_rows(<const float *>gate_up, stride, rows, n, act, alpha, limit, <float *>out, threads)
+
+
+def expert_sums(uintptr_t products, long stride, uintptr_t order, int tokens, int top_k, int dim,
+                uintptr_t residual, uintptr_t out, int threads) -> None:
+    """out [tokens, dim], out[t] = residual[t] (where residual is nonzero) + the sum of token t's top_k product rows
+    in row order, the rows those of pairs order[p] = t * top_k + j grouped by expert (`hs_expert_sums`)."""
+    cdef int done
+    with nogil:
+        done = hs_expert_sums(<const float *>products, stride, <const int64_t *>order, tokens, top_k, dim,
+                              <const float *>residual, <float *>out, threads)
+    if done != 0:
+        raise MemoryError("expert_sums: no memory for the pairs' rows")
 
 
 cdef extern from "delta_kernel.h" nogil:

@@ -163,13 +163,15 @@ class _MixtureOfExperts:
         return weights, chosen
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.shared is None:
+            return self.experts_sum(x, *self.route(x), residual=residual)
         out = self.experts_sum(x, *self.route(x))
-        if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return residual + out
+        return residual + (out + torch.sigmoid(self.shared_gate(x)) * self.shared(x))
 
-    def experts_sum(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """Each token's chosen experts' outputs by their weights, summed in expert order (as transformers does)."""
+    def experts_sum(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Each token's chosen experts' outputs by their weights, summed in expert order (as transformers does), then
+        added to `residual` where one is given."""
         order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, k) pairs grouped by expert
         counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts))
         rows, pair_weights = order // self.top_k, weights.to(x.dtype).reshape(-1)[order]
@@ -186,7 +188,16 @@ class _MixtureOfExperts:
                     products[begin:begin + count] = down(self._activation(gate_up(x[rows[begin:begin + count]])))
                     begin += count
             products *= pair_weights[:, None]
-        return torch.zeros_like(x).index_add_(0, rows, products)
+        if not self.kernel or x.dtype != torch.float32 or self.top_k > _products.EXPERT_SUM_MAX_K:
+            out = torch.zeros_like(x).index_add_(0, rows, products)
+            return out if residual is None else residual + out
+        # each token's rows among the products, summed by the kernel in the order index_add_ would add them
+        residual = None if residual is None else residual.contiguous()
+        out = x.new_empty(x.shape[0], products.shape[1])
+        _products.expert_sums(products.data_ptr(), products.stride(0), order.data_ptr(), x.shape[0], self.top_k,
+                              products.shape[1], 0 if residual is None else residual.data_ptr(), out.data_ptr(),
+                              torch.get_num_threads())
+        return out
 
     def _chosen_experts(self, gathered: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """down(act(gate_up(rows))) of the gathered token rows, grouped by expert (`counts` a row each): one kernel

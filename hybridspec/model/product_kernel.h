@@ -20,6 +20,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #define HS_PRODUCT_MAX_ROWS 8
@@ -435,4 +436,39 @@ HS_PRODUCT_TARGET static void hs_gated_rows(const float *gate_up, long stride, i
                                                      act, alpha, limit));
         }
     }
+}
+
+/* A mixture of experts' weighted sum per token: out[t] = residual[t] + (products[q0] + products[q1] + ...), q the
+   rows of token t's top_k pairs among the products, added in ascending row order: with the rows grouped by expert
+   (order[p]: the pair t * top_k + j of row p, experts ascending) that is expert order, the bits of torch's
+   zeros(...).index_add_(0, order // top_k, products) then + residual, with a token's rows read once (index_add_ runs
+   on one thread and writes every pair's sum back) and the residual in the same pass. residual NULL: the sum alone. */
+#define HS_EXPERT_SUM_MAX_K 64
+HS_PRODUCT_TARGET static int hs_expert_sums(const float *products, long stride, const int64_t *order, int tokens,
+                                            int top_k, int dim, const float *residual, float *out, int threads) {
+    long pairs = (long)tokens * top_k;
+    int64_t *row_of = (int64_t *)malloc(sizeof(int64_t) * (pairs > 0 ? pairs : 1));
+    if (!row_of) return -1;
+    for (long p = 0; p < pairs; p++) row_of[order[p]] = p;
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && pairs * dim >= HS_NORM_THREADED_ELEMENTS)
+    for (int t = 0; t < tokens; t++) {
+        int64_t q[HS_EXPERT_SUM_MAX_K];
+        for (int j = 0; j < top_k; j++) {  /* insertion sort: top_k is a handful */
+            int64_t v = row_of[(long)t * top_k + j];
+            int i = j;
+            for (; i > 0 && q[i - 1] > v; i--) q[i] = q[i - 1];
+            q[i] = v;
+        }
+        float *o = out + (long)t * dim;
+        const float *res = residual ? residual + (long)t * dim : NULL;
+        for (int c = 0; c < dim; c += 16) {
+            __mmask16 m = (__mmask16)(dim - c >= 16 ? 0xFFFFu : (1u << (dim - c)) - 1u);
+            __m512 acc = _mm512_setzero_ps();
+            for (int j = 0; j < top_k; j++) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(m, products + q[j] * stride + c));
+            if (res) acc = _mm512_add_ps(_mm512_maskz_loadu_ps(m, res + c), acc);
+            _mm512_mask_storeu_ps(o + c, m, acc);
+        }
+    }
+    free(row_of);
+    return 0;
 }
