@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['batch_size']:>6} {r['ms']:>9.1f} {r['ms'] / r['batch_size']:>9.1f}")
     if args.products:
         # ms of all of a step's products (the model's layers; not the output layer) per route, best of the repeats
-        layers = [lin for lin in target.linears() if lin is not target.lm_head and
-                  (target.greedy_head is None or lin is not target.greedy_head.bf16)]
+        layers = [lin for lin in target.linears() if lin is not target.lm_head]
         timed = time_routes(layers, repeats=args.repeats)
         table = {kernel: {rows: round(1000 * sum(t[(kernel == "mkl", rows)] for t in timed.values()), 2)
                           for rows in range(1, (MKL_ROWS if kernel == "mkl" else PLANNED_ROWS) + 1)}

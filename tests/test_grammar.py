@@ -273,9 +273,9 @@ def test_a_session_with_tools_renders_them_and_extends_its_tokens_turn_after_tur
     assert second.stats.cached_tokens >= len(before) - 1
 
 
-def test_greedy_steps_on_the_bfloat16_head_take_the_grammars_maximum(tiny_model, tiny_tokenizer):
-    """Where the CPU multiplies bfloat16 natively a small greedy pass runs `GreedyHead`, which takes the masks itself:
-    forced on here (any CPU runs it), constrained greedy is still the reference's."""
+def test_greedy_steps_on_the_int8_head_take_the_grammars_maximum(tiny_model, tiny_tokenizer):
+    """Where the CPU runs the product kernel a small greedy pass runs `GreedyHead`, which takes the masks itself:
+    constrained greedy is still the reference's."""
     from hybridspec.model.head import GreedyHead
 
     target = TargetModel(tiny_model)

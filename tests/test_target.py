@@ -472,13 +472,13 @@ def test_tune_products_measures_once_per_machine_and_keeps_the_plan(tmp_path, mo
 
 def test_greedy_head_finds_the_float32_argmax_in_near_ties():
     """GreedyHead's argmax is the exact one wherever the top two logits differ by more than float32 noise, also where
-    they differ by far less than bfloat16's error (where the bfloat16 product alone picks the wrong token)."""
+    they differ by far less than the int8 weight's error (where the int8 product alone picks the wrong token)."""
     from hybridspec.model.head import GreedyHead
 
     gen = torch.Generator().manual_seed(0)
     vocab, hidden = 4096, 576
     weight = torch.randn(vocab, hidden, generator=gen) * 0.1
-    head, bf16_wrong = GreedyHead(weight), 0
+    head, int8_wrong = GreedyHead(weight), 0
     for trial in range(64):
         h = torch.randn(1, 3, hidden, generator=gen)
         exact = (h.double() @ weight.double().T)[0]
@@ -492,8 +492,29 @@ def test_greedy_head_finds_the_float32_argmax_in_near_ties():
         exact = (h.double() @ weight.double().T)[0]
         want = exact.argmax(-1)
         assert torch.equal(head(h)[0].argmax(-1), want)
-        bf16_wrong += int((head.bf16(h)[0].argmax(-1) != want).sum())
-    assert bf16_wrong > 0  # the ties were close enough to need the float32 recheck
+        int8_wrong += int((head.approximate(h[0]).argmax(-1) != want).sum())
+    assert int8_wrong > 0  # the ties were close enough to need the float32 recheck
+
+
+@pytest.mark.parametrize("vocab,hidden", [(1003, 70), (4096, 576)])  # tails: rows past a block of 8, k past 16
+def test_int8_head_guesses_within_its_bound_and_rechecks_few(vocab, hidden):
+    """The int8 product is the rounded weight's product, every logit of it within |h| bound_i of the float32 one, and
+    the float32 recheck takes a few of the vocabulary, for 1 to MAX_ROWS rows."""
+    from hybridspec.model.head import GreedyHead
+
+    gen = torch.Generator().manual_seed(vocab)
+    weight = torch.randn(vocab, hidden, generator=gen) * 0.05
+    weight[3] = 0.0  # a row of zeros rounds to zeros
+    head = GreedyHead(weight)
+    rounded = head.q[:, :hidden].float() * head.scales[:, None]
+    for rows in range(1, GreedyHead.MAX_ROWS + 1):
+        h = torch.randn(rows, hidden, generator=gen)
+        guess = head.approximate(h)
+        exact = h.double() @ weight.double().T
+        torch.testing.assert_close(guess, (h.double() @ rounded.double().T).float(), rtol=1e-5, atol=1e-5)
+        assert ((guess.double() - exact).abs() <= h.double().norm(dim=-1, keepdim=True) * head.bounds.double()).all()
+        assert torch.equal(head(h).argmax(-1), exact.argmax(-1))
+        assert 0 < head.recomputed <= rows * vocab // 10
 
 
 def test_greedy_head_takes_the_maximum_over_a_grammars_tokens():
@@ -517,12 +538,11 @@ def test_greedy_head_takes_the_maximum_over_a_grammars_tokens():
 
 
 def test_argmax_only_steps_pick_the_tokens_of_full_steps(target):
-    """Greedy steps with argmax_only (the bfloat16 head where the CPU multiplies bfloat16 natively) choose the same
-    tokens as steps with full logits, for a batch of rows with drafts up to the head's row limit."""
-    from hybridspec.model.linear import fast_bf16
+    """Greedy steps with argmax_only (the int8 head where the CPU runs the product kernel) choose the same tokens as
+    steps with full logits, for a batch of rows with drafts up to the head's row limit."""
     from hybridspec.model.head import GreedyHead
 
-    assert (target.greedy_head is not None) == fast_bf16()
+    assert (target.greedy_head is not None) == GreedyHead.runs_here(target.lm_head.weight)
     rng = random.Random(3)
     for draft_len in range(GreedyHead.MAX_ROWS):
         cache = target.new_cache(1, 64)
@@ -532,7 +552,7 @@ def test_argmax_only_steps_pick_the_tokens_of_full_steps(target):
         fast = target.step(cache, [7], draft, argmax_only=True).logits
         assert torch.equal(fast.argmax(-1), full.argmax(-1))
         if target.greedy_head is not None:
-            assert not torch.equal(fast, full)  # really the bfloat16 head
+            assert not torch.equal(fast, full)  # really the int8 head
 
 
 @pytest.mark.parametrize("rows", [1, 5, 300, 2100])  # 2,100: a chunk the kernel threads

@@ -8,6 +8,10 @@ from libc.stdint cimport int64_t, uintptr_t
 cdef extern from "product_kernel.h" nogil:
     int hs_small_product(const float *x, long x_stride, const float *w, int n, int k, const float *bias,
                          const float *residual, float *y, long y_stride, int rows, int threads)
+    int hs_int8_product(const float *x, long x_stride, const signed char *q, long q_stride, const float *scales,
+                        int n, int k, float *y, long y_stride, int rows, int threads)
+    long hs_head_recheck(const float *x, long x_stride, const float *w, int n, int k, const float *bounds,
+                         float slack, float *y, long y_stride, int rows)
     void hs_expert_products(const float *x, long x_stride, const float *w, const float *bias, int n, int k,
                             const int64_t *experts, const int64_t *starts, const int64_t *counts, int segments,
                             float *y, long y_stride, int threads)
@@ -61,6 +65,29 @@ def small_product(uintptr_t x, long x_stride, uintptr_t w, int n, int k, uintptr
     with nogil:
         hs_small_product(<const float *>x, x_stride, <const float *>w, n, k, <const float *>bias,
                          <const float *>residual, <float *>y, y_stride, rows, threads)
+
+
+def int8_product(uintptr_t x, long x_stride, uintptr_t q, long q_stride, uintptr_t scales, int n, int k,
+                 uintptr_t y, long y_stride, int rows, int threads) -> None:
+    """y [rows, n] = (x [rows, k] @ q[:, :k].T) * scales [n], q int8 [n, q_stride] (a multiple of 16, zero past k),
+    sums in float32 (`hs_int8_product`)."""
+    cdef int done
+    with nogil:
+        done = hs_int8_product(<const float *>x, x_stride, <const signed char *>q, q_stride, <const float *>scales,
+                               n, k, <float *>y, y_stride, rows, threads)
+    if not done:
+        raise ValueError(f"int8_product: {rows} rows (1 to {HS_PRODUCT_MAX_ROWS}), q_stride {q_stride} for k {k}")
+
+
+def head_recheck(uintptr_t x, long x_stride, uintptr_t w, int n, int k, uintptr_t bounds, float slack, uintptr_t y,
+                 long y_stride, int rows) -> int:
+    """y [rows, n], an approximation of x [rows, k] @ w [n, k].T within |x[m]| bounds[i] + slack: the float32 logit
+    wherever it could be its row's maximum (`hs_head_recheck`). Returns how many were recomputed."""
+    cdef long done
+    with nogil:
+        done = hs_head_recheck(<const float *>x, x_stride, <const float *>w, n, k, <const float *>bounds, slack,
+                               <float *>y, y_stride, rows)
+    return done
 
 
 def expert_products(uintptr_t x, long x_stride, uintptr_t w, uintptr_t bias, int n, int k, uintptr_t experts,

@@ -41,7 +41,7 @@ from hybridspec.model.head import GreedyHead
 from hybridspec.model.inputs import ForwardPart, StepInput, StepOutput, step_part
 from hybridspec.model.kv_cache import KVCache, RingShape
 from hybridspec.model.layers import ACTIVATIONS, DecoderLayer, is_gemma, layer_window, norm_weight, rotary_dim
-from hybridspec.model.linear import KERNEL_ROWS, Linear, fast_bf16, tune_products
+from hybridspec.model.linear import KERNEL_ROWS, Linear, tune_products
 from hybridspec.model.norms import norm_and_rotate, rms_norm
 from hybridspec.speculators.features import default_aux_layer_ids
 
@@ -103,8 +103,8 @@ class TargetModel:
             self.recurrent = deltas[0].shape(len(deltas), self.dtype) if deltas else None
             self.final_norm = norm_weight(decoder.norm, config)
             self.lm_head = Linear(model.get_output_embeddings().weight, pack=pack_weights)
-            self.greedy_head = GreedyHead(model.get_output_embeddings().weight) \
-                if pack_weights and self.dtype == torch.float32 and self.device.type == "cpu" and fast_bf16() else None
+            head_weight = model.get_output_embeddings().weight
+            self.greedy_head = GreedyHead(head_weight) if pack_weights and GreedyHead.runs_here(head_weight) else None
             if pack_weights and tune:  # each product's kernel and rows as this machine runs them fastest
                 tune_products(self.linears())
             # [max_seq_len, head_dim / 2] complex: every position's rotation, by the model's own rotary module; Gemma
@@ -137,7 +137,7 @@ class TargetModel:
     def linears(self) -> list[Linear]:
         """Every product of a forward pass, in the order a pass runs them."""
         products = [lin for layer in self.layers for lin in layer.linears()]
-        return products + [self.lm_head] + ([self.greedy_head.bf16] if self.greedy_head is not None else [])
+        return products + [self.lm_head]
 
     @property
     def kv_bytes_per_token(self) -> int:
