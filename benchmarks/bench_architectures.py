@@ -90,13 +90,14 @@ def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
             return product(x)
         return call
 
-    def chosen(x, weight, bias, experts, *rest):
-        counted["bytes"] += 4 * len(experts) * weight.shape[1] * weight.shape[2]
-        return kernel(x, weight, bias, experts, *rest)
+    def chosen(x, weights, chosen, stacked, *rest):
+        gate_up, _, down, _ = stacked
+        counted["bytes"] += 4 * len(chosen.unique()) * (gate_up[0].numel() + down[0].numel())
+        return kernel(x, weights, chosen, stacked, *rest)
 
-    saved, kernel = [moe.experts for moe in layers], model_layers.chosen_expert_products
+    saved, kernel = [moe.experts for moe in layers], model_layers.step_expert_sums
     try:
-        model_layers.chosen_expert_products = chosen
+        model_layers.step_expert_sums = chosen
         for moe in layers:
             moe.experts = [(counting(g, 4 * (g.shape[0] * g.shape[1] + d.shape[0] * d.shape[1])), d)
                            for g, d in moe.experts]
@@ -105,7 +106,7 @@ def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
         engine.generate(prompt, max_new_tokens=3, speculate="none")  # the same, and one more step
         one_token = counted["bytes"] - 2 * first
     finally:
-        model_layers.chosen_expert_products = kernel
+        model_layers.step_expert_sums = kernel
         for moe, experts in zip(layers, saved):
             moe.experts = experts
     total = sum(4 * (g.shape[0] * g.shape[1] + d.shape[0] * d.shape[1]) for moe in saved for g, d in moe)

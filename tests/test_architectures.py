@@ -137,15 +137,15 @@ def test_moe_runs_only_the_chosen_experts(path, monkeypatch):
     def counted(expert: int, product):
         return lambda x: (used.append(expert), product(x))[1]
 
-    def chosen(x, weight, bias, experts, *rest, real=layers.chosen_expert_products):
-        used.extend(experts.tolist()) if weight is moe.stacked[0] else None
-        return real(x, weight, bias, experts, *rest)
+    def chosen(x, weights, chosen, stacked, *rest, real=layers.step_expert_sums):
+        used.extend(chosen.unique().tolist()) if stacked is moe.stacked else None
+        return real(x, weights, chosen, stacked, *rest)
 
     def grouped(x, x_rows, panels, bias, n, experts, *rest, real=layers.grouped_expert_products, **options):
         used.extend(experts.tolist()) if panels is moe.panels[0] else None
         return real(x, x_rows, panels, bias, n, experts, *rest, **options)
 
-    monkeypatch.setattr(layers, "chosen_expert_products", chosen)
+    monkeypatch.setattr(layers, "step_expert_sums", chosen)
     monkeypatch.setattr(layers, "grouped_expert_products", grouped)
     moe.experts = [(counted(e, gate_up), down) for e, (gate_up, down) in enumerate(moe.experts)]
     cache = target.new_cache(1, 64)
@@ -163,18 +163,18 @@ def test_moe_runs_only_the_chosen_experts(path, monkeypatch):
 @pytest.mark.skipif(not KERNEL_ROWS, reason="the product kernels need an AVX-512 CPU")
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_moe_kernel_products_are_the_expert_by_expert_ones(name, monkeypatch):
-    """The chosen experts' products in one call, by the small-row kernel (a step's path) and by the panel kernel (a
-    prompt chunk's, the activation in it), equal each expert's own products in torch, also where an expert has more
-    rows than one kernel pass takes (more than eight of a few tokens' pairs chose it)."""
+    """The chosen experts' products, by the small-row kernel in one call for the layer (a step's path) and by the
+    panel kernel (a prompt chunk's, the activation in it), equal each expert's own products in torch, also where an
+    expert has more rows than one kernel pass takes (more than eight of a few tokens' pairs chose it)."""
     from hybridspec.model import layers
 
     moe = TargetModel(tiny_causal_lm(name)).layers[0].mlp
     torch.manual_seed(0)
     x, residual = torch.randn(30, moe.stacked[0].shape[2]), torch.randn(30, moe.stacked[0].shape[2])
     chosen, grouped = [], []
-    real_chosen, real_grouped = layers.chosen_expert_products, layers.grouped_expert_products
-    monkeypatch.setattr(layers, "chosen_expert_products", lambda *a: chosen.append(a[-1].max().item()) or
-                        real_chosen(*a))
+    real_chosen, real_grouped = layers.step_expert_sums, layers.grouped_expert_products
+    monkeypatch.setattr(layers, "step_expert_sums", lambda *a: chosen.append(a[2].reshape(-1).bincount().max().item())
+                        or real_chosen(*a))
     monkeypatch.setattr(layers, "grouped_expert_products", lambda *a, **k: grouped.append(1) or real_grouped(*a, **k))
     with torch.inference_mode():
         small_rows = moe.plus(x, residual)

@@ -28,6 +28,10 @@ cdef extern from "product_kernel.h" nogil:
                        float *out, int threads)
     int hs_expert_sums(const float *products, long stride, const int64_t *order, int tokens, int top_k, int dim,
                        const float *residual, float *out, int threads)
+    int hs_moe_step(const float *x, long x_stride, int tokens, int top_k, const int64_t *chosen, const float *weights,
+                    int num_experts, const float *gate_up, const float *gate_up_bias, const float *down,
+                    const float *down_bias, int units, int hidden, int act, float alpha, float limit,
+                    const float *residual, float *out, int threads)
     int HS_PRODUCT_MAX_ROWS
     int HS_EXPERT_SUM_MAX_K
     int HS_PANEL
@@ -150,6 +154,23 @@ def expert_sums(uintptr_t products, long stride, uintptr_t order, int tokens, in
                               <const float *>residual, <float *>out, threads)
     if done != 0:
         raise MemoryError("expert_sums: no memory for the pairs' rows")
+
+
+def moe_step(uintptr_t x, long x_stride, int tokens, int top_k, uintptr_t chosen, uintptr_t weights,
+             int num_experts, uintptr_t gate_up, uintptr_t gate_up_bias, uintptr_t down, uintptr_t down_bias,
+             int units, int hidden, int act, float alpha, float limit, uintptr_t residual, uintptr_t out,
+             int threads) -> None:
+    """out [tokens, hidden] = residual (where nonzero) + each token's chosen experts' down(act(gate_up(x))) times
+    their router weights (chosen [tokens, top_k] int64 in [0, num_experts), weights float32), summed in expert order
+    (`hs_moe_step`)."""
+    cdef int done
+    with nogil:
+        done = hs_moe_step(<const float *>x, x_stride, tokens, top_k, <const int64_t *>chosen,
+                           <const float *>weights, num_experts, <const float *>gate_up, <const float *>gate_up_bias,
+                           <const float *>down, <const float *>down_bias, units, hidden, act, alpha, limit,
+                           <const float *>residual, <float *>out, threads)
+    if done != 0:
+        raise MemoryError("moe_step: no memory for the pairs' rows")
 
 
 cdef extern from "delta_kernel.h" nogil:

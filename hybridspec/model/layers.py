@@ -12,8 +12,8 @@ from hybridspec.model.attention import interleave_rotary_pairs
 from hybridspec.model.delta_net import GatedDeltaNet
 from hybridspec.model.linear import KERNEL_ROWS, Linear, _products
 
-# the most (token, expert) pairs a mixture of experts multiplies by the small-row kernel in one call per product
-# (a few tokens' steps); more (a prompt chunk) by the kernel on the experts' packed panels
+# the most (token, expert) pairs a mixture of experts multiplies by the small-row kernel in one call for the layer
+# (a few tokens' steps, `step_expert_sums`); more (a prompt chunk) by the kernel on the experts' packed panels
 EXPERT_KERNEL_PAIRS = 64
 
 
@@ -141,8 +141,7 @@ class _MixtureOfExperts:
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            return gated_activation(gate_up, (KERNEL_SILU, 0.0, 0.0) if self.clamp is None else
-                                    (KERNEL_CLAMPED_SWIGLU, *self.clamp))
+            return gated_activation(gate_up, self.kernel_activation)
         gate, up = gate_up.chunk(2, dim=-1)
         if self.clamp is None:
             return F.silu(gate) * up
@@ -172,14 +171,14 @@ class _MixtureOfExperts:
                     residual: torch.Tensor | None = None) -> torch.Tensor:
         """Each token's chosen experts' outputs by their weights, summed in expert order (as transformers does), then
         added to `residual` where one is given."""
+        kernel = self.kernel and x.dtype == torch.float32
+        if kernel and chosen.numel() <= EXPERT_KERNEL_PAIRS and self.top_k <= _products.EXPERT_SUM_MAX_K:
+            return step_expert_sums(x, weights, chosen, self.stacked, self.kernel_activation, residual)
         order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, k) pairs grouped by expert
         counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts))
         rows, pair_weights = order // self.top_k, weights.to(x.dtype).reshape(-1)[order]
-        if self.kernel and x.dtype == torch.float32:
-            if len(order) <= EXPERT_KERNEL_PAIRS:  # a few tokens' step
-                products = self._chosen_experts(x[rows], counts) * pair_weights[:, None]
-            else:  # a prompt chunk, weighted in the kernel
-                products = self._chunk_experts(x, rows, counts, pair_weights)
+        if kernel:  # a prompt chunk, weighted in the kernel
+            products = self._chunk_experts(x, rows, counts, pair_weights)
         else:  # each expert's rows by its own Linear
             products, begin = x.new_empty(len(order), x.shape[-1]), 0
             for expert, count in enumerate(counts.tolist()):
@@ -188,7 +187,7 @@ class _MixtureOfExperts:
                     products[begin:begin + count] = down(self._activation(gate_up(x[rows[begin:begin + count]])))
                     begin += count
             products *= pair_weights[:, None]
-        if not self.kernel or x.dtype != torch.float32 or self.top_k > _products.EXPERT_SUM_MAX_K:
+        if not kernel or self.top_k > _products.EXPERT_SUM_MAX_K:
             out = torch.zeros_like(x).index_add_(0, rows, products)
             return out if residual is None else residual + out
         # each token's rows among the products, summed by the kernel in the order index_add_ would add them
@@ -199,15 +198,11 @@ class _MixtureOfExperts:
                               torch.get_num_threads())
         return out
 
-    def _chosen_experts(self, gathered: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """down(act(gate_up(rows))) of the gathered token rows, grouped by expert (`counts` a row each): one kernel
-        call for every chosen expert's gate_up, one for their down."""
-        experts = counts.nonzero().reshape(-1)
-        counts = counts[experts]
-        starts = torch.cumsum(counts, 0) - counts
-        gate_up, gate_up_bias, down, down_bias = self.stacked
-        hidden = chosen_expert_products(gathered, gate_up, gate_up_bias, experts, starts, counts)
-        return chosen_expert_products(self._activation(hidden), down, down_bias, experts, starts, counts)
+    @property
+    def kernel_activation(self) -> tuple[int, float, float]:
+        """The experts' activation as the kernels take it: KERNEL_SILU, or KERNEL_CLAMPED_SWIGLU with alpha and
+        limit."""
+        return (KERNEL_SILU, 0.0, 0.0) if self.clamp is None else (KERNEL_CLAMPED_SWIGLU, *self.clamp)
 
     def _chunk_experts(self, x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor,
                        scales: torch.Tensor) -> torch.Tensor:
@@ -217,9 +212,8 @@ class _MixtureOfExperts:
         counts = counts[experts]
         starts = torch.cumsum(counts, 0) - counts
         gate_up, _, down, down_bias = self.stacked
-        activation = (KERNEL_SILU, 0.0, 0.0) if self.clamp is None else (KERNEL_CLAMPED_SWIGLU, *self.clamp)
         hidden = grouped_expert_products(x, rows, self.panels[0], self.gate_up_bias_panels, gate_up.shape[1] // 2,
-                                         experts, starts, counts, activation=activation)
+                                         experts, starts, counts, activation=self.kernel_activation)
         return grouped_expert_products(hidden, None, self.panels[1], down_bias, down.shape[1], experts, starts,
                                        counts, scales)
 
@@ -281,16 +275,23 @@ def grouped_expert_products(x: torch.Tensor, x_rows: torch.Tensor | None, panels
     return out
 
 
-def chosen_expert_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor,
-                           starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows [starts[s], starts[s] + counts[s]) of x [rows, in] by expert experts[s]'s weight (weight [experts, out,
-    in], bias [experts, out]), by the small-row kernel: only the chosen experts' weights are read."""
-    x = x.contiguous()
-    y = x.new_empty(x.shape[0], weight.shape[1])
-    _products.expert_products(x.data_ptr(), x.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                              weight.shape[1], weight.shape[2], experts.data_ptr(), starts.data_ptr(),
-                              counts.data_ptr(), len(experts), y.data_ptr(), y.stride(0), torch.get_num_threads())
-    return y
+def step_expert_sums(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, stacked: tuple,
+                     activation: tuple[int, float, float], residual: torch.Tensor | None = None) -> torch.Tensor:
+    """A few tokens' mixture of experts (a step's): residual (where given) + each token's chosen experts' outputs
+    (chosen, weights [tokens, top_k]) by their weights, summed in expert order, by one kernel call (`hs_moe_step`: the
+    small-row kernel on the chosen experts' weights only). stacked: the experts' (gate_up [E, 2 units, hidden], its
+    bias, down [E, hidden, units], its bias), biases or None."""
+    gate_up, gate_up_bias, down, down_bias = stacked
+    x, chosen = x.contiguous(), chosen.contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    residual = None if residual is None else residual.contiguous()
+    out = x.new_empty(x.shape[0], down.shape[1])
+    _products.moe_step(x.data_ptr(), x.stride(0), x.shape[0], chosen.shape[1], chosen.data_ptr(), weights.data_ptr(),
+                       gate_up.shape[0], gate_up.data_ptr(), 0 if gate_up_bias is None else gate_up_bias.data_ptr(),
+                       down.data_ptr(), 0 if down_bias is None else down_bias.data_ptr(), down.shape[2],
+                       down.shape[1], *activation, 0 if residual is None else residual.data_ptr(), out.data_ptr(),
+                       torch.get_num_threads())
+    return out
 
 
 def _cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:

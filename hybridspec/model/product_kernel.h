@@ -21,6 +21,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #define HS_PRODUCT_MAX_ROWS 8
@@ -603,4 +604,69 @@ HS_PRODUCT_TARGET static int hs_expert_sums(const float *products, long stride, 
     }
     free(row_of);
     return 0;
+}
+
+/* A few tokens' mixture of experts in one call (a decode step, a verification's draft): the (token, expert) pairs of
+   chosen [tokens, top_k] grouped by expert (stable: within an expert in pair order), each pair's token row gathered,
+   gate_up of every chosen expert (`hs_expert_products`), its activation (`hs_gated_rows`), down, each pair's row
+   times its router weight, then each token's sum in expert order plus the residual (`hs_expert_sums`). The kernels of
+   the products one call at a time, in the same order, so the same bits; what it saves is a dozen small tensor
+   operations a layer. chosen in [0, num_experts); gate_up [E, 2 units, hidden] (gate rows, then up rows) and down
+   [E, hidden, units], biases [E, ...] or NULL; residual [tokens, hidden] or NULL. Returns 0, or -1 where memory ran
+   out. */
+HS_PRODUCT_TARGET static int hs_moe_step(const float *x, long x_stride, int tokens, int top_k, const int64_t *chosen,
+                                         const float *weights, int num_experts, const float *gate_up,
+                                         const float *gate_up_bias, const float *down, const float *down_bias,
+                                         int units, int hidden, int act, float alpha, float limit,
+                                         const float *residual, float *out, int threads) {
+    long pairs = (long)tokens * top_k;
+    if (pairs < 1) return 0;
+    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * 4 * pairs);
+    float *rows = (float *)malloc(sizeof(float) * pairs * (2 * (size_t)hidden + 3 * (size_t)units));
+    if (!order || !rows) {
+        free(order);
+        free(rows);
+        return -1;
+    }
+    int64_t *experts = order + pairs, *starts = experts + pairs, *counts = starts + pairs;
+    int64_t *next = (int64_t *)calloc((size_t)num_experts, sizeof(int64_t));  /* a stable counting sort by expert */
+    if (!next) {
+        free(order);
+        free(rows);
+        return -1;
+    }
+    for (long p = 0; p < pairs; p++) next[chosen[p]]++;
+    int segments = 0;
+    for (long e = 0, begin = 0; e < num_experts; e++) {
+        long count = next[e];
+        if (count) {
+            experts[segments] = e;
+            starts[segments] = begin;
+            counts[segments++] = count;
+        }
+        next[e] = begin;
+        begin += count;
+    }
+    for (long p = 0; p < pairs; p++) order[next[chosen[p]]++] = p;
+    free(next);
+    float *gate_ups = rows + pairs * hidden, *acts = gate_ups + pairs * 2 * units, *products = acts + pairs * units;
+    for (long p = 0; p < pairs; p++)
+        memcpy(rows + p * hidden, x + (order[p] / top_k) * x_stride, sizeof(float) * hidden);
+    hs_expert_products(rows, hidden, gate_up, gate_up_bias, 2 * units, hidden, experts, starts, counts, segments,
+                       gate_ups, 2 * units, threads);
+    hs_gated_rows(gate_ups, 2 * units, (int)pairs, units, act, alpha, limit, acts, threads);
+    hs_expert_products(acts, units, down, down_bias, hidden, units, experts, starts, counts, segments, products,
+                       hidden, threads);
+    for (long p = 0; p < pairs; p++) {
+        __m512 w = _mm512_set1_ps(weights[order[p]]);
+        float *row = products + p * hidden;
+        for (int c = 0; c < hidden; c += 16) {
+            __mmask16 m = (__mmask16)(hidden - c >= 16 ? 0xFFFFu : (1u << (hidden - c)) - 1u);
+            _mm512_mask_storeu_ps(row + c, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + c), w));
+        }
+    }
+    int done = hs_expert_sums(products, hidden, order, tokens, top_k, hidden, residual, out, threads);
+    free(rows);
+    free(order);
+    return done;
 }
