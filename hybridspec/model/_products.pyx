@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The small-row product kernel of linear layers on a CPU (`product_kernel.h`) and the gated delta rule's step
+"""The small-row product kernel of linear layers on a CPU (`product_kernel.h`; the int8 greedy head, the mixtures of
+experts and the norms built on it: `head_kernel.h`, `moe_kernel.h`, `norm_kernel.h`) and the gated delta rule's step
 (`delta_kernel.h`), on raw pointers of tensors the caller checked (`hybridspec.model.linear`,
 `hybridspec.model.kv_cache`): a thin layer, the GIL released while they run."""
 from libc.stdint cimport int64_t, uintptr_t
@@ -8,22 +9,30 @@ from libc.stdint cimport int64_t, uintptr_t
 cdef extern from "product_kernel.h" nogil:
     int hs_small_product(const float *x, long x_stride, const float *w, int n, int k, const float *bias,
                          const float *residual, float *y, long y_stride, int rows, int threads)
+    void hs_expert_products(const float *x, long x_stride, const float *w, const float *bias, int n, int k,
+                            const int64_t *experts, const int64_t *starts, const int64_t *counts, int segments,
+                            float *y, long y_stride, int threads)
+    int HS_PRODUCT_MAX_ROWS
+    int hs_product_supported()
+
+cdef extern from "head_kernel.h" nogil:
     int hs_int8_product(const float *x, long x_stride, const signed char *q, long q_stride, const float *scales,
                         int n, int k, float *y, long y_stride, int rows, int threads)
     long hs_head_recheck(const float *x, long x_stride, const float *w, int n, int k, const float *bounds,
                          float slack, float *y, long y_stride, int rows)
-    void hs_expert_products(const float *x, long x_stride, const float *w, const float *bias, int n, int k,
-                            const int64_t *experts, const int64_t *starts, const int64_t *counts, int segments,
-                            float *y, long y_stride, int threads)
+
+cdef extern from "norm_kernel.h" nogil:
+    void hs_rms_norm(const float *x, long group_stride, const float *w, int period, float eps, float *y, int rows,
+                     int dim, int threads)
+    void hs_norm_rotate(const float *x, long group_stride, const float *w, int period, float eps, const float *rope,
+                        float *y, int rows, int dim, int threads)
+
+cdef extern from "moe_kernel.h" nogil:
     void hs_grouped_products(const float *x, long x_stride, const int64_t *x_rows, const float *panels,
                              const float *bias, int n, int k, const int64_t *experts, const int64_t *starts,
                              const int64_t *counts, int segments, const float *scales, float *y, long y_stride,
                              int act, float alpha, float limit, float *h, long h_stride, int depth, int group,
                              int threads)
-    void hs_rms_norm(const float *x, long group_stride, const float *w, int period, float eps, float *y, int rows,
-                     int dim, int threads)
-    void hs_norm_rotate(const float *x, long group_stride, const float *w, int period, float eps, const float *rope,
-                        float *y, int rows, int dim, int threads)
     void hs_gated_rows(const float *gate_up, long stride, int rows, int n, int act, float alpha, float limit,
                        float *out, int threads)
     int hs_expert_sums(const float *products, long stride, const int64_t *order, int tokens, int top_k, int dim,
@@ -32,11 +41,9 @@ cdef extern from "product_kernel.h" nogil:
                     int num_experts, const float *gate_up, const float *gate_up_bias, const float *down,
                     const float *down_bias, int units, int hidden, int act, float alpha, float limit,
                     const float *residual, float *out, int threads)
-    int HS_PRODUCT_MAX_ROWS
     int HS_EXPERT_SUM_MAX_K
     int HS_PANEL
     int HS_GATED_UNITS
-    int hs_product_supported()
 
 cdef extern from "omp.h" nogil:
     ctypedef enum omp_pause_resource_t:

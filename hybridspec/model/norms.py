@@ -1,4 +1,4 @@
-"""The RMSNorms of a forward pass: float32 rows by this package's C kernel (`hs_rms_norm` in `product_kernel.h`,
+"""The RMSNorms of a forward pass: float32 rows by this package's C kernel (`hs_rms_norm` in `norm_kernel.h`,
 each row alone, ~1 us where torch's composite norm costs ~40 us a call, and a step runs one to four a layer; a prompt
 chunk's rows over torch's threads), other dtypes by torch, as transformers computes them; and the queries' and keys'
 per-head norms with RoPE, in one pass by the kernel (`norm_and_rotate`)."""
