@@ -405,10 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         engine = model = None  # the next model is built without this one beside it
 
     print(f"\n{args.prompt}-token prompt, {args.new} decoded tokens, float32, {args.threads} threads; ms per token "
-          "(transformers / hybridspec = speed-up); memory bound: the float32 weights a decode token multiplies at "
-          "the rate this machine read memory (a sum over 1 GiB)\n")
+          "(transformers / hybridspec = speed-up); float32 read time: the float32 weights a decode token "
+          "multiplies at the rate this machine read memory (a sum over 1 GiB), the floor of an engine that reads "
+          "each once (the engine's greedy steps read the output layer in int8: `GreedyHead`)\n")
     print("| " + " | ".join(["model", "params (M)", "prefill: transformers", "hybridspec", "speed-up",
-                              "decode: transformers", "hybridspec", "speed-up", "memory bound",
+                              "decode: transformers", "hybridspec", "speed-up", "float32 read time",
                               *(f"{p}: prefill / decode (its / ours)" for p in peers),
                               "expert weights a token multiplies"]) + " |")
     print("|---" * (10 + len(peers)) + "|")
