@@ -103,15 +103,14 @@ HS_PRODUCT_TARGET static long hs_head_recheck(const float *x, long x_stride, con
         float *ym = y + m * y_stride;
         double sq = 0;
         for (int j = 0; j < k; j++) sq += (double)xm[j] * xm[j];
-        __m512 norm = _mm512_set1_ps((float)sqrt(sq) * (1 + 1e-6f)), pad = _mm512_set1_ps(slack);
-        __m512 lower = _mm512_set1_ps(-INFINITY);
+        float hn = (float)sqrt(sq) * (1 + 1e-6f);
+        __m512 norm = _mm512_set1_ps(hn), pad = _mm512_set1_ps(slack), lower = _mm512_set1_ps(-INFINITY);
         int i = 0;
         for (; i + 16 <= n; i += 16) {
             __m512 e = _mm512_fmadd_ps(norm, _mm512_loadu_ps(bounds + i), pad);
             lower = _mm512_max_ps(lower, _mm512_sub_ps(_mm512_loadu_ps(ym + i), e));
         }
         float low = _mm512_reduce_max_ps(lower);
-        float hn = (float)sqrt(sq) * (1 + 1e-6f);
         for (; i < n; i++) {
             float v = ym[i] - (hn * bounds[i] + slack);
             if (v > low) low = v;
