@@ -1,11 +1,14 @@
 """Prefill and decode per token of the architectures the engine runs, against transformers, on random weights of
-realistic shapes (no download; timing does not depend on the weights' values).
+realistic shapes (no download).
 
-Shapes (float32): Qwen3-0.6B as published (28 layers, hidden 1024, 16/8 heads of 128, vocabulary 151,936);
-a Qwen3-MoE and a gpt-oss cut to fit this machine (their published layer shapes: 64 experts of 384 with 8 a token,
-hidden 1024; gpt-oss: 32 experts of 1024, 4 a token, sinks, every other layer windowed to 128, vocabulary 201,088;
-fewer layers); a Qwen3.5 hybrid at hidden 1024 (24 layers, three Gated DeltaNet layers of 16 heads of 128 to one
-gated attention layer of 8/2 heads of 256, partial RoPE, vocabulary 248,320). Per model, methods taking turns: a
+Shapes (float32; the random weights rounded to bfloat16 values, as the published checkpoints ship them and every
+method here loads them into float32: the engine streams such a weight in bfloat16 for a step's products, the same bits
+from half the bytes; `--values float32` keeps any float32 values, the timing of a float32 checkpoint): Qwen3-0.6B as
+published (28 layers, hidden 1024, 16/8 heads of 128, vocabulary 151,936); a Qwen3-MoE and a gpt-oss cut to fit
+this machine (their published layer shapes: 64 experts of 384 with 8 a token, hidden 1024; gpt-oss: 32 experts of
+1024, 4 a token, sinks, every other layer windowed to 128, vocabulary 201,088; fewer layers); a Qwen3.5 hybrid at
+hidden 1024 (24 layers, three Gated DeltaNet layers of 16 heads of 128 to one gated attention layer of 8/2 heads of
+256, partial RoPE, vocabulary 248,320). Per model, methods taking turns: a
 prompt of `--prompt` random tokens to its first token (prefill, ms per prompt token), and `--new` more tokens by
 plain greedy decoding (decode, ms per token: the difference of the two calls over the tokens between). hybridspec:
 `Engine.generate(speculate="none")`, prefix cache off; transformers: `generate` (SDPA; gpt-oss: eager, its only CPU
@@ -65,7 +68,9 @@ SHAPES = {
 }
 
 
-def build(name: str):
+def build(name: str, values: str = "bfloat16"):
+    """The shape's model in float32, random weights whose values are bfloat16 ones (a published bfloat16 checkpoint
+    loaded into float32, as every method here loads it) or any float32 ones (`values="float32"`)."""
     import transformers
 
     config_cls, model_cls, shape = SHAPES[name]
@@ -73,7 +78,12 @@ def build(name: str):
                                                   "max_position_embeddings": 4096, "eos_token_id": 0,
                                                   "pad_token_id": 0, **shape})
     torch.manual_seed(0)
-    return getattr(transformers, model_cls)(config).eval()
+    model = getattr(transformers, model_cls)(config).eval()
+    if values == "bfloat16":
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(torch.bfloat16))
+    return model
 
 
 def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
@@ -92,7 +102,7 @@ def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
 
     def chosen(x, weights, chosen, stacked, *rest):
         gate_up, _, down, _ = stacked
-        counted["bytes"] += 4 * len(chosen.unique()) * (gate_up[0].numel() + down[0].numel())
+        counted["bytes"] += gate_up.element_size() * len(chosen.unique()) * (gate_up[0].numel() + down[0].numel())
         return kernel(x, weights, chosen, stacked, *rest)
 
     saved, kernel = [moe.experts for moe in layers], model_layers.step_expert_sums
@@ -109,17 +119,22 @@ def expert_bytes(engine, prompt: list[int]) -> tuple[float, float]:
         model_layers.step_expert_sums = kernel
         for moe, experts in zip(layers, saved):
             moe.experts = experts
-    total = sum(4 * (g.shape[0] * g.shape[1] + d.shape[0] * d.shape[1]) for moe in saved for g, d in moe)
+    # all experts in the format the engine reads them in
+    total = sum((moe.stacked[0].element_size() if moe.kernel else 4) * (moe.stacked[0].numel() + moe.stacked[2].numel())
+                for moe in layers)
     return one_token / 2 ** 20, total / 2 ** 20
 
 
 def decode_weight_mib(model, row: dict) -> float:
     """MiB of float32 weights one decode token multiplies: every parameter but an untied embedding (one row of it is
-    read) and, of a mixture of experts, only the chosen experts (`expert_bytes`)."""
+    read) and, of a mixture of experts, only the chosen experts (the share `expert_bytes` counted)."""
     params = sum(p.numel() for p in model.parameters())
     if not model.config.tie_word_embeddings:
         params -= model.get_input_embeddings().weight.numel()
-    return 4 * params / 2 ** 20 + row.get("expert_mib_per_token", 0) - row.get("expert_mib_all", 0)
+    if "expert_mib_all" in row:
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        params -= experts * (1 - row["expert_mib_per_token"] / row["expert_mib_all"])
+    return 4 * params / 2 ** 20
 
 
 def peer_timings(python: Path, worker: Path, job: dict, env: dict) -> dict:
@@ -336,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peers", default=",".join(PEERS),
                         help=f"comma-separated, of {', '.join(PEERS)} (empty: transformers only)")
+    parser.add_argument("--values", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the random weights' values: bfloat16 ones in float32 (a published bfloat16 checkpoint "
+                             "loaded into float32, what every method here computes in) or any float32 ones")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     models = args.models.split(",")
@@ -351,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in models:
         t0 = time.perf_counter()
-        model = build(name)
+        model = build(name, args.values)
         engine = new_engine(model)
         print(f"{name}: built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         prompt = torch.randint(3, 128, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -404,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         engine = model = None  # the next model is built without this one beside it
 
-    print(f"\n{args.prompt}-token prompt, {args.new} decoded tokens, float32, {args.threads} threads; ms per token "
+    print(f"\n{args.prompt}-token prompt, {args.new} decoded tokens, float32 ({args.values} values), "
+          f"{args.threads} threads; ms per token "
           "(transformers / hybridspec = speed-up); float32 read time: the float32 weights a decode token "
           "multiplies at the rate this machine read memory (a sum over 1 GiB), the floor of an engine that reads "
           "each once (the engine's greedy steps read the output layer in int8: `GreedyHead`)\n")

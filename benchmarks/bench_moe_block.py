@@ -97,6 +97,7 @@ def vllm_turns(moe: layers._MixtureOfExperts, x: torch.Tensor, repeats: int) -> 
     with torch.inference_mode():
         weights, chosen = moe.route(x)
     gate_up, gate_up_bias, down, down_bias = moe.stacked
+    gate_up, down = gate_up.float(), down.float()  # a step's compact copies widen exactly (`compact_weights`)
     with tempfile.TemporaryDirectory(prefix="bench-moe-") as tmp:
         path = Path(tmp) / "layer.pt"
         torch.save({"x": x, "weights": weights, "chosen": chosen, "top_k": moe.top_k, "clamp": moe.clamp,

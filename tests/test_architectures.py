@@ -83,6 +83,38 @@ def test_speculative_greedy_is_token_identical(arch, kind):
         assert batched[0].stats.accepted_tokens > 0 and batched[0].stats.tokens_per_step > 1
 
 
+@pytest.mark.skipif(not KERNEL_ROWS, reason="the small-row product kernel needs an AVX-512 CPU")
+@pytest.mark.parametrize("name", TINY_ARCHITECTURES)
+def test_bfloat16_valued_weights_stream_in_bfloat16_and_decode_as_transformers(name):
+    """A float32 model whose weights are bfloat16 values (a bfloat16 checkpoint loaded into float32): the engine's
+    step products stream them in bfloat16 (the packed linear layers, the experts), and greedy decoding is still
+    transformers' `generate` on the float32 model, plain and under a noisy-oracle tree and suffix speculation."""
+    from hybridspec.model.linear import WEIGHT_F32
+
+    model = tiny_causal_lm(name, window=WINDOW)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16))
+    engine = Engine(small_ring(TargetModel(model)), tiny_tokenizer(128),
+                    router=lambda proposals, contexts: list(proposals))
+    linears = [lin for lin in engine.target.linears() if lin.packed is not None]
+    assert linears and all(lin.weight.dtype == torch.bfloat16 and lin.format != WEIGHT_F32 for lin in linears)
+    assert all(layer.mlp.stacked[0].dtype == layer.mlp.stacked[2].dtype == torch.bfloat16
+               for layer in engine.target.layers if hasattr(layer.mlp, "stacked"))
+    prompts = long_prompts(2, seed=11)
+    references = {}
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                 eos_token_id=engine.tokenizer.eos_token_id, pad_token_id=0)[0, len(prompt):]
+        references[tuple(prompt)] = ref.tolist()
+        assert engine.generate(prompt, max_new_tokens=24, speculate="none").token_ids == ref.tolist(), (name, prompt)
+    for kind in ("oracle-tree", "suffix"):
+        got = engine.generate(prompts, max_new_tokens=24, speculate=proposer_of(kind, references),
+                              num_speculative_tokens=6, tree=kind.endswith("tree"))
+        assert [r.token_ids for r in got] == [references[tuple(p)] for p in prompts], (name, kind)
+
+
 def test_chunked_prefill_and_prefix_hits_change_no_token(arch):
     """Prompts prefilled 5 tokens a step beside other calls, and calls that begin with an earlier call's prompt and
     reply (prefix-cache hits past the window), give the tokens of each call alone."""
@@ -378,7 +410,8 @@ def to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def test_an_mxfp4_gpt_oss_checkpoint_loads_as_its_decoded_weights(tmp_path):
     """gpt-oss as released: experts in MXFP4 (`*_blocks`, `*_scales`, quant_method mxfp4), the rest in full
     precision. transformers decodes them on a CPU; the engine loads that into float32 (every MXFP4 value is exact
-    there) and decodes, under speculation, the tokens of the same model holding the decoded weights."""
+    there, and a bfloat16 one) and decodes, under speculation, the tokens of the same model holding the decoded
+    weights."""
     from safetensors.torch import save_file
 
     model = tiny_causal_lm("gpt_oss", window=WINDOW)
@@ -397,6 +430,8 @@ def test_an_mxfp4_gpt_oss_checkpoint_loads_as_its_decoded_weights(tmp_path):
     in_memory = Engine(TargetModel(model), tiny_tokenizer(128), verify_cost=None)
     for got, want in zip(loaded.target.layers, in_memory.target.layers):
         assert all(torch.equal(a, b) for a, b in zip(got.mlp.stacked, want.mlp.stacked))
+        # every decoded value is a bfloat16 one: a step streams the experts in bfloat16 where the kernel runs
+        assert got.mlp.stacked[0].dtype == (torch.bfloat16 if KERNEL_ROWS else torch.float32)
     prompt = long_prompts(1, seed=3)[-1]
     assert loaded.generate(prompt, max_new_tokens=24, speculate="suffix").token_ids == \
         in_memory.generate(prompt, max_new_tokens=24, speculate="none").token_ids

@@ -37,12 +37,16 @@ def test_tiny_run_times_both_and_counts_the_chosen_experts(tmp_path, monkeypatch
             row["transformers_decode_ms_per_token"] / row["hybridspec_decode_ms_per_token"])
         assert row["hybridspec_prefill_ms_per_token"] > 0 and row["transformers_decode_ms_per_token"] > 0
         assert row["expert_mib_per_token"] == pytest.approx(row["expert_mib_all"] * top_k / 8)
-        # the memory bound: every weight once but the untied embedding, of the experts the chosen ones
+        # the memory bound: every float32 weight once but the untied embedding, of the experts the chosen ones
         shape = TINY[name][2]
-        params = sum(p.numel() for p in bench_architectures.build(name).parameters())
-        params -= shape["vocab_size"] * shape["hidden_size"]
-        assert row["weight_mib_per_token"] == pytest.approx(
-            4 * params / 2 ** 20 - row["expert_mib_all"] * (1 - top_k / 8))
+        model = bench_architectures.build(name)
+        params = sum(p.numel() for p in model.parameters()) - shape["vocab_size"] * shape["hidden_size"]
+        experts = {n: p.numel() for n, p in model.named_parameters() if ".experts." in n}
+        assert row["weight_mib_per_token"] == pytest.approx(4 * (params - sum(experts.values()) * (1 - top_k / 8))
+                                                            / 2 ** 20)
+        # the experts' weights as the engine reads them: bfloat16 values in bfloat16 where the kernel runs
+        weights = sum(n for name_, n in experts.items() if not name_.endswith("_bias"))
+        assert row["expert_mib_all"] == pytest.approx((2 if KERNEL_ROWS else 4) * weights / 2 ** 20)
         assert row["decode_bound_ms"] == pytest.approx(row["weight_mib_per_token"] * 2 ** 20 / row["stream_gb_s"] / 1e6)
     assert "| tiny-moe |" in capsys.readouterr().out
     with pytest.raises(SystemExit):

@@ -351,10 +351,37 @@ def test_small_row_products_are_right_and_each_row_alone(shape, monkeypatch):
         torch.testing.assert_close(plain.plus(x[:rows], residual[:rows]), residual[:rows] + x[:rows] @ w.T,
                                    atol=1e-4, rtol=1e-4)
     calls, real = [], linear._products.small_product
-    monkeypatch.setattr(linear._products, "small_product", lambda *a: calls.append(a[-2]) or real(*a))
+    monkeypatch.setattr(linear._products, "small_product", lambda *a: calls.append(a[-3]) or real(*a))
     lin(x[:3].reshape(1, 3, -1)), lin(x)
     assert calls == [3]  # nine rows ran oneDNN's product
     assert Linear(w, compute_dtype=torch.bfloat16).kernel_rows == 0  # float32 only
+
+
+@pytest.mark.skipif(not KERNEL_ROWS, reason="the small-row product kernel needs an AVX-512 CPU")
+@pytest.mark.parametrize("shape", [(96, 64), (1003, 1000), (5, 17)])
+def test_a_weight_of_bfloat16_or_float16_values_streams_compact_with_the_same_bits(shape):
+    """A packed float32 weight whose values are all bfloat16 (a bfloat16 checkpoint loaded into float32) or all float16
+    ones is kept in that format for the kernel (half the bytes) and its products, with a bias and with `plus`'s
+    residual, for sizes no multiple of a vector, are bitwise those of the float32 weight; any other weight stays
+    float32."""
+    from hybridspec.model import linear
+    from hybridspec.model.linear import Linear
+
+    torch.manual_seed(shape[1])
+    w, b = torch.randn(shape), torch.randn(shape[0])
+    x = torch.randn(KERNEL_ROWS, 2 * shape[1])[:, ::2]
+    residual = torch.randn(KERNEL_ROWS, shape[0])
+    as_f16 = w.half().float()
+    assert not torch.equal(as_f16.bfloat16().float(), as_f16)  # float16 values that bfloat16 does not hold
+    for values, dtype, name in ((w.bfloat16().float(), torch.bfloat16, linear._products.WEIGHT_BF16),
+                                (as_f16, torch.float16, linear._products.WEIGHT_F16), (w, torch.float32, 0)):
+        compact, full = Linear(values, b), Linear(values, b, pack=False)  # unpacked: the plain weight stays float32
+        assert (compact.weight.dtype, compact.format) == (dtype, name) and full.format == 0
+        assert compact.weight.data_ptr() != values.data_ptr() or dtype == torch.float32
+        for rows in range(1, KERNEL_ROWS + 1):
+            assert torch.equal(compact(x[:rows]), full(x[:rows])), (dtype, rows)
+            assert torch.equal(compact.plus(x[:rows], residual[:rows]), full.plus(x[:rows], residual[:rows]))
+        torch.testing.assert_close(compact(x), torch.nn.functional.linear(x, values, b), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(not KERNEL_ROWS, reason="the small-row product kernel needs an AVX-512 CPU")

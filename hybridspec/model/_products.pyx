@@ -7,12 +7,10 @@ from libc.stdint cimport int64_t, uintptr_t
 
 
 cdef extern from "product_kernel.h" nogil:
-    int hs_small_product(const float *x, long x_stride, const float *w, int n, int k, const float *bias,
-                         const float *residual, float *y, long y_stride, int rows, int threads)
-    void hs_expert_products(const float *x, long x_stride, const float *w, const float *bias, int n, int k,
-                            const int64_t *experts, const int64_t *starts, const int64_t *counts, int segments,
-                            float *y, long y_stride, int threads)
+    int hs_small_product(const float *x, long x_stride, const void *w, int n, int k, const float *bias,
+                         const float *residual, float *y, long y_stride, int rows, int format, int threads)
     int HS_PRODUCT_MAX_ROWS
+    int HS_WEIGHT_F32, HS_WEIGHT_BF16, HS_WEIGHT_F16
     int hs_product_supported()
 
 cdef extern from "head_kernel.h" nogil:
@@ -38,8 +36,8 @@ cdef extern from "moe_kernel.h" nogil:
     int hs_expert_sums(const float *products, long stride, const int64_t *order, int tokens, int top_k, int dim,
                        const float *residual, float *out, int threads)
     int hs_moe_step(const float *x, long x_stride, int tokens, int top_k, const int64_t *chosen, const float *weights,
-                    int num_experts, const float *gate_up, const float *gate_up_bias, const float *down,
-                    const float *down_bias, int units, int hidden, int act, float alpha, float limit,
+                    int num_experts, const void *gate_up, const float *gate_up_bias, const void *down,
+                    const float *down_bias, int format, int units, int hidden, int act, float alpha, float limit,
                     const float *residual, float *out, int threads)
     int HS_EXPERT_SUM_MAX_K
     int HS_PANEL
@@ -51,6 +49,8 @@ cdef extern from "omp.h" nogil:
     int omp_pause_resource_all(omp_pause_resource_t kind)
 
 MAX_ROWS = HS_PRODUCT_MAX_ROWS
+# a weight's formats: float32, or values that are all bfloat16 / float16 ones kept in that format (`compact_weights`)
+WEIGHT_F32, WEIGHT_BF16, WEIGHT_F16 = HS_WEIGHT_F32, HS_WEIGHT_BF16, HS_WEIGHT_F16
 EXPERT_SUM_MAX_K = HS_EXPERT_SUM_MAX_K  # the most experts a token that `expert_sums` takes
 PANEL = HS_PANEL  # output columns of a packed panel (`grouped_products`)
 GATED_UNITS = HS_GATED_UNITS  # hidden units of a gated panel: its gate columns, then their up columns
@@ -71,11 +71,15 @@ def release_threads() -> bool:
 
 
 def small_product(uintptr_t x, long x_stride, uintptr_t w, int n, int k, uintptr_t bias, uintptr_t residual,
-                  uintptr_t y, long y_stride, int rows, int threads) -> None:
-    """y [rows, n] = x [rows, k] @ w [n, k].T (+ bias where nonzero) (+ residual [rows, n] where nonzero)."""
+                  uintptr_t y, long y_stride, int rows, int format, int threads) -> None:
+    """y [rows, n] = x [rows, k] @ w [n, k].T (+ bias where nonzero) (+ residual [rows, n] where nonzero), w in
+    `format` (WEIGHT_F32, WEIGHT_BF16, WEIGHT_F16)."""
+    cdef int done
     with nogil:
-        hs_small_product(<const float *>x, x_stride, <const float *>w, n, k, <const float *>bias,
-                         <const float *>residual, <float *>y, y_stride, rows, threads)
+        done = hs_small_product(<const float *>x, x_stride, <const void *>w, n, k, <const float *>bias,
+                                <const float *>residual, <float *>y, y_stride, rows, format, threads)
+    if not done:
+        raise ValueError(f"small_product: {rows} rows (1 to {HS_PRODUCT_MAX_ROWS}), weight format {format}")
 
 
 def int8_product(uintptr_t x, long x_stride, uintptr_t q, long q_stride, uintptr_t scales, int n, int k,
@@ -99,16 +103,6 @@ def head_recheck(uintptr_t x, long x_stride, uintptr_t w, int n, int k, uintptr_
         done = hs_head_recheck(<const float *>x, x_stride, <const float *>w, n, k, <const float *>bounds, slack,
                                <float *>y, y_stride, rows)
     return done
-
-
-def expert_products(uintptr_t x, long x_stride, uintptr_t w, uintptr_t bias, int n, int k, uintptr_t experts,
-                    uintptr_t starts, uintptr_t counts, int segments, uintptr_t y, long y_stride,
-                    int threads) -> None:
-    """Segment s: y rows [starts[s], + counts[s]) = the same rows of x @ (w [E, n, k])[experts[s]].T (+ its bias)."""
-    with nogil:
-        hs_expert_products(<const float *>x, x_stride, <const float *>w, <const float *>bias, n, k,
-                           <const int64_t *>experts, <const int64_t *>starts, <const int64_t *>counts, segments,
-                           <float *>y, y_stride, threads)
 
 
 def grouped_products(uintptr_t x, long x_stride, uintptr_t x_rows, uintptr_t panels, uintptr_t bias, int n, int k,
@@ -165,16 +159,16 @@ def expert_sums(uintptr_t products, long stride, uintptr_t order, int tokens, in
 
 def moe_step(uintptr_t x, long x_stride, int tokens, int top_k, uintptr_t chosen, uintptr_t weights,
              int num_experts, uintptr_t gate_up, uintptr_t gate_up_bias, uintptr_t down, uintptr_t down_bias,
-             int units, int hidden, int act, float alpha, float limit, uintptr_t residual, uintptr_t out,
+             int format, int units, int hidden, int act, float alpha, float limit, uintptr_t residual, uintptr_t out,
              int threads) -> None:
     """out [tokens, hidden] = residual (where nonzero) + each token's chosen experts' down(act(gate_up(x))) times
     their router weights (chosen [tokens, top_k] int64 in [0, num_experts), weights float32), summed in expert order
-    (`hs_moe_step`)."""
+    (`hs_moe_step`); gate_up and down in `format`."""
     cdef int done
     with nogil:
         done = hs_moe_step(<const float *>x, x_stride, tokens, top_k, <const int64_t *>chosen,
-                           <const float *>weights, num_experts, <const float *>gate_up, <const float *>gate_up_bias,
-                           <const float *>down, <const float *>down_bias, units, hidden, act, alpha, limit,
+                           <const float *>weights, num_experts, <const void *>gate_up, <const float *>gate_up_bias,
+                           <const void *>down, <const float *>down_bias, format, units, hidden, act, alpha, limit,
                            <const float *>residual, <float *>out, threads)
     if done != 0:
         raise MemoryError("moe_step: no memory for the pairs' rows")

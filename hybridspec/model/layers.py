@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hybridspec.model.attention import interleave_rotary_pairs
 from hybridspec.model.delta_net import GatedDeltaNet
-from hybridspec.model.linear import KERNEL_ROWS, Linear, _products
+from hybridspec.model.linear import KERNEL_ROWS, Linear, _products, compact_weights, weight_format
 
 # the most (token, expert) pairs a mixture of experts multiplies by the small-row kernel in one call for the layer
 # (a few tokens' steps, `step_expert_sums`); more (a prompt chunk) by the kernel on the experts' packed panels
@@ -128,6 +128,9 @@ class _MixtureOfExperts:
                                 self.kernel),
                          Linear(down[e], None if down_bias is None else down_bias[e], pack=pack and not self.kernel))
                         for e in range(gate_up.shape[0])]
+        if self.kernel:  # a step streams its chosen experts' weights: bfloat16 or float16 where that holds them
+            (compact_gate_up, compact_down), _ = compact_weights(gate_up, down)
+            self.stacked = (compact_gate_up, gate_up_bias, compact_down, down_bias)
         self.top_k = int(config.num_experts_per_tok)
         # Qwen3.5's shared expert, on every token, its output scaled by sigmoid(shared_gate(x))
         self.shared = self.shared_gate = None
@@ -288,9 +291,9 @@ def step_expert_sums(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tenso
     out = x.new_empty(x.shape[0], down.shape[1])
     _products.moe_step(x.data_ptr(), x.stride(0), x.shape[0], chosen.shape[1], chosen.data_ptr(), weights.data_ptr(),
                        gate_up.shape[0], gate_up.data_ptr(), 0 if gate_up_bias is None else gate_up_bias.data_ptr(),
-                       down.data_ptr(), 0 if down_bias is None else down_bias.data_ptr(), down.shape[2],
-                       down.shape[1], *activation, 0 if residual is None else residual.data_ptr(), out.data_ptr(),
-                       torch.get_num_threads())
+                       down.data_ptr(), 0 if down_bias is None else down_bias.data_ptr(), weight_format(down),
+                       down.shape[2], down.shape[1], *activation, 0 if residual is None else residual.data_ptr(),
+                       out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -1,6 +1,7 @@
 """Linear layers for small-batch inference on a CPU. A float32 product of up to eight rows runs this package's kernel
 (`product_kernel.h`: it streams the weight at the memory's speed, each output computed alone, so bitwise the same for
-any row count); any other runs the kernel and the row count that this machine multiplies fastest, measured once per
+any row count), the weight in bfloat16 or float16 where every value is one (`compact_weights`: half the bytes, the same
+bits); any other runs the kernel and the row count that this machine multiplies fastest, measured once per
 machine (`tune_products`): MKL's product on the plain weight or oneDNN's on a weight packed once, the input padded
 with zero rows where a few more rows run faster than n. `pack_linears` swaps them into any module (the drafters)."""
 from __future__ import annotations
@@ -20,6 +21,11 @@ except ImportError:  # pragma: no cover - a build without it: oneDNN's and MKL's
     _products = None
 # the most rows a float32 product runs by the kernel (a step's 1 + draft tokens; a longer prompt chunk runs oneDNN's)
 KERNEL_ROWS = _products.MAX_ROWS if _products is not None and _products.supported() else 0
+# the narrower formats the kernel streams a weight in, where they hold its every value
+COMPACT_FORMATS = ((torch.bfloat16, _products.WEIGHT_BF16), (torch.float16, _products.WEIGHT_F16)) \
+    if KERNEL_ROWS else ()
+WEIGHT_F32 = _products.WEIGHT_F32 if _products is not None else 0  # the kernel's name for a float32 weight
+EXACT_CHECK_ELEMENTS = 1 << 24  # values compared at a time by `compact_weights`: bounded memory
 
 PLANNED_ROWS = 8   # row counts a plan covers; more rows run oneDNN's product as they are
 MKL_ROWS = 4       # row counts MKL's product is timed at (it repacks the weight on every call above a few rows)
@@ -53,10 +59,30 @@ def untuned_routes(plain_max_rows: int = 3) -> tuple[Route, ...]:
     return ((True, 0),) + tuple((n <= plain_max_rows, n) for n in range(1, PLANNED_ROWS + 1))
 
 
+def compact_weights(*weights: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+    """Float32 weights in the narrowest format that holds every one of their values exactly, and the kernel's name for
+    that format: bfloat16, float16, or float32 as they are. A bfloat16 checkpoint (what Qwen3, Qwen3.5, gpt-oss and
+    Gemma publish) loaded into float32 has only bfloat16 values; widening them back in the kernel is exact, so its
+    products are the same bits from half the bytes."""
+    def holds(dtype: torch.dtype, weight: torch.Tensor) -> bool:
+        return all(torch.equal(part.to(dtype).float(), part) for part in weight.reshape(-1).split(EXACT_CHECK_ELEMENTS))
+
+    for dtype, name in COMPACT_FORMATS:
+        if all(holds(dtype, weight) for weight in weights):
+            return [weight.to(dtype) for weight in weights], name
+    return list(weights), WEIGHT_F32
+
+
+def weight_format(weight: torch.Tensor) -> int:
+    """The kernel's name for a weight's format (float32, or a `compact_weights` copy in bfloat16 or float16)."""
+    return next((name for dtype, name in COMPACT_FORMATS if weight.dtype == dtype), WEIGHT_F32)
+
+
 class Linear:
     """y = x @ weight.T (+ bias): float32 on a CPU with AVX-512, up to `kernel_rows` rows by the small-row kernel;
     otherwise the product of n rows by `routes[n]`: MKL's (F.linear on the plain weight) or oneDNN's (on the weight
-    packed once), on n rows or on n padded with zero rows to a count that runs faster.
+    packed once), on n rows or on n padded with zero rows to a count that runs faster. The kernel's weight (`weight`,
+    in `format`) is the float32 one or, where it holds every value, its bfloat16 or float16 copy (`compact_weights`).
 
     Why: verification multiplies a handful of rows (1 + k draft tokens) by every weight matrix, and a decode step is
     bound by reading those weights. Which kernel streams a weight fastest for a few rows depends on the CPU, and so does
@@ -64,11 +90,11 @@ class Linear:
     wins at every count and reads weights faster for four to six rows than for one or two (`python
     benchmarks/bench_verify_cost.py --products` times them and the kernel by row count), and the kernel streams it
     faster than either at every count to eight. `tune_products` measures the routes; until then they are
-    `untuned_routes()`. A float32 weight is kept in both layouts (the packed copy, as large as the weight, runs prompt
-    chunks); without oneDNN it is F.linear.
+    `untuned_routes()`. A float32 weight is kept in both layouts: the packed copy, as large as the weight, runs prompt
+    chunks, the plain one (in bfloat16 where it holds every value) a step's rows; without oneDNN it is F.linear.
     """
 
-    __slots__ = ("weight", "bias", "packed", "compute_dtype", "routes", "shape", "dtype", "kernel_rows")
+    __slots__ = ("weight", "bias", "packed", "compute_dtype", "routes", "shape", "dtype", "kernel_rows", "format")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  compute_dtype: torch.dtype | None = None):
@@ -85,21 +111,29 @@ class Linear:
         self.routes: tuple[Route, ...] = untuned_routes()
         # products of up to kernel_rows rows run by the kernel: a float32 weight on a CPU that has it
         self.kernel_rows = KERNEL_ROWS if weight.dtype == torch.float32 and weight.device.type == "cpu" else 0
+        self.format = WEIGHT_F32
         if self.kernel_rows:
             self.weight, self.bias = weight.contiguous(), None if bias is None else bias.contiguous()
+            if self.packed is not None:  # the plain weight streams through the kernel alone (more rows: the packed)
+                (self.weight,), self.format = compact_weights(self.weight)
 
     @property
     def family(self) -> str:
         """What a product's speed depends on besides the rows: the weight's shape and dtype, the kernels at hand."""
         return (f"{self.shape[0]}x{self.shape[1]} {str(self.dtype).removeprefix('torch.')} "
-                f"mkl={self.weight is not None} bias={self.bias is not None}")
+                f"mkl={self.multiplies_plain} bias={self.bias is not None}")
+
+    @property
+    def multiplies_plain(self) -> bool:
+        """Whether MKL's product can take the plain weight: it is there, in float32 (not a kernel's compact copy)."""
+        return self.weight is not None and self.format == WEIGHT_F32
 
     def _route(self, rows: int) -> Route:
         if self.packed is None:
             return True, rows
         if rows < len(self.routes):
             plain, padded = self.routes[rows]
-            return plain and self.weight is not None, padded
+            return plain and self.multiplies_plain, padded
         return False, rows
 
     def _product(self, x: torch.Tensor, plain: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,7 +156,7 @@ class Linear:
         _products.small_product(flat.data_ptr(), flat.stride(0), self.weight.data_ptr(), self.shape[0],
                                 self.shape[1], 0 if self.bias is None else self.bias.data_ptr(),
                                 0 if residual is None else residual.data_ptr(), out.data_ptr(), self.shape[0], rows,
-                                torch.get_num_threads())
+                                self.format, torch.get_num_threads())
         return out.view(*x.shape[:-1], self.shape[0])
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,7 +199,7 @@ def time_routes(linears: Sequence[Linear], repeats: int) -> dict[str, dict[Route
             for plain, m in routes:
                 sums: dict[str, float] = defaultdict(float)
                 for lin in linears:
-                    if plain and lin.weight is None:
+                    if plain and not lin.multiplies_plain:
                         continue
                     key = (lin.shape[1], m, lin.dtype)
                     if key not in inputs:

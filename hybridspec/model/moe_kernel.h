@@ -266,12 +266,12 @@ HS_PRODUCT_TARGET static int hs_expert_sums(const float *products, long stride, 
    times its router weight, then each token's sum in expert order plus the residual (`hs_expert_sums`). The kernels of
    the products one call at a time, in the same order, so the same bits; what it saves is a dozen small tensor
    operations a layer. chosen in [0, num_experts); gate_up [E, 2 units, hidden] (gate rows, then up rows) and down
-   [E, hidden, units], biases [E, ...] or NULL; residual [tokens, hidden] or NULL. Returns 0, or -1 where memory ran
-   out. */
+   [E, hidden, units], both in `format` (as `hs_small_product` takes a weight); biases [E, ...] or NULL; residual
+   [tokens, hidden] or NULL. Returns 0, or -1 where memory ran out. */
 HS_PRODUCT_TARGET static int hs_moe_step(const float *x, long x_stride, int tokens, int top_k, const int64_t *chosen,
-                                         const float *weights, int num_experts, const float *gate_up,
-                                         const float *gate_up_bias, const float *down, const float *down_bias,
-                                         int units, int hidden, int act, float alpha, float limit,
+                                         const float *weights, int num_experts, const void *gate_up,
+                                         const float *gate_up_bias, const void *down, const float *down_bias,
+                                         int format, int units, int hidden, int act, float alpha, float limit,
                                          const float *residual, float *out, int threads) {
     long pairs = (long)tokens * top_k;
     if (pairs < 1) return 0;
@@ -307,10 +307,10 @@ HS_PRODUCT_TARGET static int hs_moe_step(const float *x, long x_stride, int toke
     for (long p = 0; p < pairs; p++)
         memcpy(rows + p * hidden, x + (order[p] / top_k) * x_stride, sizeof(float) * hidden);
     hs_expert_products(rows, hidden, gate_up, gate_up_bias, 2 * units, hidden, experts, starts, counts, segments,
-                       gate_ups, 2 * units, threads);
+                       gate_ups, 2 * units, format, threads);
     hs_gated_rows(gate_ups, 2 * units, (int)pairs, units, act, alpha, limit, acts, threads);
     hs_expert_products(acts, units, down, down_bias, hidden, units, experts, starts, counts, segments, products,
-                       hidden, threads);
+                       hidden, format, threads);
     for (long p = 0; p < pairs; p++) {
         __m512 w = _mm512_set1_ps(weights[order[p]]);
         float *row = products + p * hidden;

@@ -12,8 +12,10 @@
   rejected suffix); for a tree the accepted nodes' keys and values are gathered into consecutive slots (compaction).
 - Hidden states that drafters read (inputs of layers 2, L//2 and L-3, and the final normed state) are returned on
   request, and a prompt's last `drafter_context` positions' as `drafter_features` (`hybridspec.model.inputs`).
-- A greedy step needs only each row's argmax: its output layer runs in bfloat16, with the tokens that could be the
-  maximum recomputed in float32 (`hybridspec.model.head`).
+- A greedy step needs only each row's argmax: its output layer runs on its weight rounded to int8, with the tokens
+  that could be the maximum recomputed in float32 (`hybridspec.model.head`).
+- A step's products stream a weight of bfloat16 values (a bfloat16 checkpoint loaded into float32) in bfloat16, the
+  same bits from half the bytes (`hybridspec.model.linear.compact_weights`).
 
 Why not `model(..., past_key_values=DynamicCache)`: a DynamicCache grows by `torch.cat` of every layer's keys and
 values at every step, and `crop` leaves strided views behind; measured here, transformers' own forward spent more time
