@@ -37,7 +37,7 @@ attention = Extension(
 products = Extension(
     "hybridspec.model._products",
     sources=["hybridspec/model/_products.pyx"],
-    depends=[f"hybridspec/model/{name}_kernel.h" for name in ("product", "head", "moe", "norm", "delta")],
+    depends=[f"hybridspec/model/{name}_kernel.h" for name in ("product", "head", "moe", "norm", "delta", "amx")],
     include_dirs=["hybridspec/model"],
     extra_compile_args=["-O3", "-fopenmp"],
     extra_link_args=["-fopenmp"],

@@ -87,9 +87,10 @@ def test_speculative_greedy_is_token_identical(arch, kind):
 @pytest.mark.parametrize("name", TINY_ARCHITECTURES)
 def test_bfloat16_valued_weights_stream_in_bfloat16_and_decode_as_transformers(name):
     """A float32 model whose weights are bfloat16 values (a bfloat16 checkpoint loaded into float32): the engine's
-    step products stream them in bfloat16 (the packed linear layers, the experts), and greedy decoding is still
-    transformers' `generate` on the float32 model, plain and under a noisy-oracle tree and suffix speculation."""
-    from hybridspec.model.linear import WEIGHT_F32
+    step products stream them in bfloat16 (the packed linear layers, the experts), its prompt chunks' products run on
+    AMX tiles where the CPU has them, and greedy decoding is still transformers' `generate` on the float32 model,
+    plain and under a noisy-oracle tree and suffix speculation."""
+    from hybridspec.model.linear import AMX, WEIGHT_F32
 
     model = tiny_causal_lm(name, window=WINDOW)
     with torch.no_grad():
@@ -97,8 +98,12 @@ def test_bfloat16_valued_weights_stream_in_bfloat16_and_decode_as_transformers(n
             param.copy_(param.to(torch.bfloat16))
     engine = Engine(small_ring(TargetModel(model)), tiny_tokenizer(128),
                     router=lambda proposals, contexts: list(proposals))
-    linears = [lin for lin in engine.target.linears() if lin.packed is not None]
+    linears = [lin for lin in engine.target.linears() if lin.packed is not None or lin.amx is not None]
     assert linears and all(lin.weight.dtype == torch.bfloat16 and lin.format != WEIGHT_F32 for lin in linears)
+    if AMX:  # prompt chunks on AMX tiles, every shape of 32s (the tiny MoEs' experts too)
+        assert all((lin.amx is not None) == (lin.shape[0] % 32 == lin.shape[1] % 32 == 0) for lin in linears)
+        assert any(lin.amx is not None for lin in linears)
+        assert all(layer.mlp.amx is not None for layer in engine.target.layers if hasattr(layer.mlp, "amx"))
     assert all(layer.mlp.stacked[0].dtype == layer.mlp.stacked[2].dtype == torch.bfloat16
                for layer in engine.target.layers if hasattr(layer.mlp, "stacked"))
     prompts = long_prompts(2, seed=11)
@@ -193,14 +198,23 @@ def test_moe_runs_only_the_chosen_experts(path, monkeypatch):
 
 
 @pytest.mark.skipif(not KERNEL_ROWS, reason="the product kernels need an AVX-512 CPU")
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
-def test_moe_kernel_products_are_the_expert_by_expert_ones(name, monkeypatch):
+@pytest.mark.parametrize("name,values", [("qwen3_moe", "float32"), ("gpt_oss", "float32"), ("qwen3_moe", "bfloat16"),
+                                         ("gpt_oss", "bfloat16")])
+def test_moe_kernel_products_are_the_expert_by_expert_ones(name, values, monkeypatch):
     """The chosen experts' products, by the small-row kernel in one call for the layer (a step's path) and by the
-    panel kernel (a prompt chunk's, the activation in it), equal each expert's own products in torch, also where an
-    expert has more rows than one kernel pass takes (more than eight of a few tokens' pairs chose it)."""
+    panel kernel (a prompt chunk's, the activation in it; experts of bfloat16 values: AMX tiles where the CPU has
+    them), equal each expert's own products in torch, also where an expert has more rows than one kernel pass takes
+    (more than eight of a few tokens' pairs chose it)."""
     from hybridspec.model import layers
+    from hybridspec.model.linear import AMX
 
-    moe = TargetModel(tiny_causal_lm(name)).layers[0].mlp
+    model = tiny_causal_lm(name)
+    if values == "bfloat16":
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(torch.bfloat16))
+    moe = TargetModel(model).layers[0].mlp
+    assert (moe.amx is not None) == (AMX and values == "bfloat16") and (moe.panels is None) == (moe.amx is not None)
     torch.manual_seed(0)
     x, residual = torch.randn(30, moe.stacked[0].shape[2]), torch.randn(30, moe.stacked[0].shape[2])
     chosen, grouped = [], []
@@ -215,7 +229,7 @@ def test_moe_kernel_products_are_the_expert_by_expert_ones(name, monkeypatch):
         moe.kernel = False
         apart = moe.plus(x, residual)
     assert chosen and max(chosen) > KERNEL_ROWS  # the kernel ran, one expert with more rows than a pass takes
-    assert len(grouped) == 2  # gate_up with its activation, then down
+    assert len(grouped) == (0 if moe.amx is not None else 2)  # gate_up with its activation, then down
     torch.testing.assert_close(small_rows, apart, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(panels, apart, atol=1e-5, rtol=1e-5)
 

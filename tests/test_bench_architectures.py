@@ -205,3 +205,10 @@ def test_profile_prefill_parts_add_up_to_the_prefill(tmp_path, monkeypatch, caps
     assert {"attention (cache writes and kernel)", "MoE routing", "products (qkv, router, head)"} <= set(got["parts"])
     assert TargetModel._attend is attend
     assert "| MoE routing |" in capsys.readouterr().out
+    # --decode: greedy steps after the prompt, their parts adding up to a step
+    assert profile_prefill.main(["--models", "tiny-moe", "--prompt", "40", "--repeats", "2", "--threads", "1",
+                                 "--decode", "3", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["models"]["tiny-moe"]
+    assert got["ms_per_token"] == got["ms"] and sum(got["parts"].values()) + got["remainder_ms"] == \
+        pytest.approx(got["ms"])
+    assert "MoE routing" in got["parts"] and "a decode step after 40 tokens" in capsys.readouterr().out

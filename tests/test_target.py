@@ -11,7 +11,7 @@ import torch
 from bench_verify_cost import measure_calls_step, measure_prefill
 from hybridspec.model.calibration import measure_verify_cost
 from hybridspec.model.kv_cache import KVCache, tree_depths_and_mask
-from hybridspec.model.linear import KERNEL_ROWS
+from hybridspec.model.linear import AMX, KERNEL_ROWS
 from hybridspec.speculators import default_aux_layer_ids
 from hybridspec.model.inputs import StepInput
 from hybridspec.model.target import TargetModel
@@ -382,6 +382,31 @@ def test_a_weight_of_bfloat16_or_float16_values_streams_compact_with_the_same_bi
             assert torch.equal(compact(x[:rows]), full(x[:rows])), (dtype, rows)
             assert torch.equal(compact.plus(x[:rows], residual[:rows]), full.plus(x[:rows], residual[:rows]))
         torch.testing.assert_close(compact(x), torch.nn.functional.linear(x, values, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not AMX, reason="AMX tiles: an Intel Xeon of the 4th generation or later")
+@pytest.mark.parametrize("shape", [(96, 64), (3072, 1024), (64, 2048)])
+def test_a_prompt_chunk_of_bfloat16_values_runs_on_amx_tiles_at_float32s_accuracy(shape):
+    """A weight of bfloat16 values (shapes of 32s) multiplies more rows than the kernel's on AMX tiles, in place of
+    oneDNN's float32 copy: each output within a few float32 roundings of the float64 product (relative to the sum of
+    the products' magnitudes: the input split into three bfloat16 pieces loses nothing), with a bias and `plus`'s
+    residual, every row bitwise the same whatever the row count; other shapes keep oneDNN's product."""
+    from hybridspec.model.linear import Linear
+
+    torch.manual_seed(shape[0])
+    w, b = torch.randn(shape).bfloat16().float(), torch.randn(shape[0])
+    lin = Linear(w, b)
+    assert lin.amx is not None and lin.packed is None
+    assert Linear(torch.randn(48, 40).bfloat16().float()).amx is None  # 40 is no multiple of 32
+    x, residual = torch.randn(100, shape[1]), torch.randn(100, shape[0])
+    exact = x.double() @ w.double().T + b.double()
+    scale = x.double().abs() @ w.double().abs().T + b.double().abs()
+    for rows in (9, 33, 100):
+        y = lin(x[:rows])
+        assert ((y.double() - exact[:rows]).abs() / scale[:rows]).max() < 4 * 2.0 ** -24
+        assert torch.equal(y, lin(x[:100])[:rows])
+        plus = lin.plus(x[:rows], residual[:rows])
+        assert torch.equal(plus, y + residual[:rows])  # the sum, then the residual, as the kernel adds them
 
 
 @pytest.mark.skipif(not KERNEL_ROWS, reason="the small-row product kernel needs an AVX-512 CPU")

@@ -25,6 +25,13 @@ cdef extern from "norm_kernel.h" nogil:
     void hs_norm_rotate(const float *x, long group_stride, const float *w, int period, float eps, const float *rope,
                         float *y, int rows, int dim, int threads)
 
+cdef extern from "amx_kernel.h" nogil:
+    int hs_amx_supported()
+    void hs_amx_pack(const float *w, int n, int k, unsigned short *p)
+    int hs_amx_product(const float *x, long x_stride, int m, const unsigned short *p, int n, int k, const float *bias,
+                       const float *residual, float *y, long y_stride, int threads)
+    int HS_AMX_ALIGN
+
 cdef extern from "moe_kernel.h" nogil:
     void hs_grouped_products(const float *x, long x_stride, const int64_t *x_rows, const float *panels,
                              const float *bias, int n, int k, const int64_t *experts, const int64_t *starts,
@@ -59,6 +66,32 @@ GATED_UNITS = HS_GATED_UNITS  # hidden units of a gated panel: its gate columns,
 def supported() -> bool:
     """Whether this CPU runs the kernel (AVX-512F)."""
     return bool(hs_product_supported())
+
+
+AMX_ALIGN = HS_AMX_ALIGN  # n and k of an AMX product: multiples of it
+
+
+def amx_supported() -> bool:
+    """Whether this CPU has AMX-BF16 and Linux lets this process use its tiles (`amx_product`)."""
+    return bool(hs_amx_supported())
+
+
+def amx_pack(uintptr_t w, int n, int k, uintptr_t p) -> None:
+    """w [n, k] float32 of bfloat16 values into p (n * k 16-bit values) as `amx_product` reads it."""
+    with nogil:
+        hs_amx_pack(<const float *>w, n, k, <unsigned short *>p)
+
+
+def amx_product(uintptr_t x, long x_stride, int m, uintptr_t p, int n, int k, uintptr_t bias, uintptr_t residual,
+                uintptr_t y, long y_stride, int threads) -> None:
+    """y [m, n] = x [m, k] @ w.T (+ bias where nonzero) (+ residual [m, n] where nonzero) in float32, w packed by
+    `amx_pack`, on AMX tiles (`hs_amx_product`: x as three bfloat16 pieces, float32 sums)."""
+    cdef int done
+    with nogil:
+        done = hs_amx_product(<const float *>x, x_stride, m, <const unsigned short *>p, n, k, <const float *>bias,
+                              <const float *>residual, <float *>y, y_stride, threads)
+    if done != 0:
+        raise ValueError(f"amx_product: n {n} and k {k} must be multiples of {HS_AMX_ALIGN} (or no memory)")
 
 
 def release_threads() -> bool:

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from hybridspec.model.attention import interleave_rotary_pairs
 from hybridspec.model.delta_net import GatedDeltaNet
-from hybridspec.model.linear import KERNEL_ROWS, Linear, _products, compact_weights, weight_format
+from hybridspec.model.linear import (KERNEL_ROWS, Linear, _products, amx_pack, amx_product, compact_weights,
+                                     weight_format)
 
 # the most (token, expert) pairs a mixture of experts multiplies by the small-row kernel in one call for the layer
 # (a few tokens' steps, `step_expert_sums`); more (a prompt chunk) by the kernel on the experts' packed panels
@@ -98,7 +99,7 @@ class _MixtureOfExperts:
     (alpha, limit) whose gate and up rows are interleaved in the checkpoint."""
 
     __slots__ = ("router", "experts", "top_k", "renormalise", "softmax_first", "clamp", "shared", "shared_gate",
-                 "stacked", "kernel", "panels", "gate_up_bias_panels")
+                 "stacked", "kernel", "panels", "gate_up_bias_panels", "amx")
 
     def __init__(self, block, config, pack: bool):
         experts = block.experts
@@ -128,9 +129,14 @@ class _MixtureOfExperts:
                                 self.kernel),
                          Linear(down[e], None if down_bias is None else down_bias[e], pack=pack and not self.kernel))
                         for e in range(gate_up.shape[0])]
+        self.amx = None
         if self.kernel:  # a step streams its chosen experts' weights: bfloat16 or float16 where that holds them
-            (compact_gate_up, compact_down), _ = compact_weights(gate_up, down)
+            (compact_gate_up, compact_down), name = compact_weights(gate_up, down)
             self.stacked = (compact_gate_up, gate_up_bias, compact_down, down_bias)
+            if name == _products.WEIGHT_BF16:  # prompt chunks on AMX tiles (where there are), in place of the panels
+                packed = [(amx_pack(g), amx_pack(d)) for g, d in zip(gate_up, down)]
+                if all(g is not None and d is not None for g, d in packed):
+                    self.amx, self.panels, self.gate_up_bias_panels = packed, None, None
         self.top_k = int(config.num_experts_per_tok)
         # Qwen3.5's shared expert, on every token, its output scaled by sigmoid(shared_gate(x))
         self.shared = self.shared_gate = None
@@ -211,6 +217,8 @@ class _MixtureOfExperts:
                        scales: torch.Tensor) -> torch.Tensor:
         """down(act(gate_up(x[rows]))) * scales, the pairs grouped by expert (`counts` a row each), by the panel
         kernel: one call for every chosen expert's gate_up and its activation, one for their down."""
+        if self.amx is not None:
+            return self._amx_chunk_experts(x, rows, counts, scales)
         experts = counts.nonzero().reshape(-1)
         counts = counts[experts]
         starts = torch.cumsum(counts, 0) - counts
@@ -219,6 +227,24 @@ class _MixtureOfExperts:
                                          experts, starts, counts, activation=self.kernel_activation)
         return grouped_expert_products(hidden, None, self.panels[1], down_bias, down.shape[1], experts, starts,
                                        counts, scales)
+
+
+    def _amx_chunk_experts(self, x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor,
+                           scales: torch.Tensor) -> torch.Tensor:
+        """`_chunk_experts` on AMX tiles (experts of bfloat16 values): each chosen expert's rows gathered, its gate_up
+        (and bias), the activation, its down (and bias), then every pair's row times its router weight."""
+        gate_up, gate_up_bias, down, down_bias = self.stacked
+        products, begin = x.new_empty(len(rows), down.shape[1]), 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                packed_gate_up, packed_down = self.amx[expert]
+                hidden = gated_activation(amx_product(x[rows[begin:begin + count]], packed_gate_up, gate_up.shape[1],
+                                                      None if gate_up_bias is None else gate_up_bias[expert]),
+                                          self.kernel_activation)
+                products[begin:begin + count] = amx_product(hidden, packed_down, down.shape[1],
+                                                            None if down_bias is None else down_bias[expert])
+                begin += count
+        return products.mul_(scales[:, None])
 
 
 # the panel kernel's activations of gated experts (`hs_grouped_products`)

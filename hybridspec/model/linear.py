@@ -25,6 +25,8 @@ KERNEL_ROWS = _products.MAX_ROWS if _products is not None and _products.supporte
 COMPACT_FORMATS = ((torch.bfloat16, _products.WEIGHT_BF16), (torch.float16, _products.WEIGHT_F16)) \
     if KERNEL_ROWS else ()
 WEIGHT_F32 = _products.WEIGHT_F32 if _products is not None else 0  # the kernel's name for a float32 weight
+# prompt chunks of a weight of bfloat16 values on AMX tiles (`amx_kernel.h`) where this CPU has them
+AMX = bool(KERNEL_ROWS) and _products.amx_supported()
 EXACT_CHECK_ELEMENTS = 1 << 24  # values compared at a time by `compact_weights`: bounded memory
 
 PLANNED_ROWS = 8   # row counts a plan covers; more rows run oneDNN's product as they are
@@ -73,6 +75,30 @@ def compact_weights(*weights: torch.Tensor) -> tuple[list[torch.Tensor], int]:
     return list(weights), WEIGHT_F32
 
 
+def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 weight [n, k] of bfloat16 values in AMX's tiles (`amx_product`), or None where this CPU has no AMX or
+    n or k is no multiple of AMX_ALIGN."""
+    n, k = weight.shape
+    if not AMX or n % _products.AMX_ALIGN or k % _products.AMX_ALIGN:
+        return None
+    weight = weight.contiguous()
+    packed = torch.empty(n * k, dtype=torch.int16)
+    _products.amx_pack(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def amx_product(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ w.T (+ bias) (+ residual [m, n]) in float32 on AMX tiles, w given by `amx_pack`."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    out = x.new_empty(x.shape[0], n)
+    _products.amx_product(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), n, x.shape[1],
+                          0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                          out.data_ptr(), n, torch.get_num_threads())
+    return out
+
+
 def weight_format(weight: torch.Tensor) -> int:
     """The kernel's name for a weight's format (float32, or a `compact_weights` copy in bfloat16 or float16)."""
     return next((name for dtype, name in COMPACT_FORMATS if weight.dtype == dtype), WEIGHT_F32)
@@ -94,7 +120,8 @@ class Linear:
     chunks, the plain one (in bfloat16 where it holds every value) a step's rows; without oneDNN it is F.linear.
     """
 
-    __slots__ = ("weight", "bias", "packed", "compute_dtype", "routes", "shape", "dtype", "kernel_rows", "format")
+    __slots__ = ("weight", "bias", "packed", "compute_dtype", "routes", "shape", "dtype", "kernel_rows", "format",
+                 "amx")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
                  compute_dtype: torch.dtype | None = None):
@@ -111,11 +138,14 @@ class Linear:
         self.routes: tuple[Route, ...] = untuned_routes()
         # products of up to kernel_rows rows run by the kernel: a float32 weight on a CPU that has it
         self.kernel_rows = KERNEL_ROWS if weight.dtype == torch.float32 and weight.device.type == "cpu" else 0
-        self.format = WEIGHT_F32
+        self.format, self.amx = WEIGHT_F32, None
         if self.kernel_rows:
             self.weight, self.bias = weight.contiguous(), None if bias is None else bias.contiguous()
             if self.packed is not None:  # the plain weight streams through the kernel alone (more rows: the packed)
                 (self.weight,), self.format = compact_weights(self.weight)
+            if self.format == _products.WEIGHT_BF16:  # more rows than the kernel's: AMX tiles, where there are
+                self.amx = amx_pack(weight)
+                self.packed = None if self.amx is not None else self.packed  # in place of oneDNN's float32 copy
 
     @property
     def family(self) -> str:
@@ -159,10 +189,17 @@ class Linear:
                                 self.format, torch.get_num_threads())
         return out.view(*x.shape[:-1], self.shape[0])
 
+    def _amx_product(self, x: torch.Tensor, rows: int, residual: torch.Tensor | None) -> torch.Tensor:
+        out = amx_product(x.reshape(rows, x.shape[-1]), self.amx, self.shape[0], self.bias,
+                          None if residual is None else residual.reshape(rows, self.shape[0]))
+        return out.view(*x.shape[:-1], self.shape[0])
+
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if 0 < rows <= self.kernel_rows and x.dtype == torch.float32:
             return self._kernel_product(x, rows, residual)
+        if self.amx is not None and x.dtype == torch.float32:
+            return self._amx_product(x, rows, residual) if rows else x.new_empty(*x.shape[:-1], self.shape[0])
         plain, padded = self._route(rows)
         flat = x.reshape(rows, x.shape[-1])
         flat_residual = None if residual is None else residual.reshape(rows, residual.shape[-1])
