@@ -47,6 +47,7 @@ def main() -> int:
     ours.stacked = (gate_up, gate_up_bias, down, down_bias)
     ours.panels = (layers.pack_panels(gate_up, gated=True), layers.pack_panels(down))
     ours.gate_up_bias_panels = None if gate_up_bias is None else layers.gated_order(gate_up_bias)
+    ours.amx = None  # the panel kernel, whatever this CPU has
 
     # vLLM's layout: w13 [E, 2I, H], gate then up for SiLU; gpt-oss's swigluoai wants them interleaved (gate, up, ...)
     units = gate_up.shape[1] // 2

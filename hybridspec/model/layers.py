@@ -216,7 +216,8 @@ class _MixtureOfExperts:
     def _chunk_experts(self, x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor,
                        scales: torch.Tensor) -> torch.Tensor:
         """down(act(gate_up(x[rows]))) * scales, the pairs grouped by expert (`counts` a row each), by the panel
-        kernel: one call for every chosen expert's gate_up and its activation, one for their down."""
+        kernel: one call for every chosen expert's gate_up and its activation, one for their down (experts of
+        bfloat16 values on a CPU with AMX: `_amx_chunk_experts`)."""
         if self.amx is not None:
             return self._amx_chunk_experts(x, rows, counts, scales)
         experts = counts.nonzero().reshape(-1)
@@ -227,7 +228,6 @@ class _MixtureOfExperts:
                                          experts, starts, counts, activation=self.kernel_activation)
         return grouped_expert_products(hidden, None, self.panels[1], down_bias, down.shape[1], experts, starts,
                                        counts, scales)
-
 
     def _amx_chunk_experts(self, x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor,
                            scales: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 any row count), the weight in bfloat16 or float16 where every value is one (`compact_weights`: half the bytes, the same
 bits); any other runs the kernel and the row count that this machine multiplies fastest, measured once per
 machine (`tune_products`): MKL's product on the plain weight or oneDNN's on a weight packed once, the input padded
-with zero rows where a few more rows run faster than n. `pack_linears` swaps them into any module (the drafters)."""
+with zero rows where a few more rows run faster than n; or, for a weight of bfloat16 values on a CPU with AMX, AMX's
+tiles (`amx_product`, float32's accuracy). `pack_linears` swaps them into any module (the drafters)."""
 from __future__ import annotations
 
 import functools
@@ -117,7 +118,9 @@ class Linear:
     benchmarks/bench_verify_cost.py --products` times them and the kernel by row count), and the kernel streams it
     faster than either at every count to eight. `tune_products` measures the routes; until then they are
     `untuned_routes()`. A float32 weight is kept in both layouts: the packed copy, as large as the weight, runs prompt
-    chunks, the plain one (in bfloat16 where it holds every value) a step's rows; without oneDNN it is F.linear.
+    chunks, the plain one (in bfloat16 where it holds every value) a step's rows; without oneDNN it is F.linear. A
+    weight of bfloat16 values on a CPU with AMX runs prompt chunks on AMX tiles instead (`amx`, in place of the packed
+    copy: `amx_product`).
     """
 
     __slots__ = ("weight", "bias", "packed", "compute_dtype", "routes", "shape", "dtype", "kernel_rows", "format",
