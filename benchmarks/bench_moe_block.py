@@ -1,9 +1,10 @@
 """One mixture-of-experts layer on a prompt chunk, the ways the engine can multiply its experts, in one process.
 
 The layer of `bench_architectures.py`'s Qwen3-MoE (64 experts of 384, 8 a token) and gpt-oss (32 experts of 1,024, 4
-a token, biases, clamped SwiGLU) shapes, random weights, a chunk of prompt tokens: `_MixtureOfExperts.plus` (router,
-experts, weighted sum) with the experts by the panel kernel (the engine's prompt path), by oneDNN's product expert
-by expert (its prompt path before the panel kernel), and by the small-row kernel on all pairs. The three take turns
+a token, biases, clamped SwiGLU) shapes, random weights of bfloat16 values (as published), a chunk of prompt tokens:
+`_MixtureOfExperts.plus` (router, experts, weighted sum) with the experts by the panel kernel (the engine's prompt
+path without AMX), on AMX tiles (its prompt path where the CPU has them: `amx_kernel.h`), by oneDNN's product expert
+by expert (its prompt path before the panel kernel), and by the small-row kernel on all pairs. The ways take turns
 round by round (this host's speed drifts between minutes); GFLOP/s counts the experts' products only. Every way's
 output is checked against the expert-by-expert one.
 
@@ -38,19 +39,26 @@ SHAPES = {  # name: (model class, its config)
 
 
 def moe_layers(model_class: str, config) -> dict[str, layers._MixtureOfExperts]:
-    """The layer's MoE block three ways: panel kernel, oneDNN expert by expert, small-row kernel on every pair."""
+    """The layer's MoE block each way: panel kernel, AMX tiles (where this CPU has them), oneDNN expert by expert,
+    small-row kernel on every pair."""
     model = getattr(transformers, model_class)(config)
     with torch.no_grad():
         for p in model.parameters():  # gpt-oss leaves its experts' weights uninitialised
-            p.normal_(0, 0.02)
+            p.copy_(p.normal_(0, 0.02).to(torch.bfloat16))
     block = model.model.layers[0].mlp
-    panels = layers._MixtureOfExperts(block, config, pack=True)
+    amx_pack, layers.amx_pack = layers.amx_pack, lambda weight: None
+    try:
+        panels = layers._MixtureOfExperts(block, config, pack=True)  # the panel kernel, AMX or not
+    finally:
+        layers.amx_pack = amx_pack
     kernel_rows, layers.KERNEL_ROWS = layers.KERNEL_ROWS, 0
     try:
         onednn = layers._MixtureOfExperts(block, config, pack=True)  # no kernels: oneDNN's packed experts
     finally:
         layers.KERNEL_ROWS = kernel_rows
-    return {"panel kernel": panels, "oneDNN expert by expert": onednn, "small-row kernel": panels}
+    ways = {"panel kernel": panels, "oneDNN expert by expert": onednn, "small-row kernel": panels}
+    amx = layers._MixtureOfExperts(block, config, pack=True)
+    return ways if amx.amx is None else {"AMX tiles": amx, **ways}
 
 
 def run(name: str, tokens: int, repeats: int, vllm: bool) -> dict:
@@ -84,6 +92,8 @@ def run(name: str, tokens: int, repeats: int, vllm: bool) -> dict:
     row = {"model": name, "tokens": tokens, "expert_gflop": flops / 1e9,
            "ms": ms, "expert_gflop_per_s": {way: flops / (t / 1e3) / 1e9 for way, t in ms.items()}}
     row["panel_speedup_vs_onednn"] = ms["oneDNN expert by expert"] / ms["panel kernel"]
+    if "AMX tiles" in ms:
+        row["amx_speedup_vs_panel"] = ms["panel kernel"] / ms["AMX tiles"]
     if vllm:
         row["vllm"] = vllm_turns(ways["panel kernel"], x, repeats)
     return row
@@ -132,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run(name, args.tokens, args.repeats, args.vllm) for name in models]
     print(f"\n{args.tokens}-token chunk, float32, {args.threads} threads; ms for the MoE block (experts' GFLOP/s)\n")
     ways = list(rows[0]["ms"])
-    print("| model | expert GFLOP | " + " | ".join(ways) + " | panel vs oneDNN |")
-    print("|---|---|" + "---|" * len(ways) + "---|")
+    amx = "AMX tiles" in ways
+    print("| model | expert GFLOP | " + " | ".join(ways) + " | panel vs oneDNN |" + (" AMX vs panel |" if amx else ""))
+    print("|---|---|" + "---|" * (len(ways) + 1 + amx))
     for row in rows:
         cells = [f"{row['ms'][w]:.1f} ({row['expert_gflop_per_s'][w]:.0f})" for w in ways]
         print(f"| {row['model']} | {row['expert_gflop']:.2f} | " + " | ".join(cells)
-              + f" | **{row['panel_speedup_vs_onednn']:.2f}x** |")
+              + f" | **{row['panel_speedup_vs_onednn']:.2f}x** |"
+              + (f" **{row['amx_speedup_vs_panel']:.2f}x** |" if amx else ""))
     if args.vllm:
         print("\nvLLM's fused-MoE kernel against the panel kernel, in turns in one process (experts and their sum,"
               " ms)\n")

@@ -11,7 +11,7 @@ import torch
 
 import bench_architectures
 from common import PEERS_PYTHON, VLLM_PYTHON
-from hybridspec.model.linear import KERNEL_ROWS
+from hybridspec.model.linear import AMX, KERNEL_ROWS
 
 TINY = {
     "tiny-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
@@ -160,6 +160,16 @@ def test_bench_moe_block_times_the_three_ways_on_tiny_shapes(tmp_path, monkeypat
         assert row["panel_speedup_vs_onednn"] == pytest.approx(
             row["ms"]["oneDNN expert by expert"] / row["ms"]["panel kernel"])
     assert "| tiny-oss |" in capsys.readouterr().out
+    assert all("AMX tiles" not in r["ms"] for r in rows)  # experts of 40 units: no multiple of 32
+    # experts of 64 units: the AMX tiles' way too, where this CPU has them
+    monkeypatch.setattr(bench_moe_block, "SHAPES", tiny_moe_blocks(intermediate=64))
+    assert bench_moe_block.main(["--models", "tiny-moe", "--tokens", "48", "--repeats", "1", "--threads", "1",
+                                 "--no-vllm", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert ("AMX tiles" in row["ms"]) == AMX
+    if AMX:
+        assert row["amx_speedup_vs_panel"] == pytest.approx(row["ms"]["panel kernel"] / row["ms"]["AMX tiles"])
+        assert "AMX vs panel" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_moe_block.main(["--models", "nope"])
 
